@@ -1,0 +1,248 @@
+"""The hooked building blocks: RMSNorm, attention (GQA, rotate-half RoPE, masks, SDPA fast path),
+gated SiLU MLP, and the pre-norm block.
+
+Weights are stored fused in the layout the matmuls want (one GEMM for q/k/v, one for gate/up), and
+the TransformerLens per-head views (`W_Q [head, d_model, d_head]`, …) are exposed as properties that
+*view* those parameters, so writing into `W_Q` edits the model, as in TL.
+"""
+
+from __future__ import annotations
+
+import math
+
+import einops
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from mdm_lens.config import MDMConfig
+
+
+class RMSNorm(nn.Module):
+    """`w * x / sqrt(mean(x²) + eps)`, normalised in fp32 and cast back (HF Llama order)."""
+
+    def __init__(self, cfg: MDMConfig):
+        super().__init__()
+        self.eps = cfg.norm_eps
+        self.w = nn.Parameter(torch.ones(cfg.d_model, dtype=cfg.dtype))
+        self.hook_scale = HookPoint()  # [batch, pos, 1]
+        self.hook_normalized = HookPoint()  # [batch, pos, d_model], before the weight (TL convention)
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        x32 = x.float()
+        scale = self.hook_scale((x32.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        normalized = self.hook_normalized((x32 / scale).to(x.dtype))
+        return normalized * self.w
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_cos_sin(positions: Int[Tensor, "batch pos"], d_head: int, theta: float
+                   ) -> tuple[Float[Tensor, "batch pos 1 d_head"], Float[Tensor, "batch pos 1 d_head"]]:
+    """fp32 cos/sin tables for NeoX-style rotary embeddings, shaped to broadcast over heads."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, device=positions.device, dtype=torch.float32) / d_head))
+    freqs = positions.float()[..., None] * inv_freq  # [batch, pos, d_head/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Tensor, full_precision: bool) -> Tensor:
+    if full_precision:
+        x32 = x.float()
+        return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotary embeddings.
+
+    Two numerically equivalent paths: SDPA (fast, used when nothing hooks the scores or the pattern)
+    and the explicit path that materialises `hook_attn_scores` and `hook_pattern`.
+    """
+
+    def __init__(self, cfg: MDMConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, g, e, d = cfg.n_heads, cfg.n_key_value_heads, cfg.d_head, cfg.d_model
+        self.n_heads, self.n_kv_heads, self.d_head = h, g, e
+        self.repeat_kv_heads = h // g
+        self.qkv_weight = nn.Parameter(torch.empty((h + 2 * g) * e, d, dtype=cfg.dtype))
+        self.qkv_bias = nn.Parameter(torch.zeros((h + 2 * g) * e, dtype=cfg.dtype)) if cfg.qkv_bias else None
+        self.o_weight = nn.Parameter(torch.empty(d, h * e, dtype=cfg.dtype))
+        self.force_explicit = False  # set True to always take the explicit path (tests, benchmarks)
+        for name in ("hook_q", "hook_k", "hook_v", "hook_rot_q", "hook_rot_k", "hook_attn_scores",
+                     "hook_pattern", "hook_z", "hook_result"):
+            setattr(self, name, HookPoint())
+
+    # --- TransformerLens weight views ---------------------------------------------------------------
+    def _split(self, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        h, g, e = self.n_heads, self.n_kv_heads, self.d_head
+        return t.split([h * e, g * e, g * e], dim=0)
+
+    @property
+    def W_Q(self) -> Float[Tensor, "head d_model d_head"]:
+        return einops.rearrange(self._split(self.qkv_weight)[0], "(h e) d -> h d e", h=self.n_heads)
+
+    @property
+    def _W_K(self) -> Float[Tensor, "kv_head d_model d_head"]:
+        return einops.rearrange(self._split(self.qkv_weight)[1], "(g e) d -> g d e", g=self.n_kv_heads)
+
+    @property
+    def _W_V(self) -> Float[Tensor, "kv_head d_model d_head"]:
+        return einops.rearrange(self._split(self.qkv_weight)[2], "(g e) d -> g d e", g=self.n_kv_heads)
+
+    @property
+    def W_K(self) -> Float[Tensor, "head d_model d_head"]:
+        return self._W_K.repeat_interleave(self.repeat_kv_heads, dim=0)
+
+    @property
+    def W_V(self) -> Float[Tensor, "head d_model d_head"]:
+        return self._W_V.repeat_interleave(self.repeat_kv_heads, dim=0)
+
+    @property
+    def W_O(self) -> Float[Tensor, "head d_head d_model"]:
+        return einops.rearrange(self.o_weight, "d (h e) -> h e d", h=self.n_heads)
+
+    def _bias(self, i: int, heads: int) -> Tensor:
+        if self.qkv_bias is None:
+            return torch.zeros(heads, self.d_head, dtype=self.o_weight.dtype, device=self.o_weight.device)
+        return self._split(self.qkv_bias)[i].view(heads, self.d_head)
+
+    @property
+    def b_Q(self) -> Float[Tensor, "head d_head"]:
+        return self._bias(0, self.n_heads)
+
+    @property
+    def _b_K(self) -> Tensor:
+        return self._bias(1, self.n_kv_heads)
+
+    @property
+    def _b_V(self) -> Tensor:
+        return self._bias(2, self.n_kv_heads)
+
+    @property
+    def b_K(self) -> Float[Tensor, "head d_head"]:
+        return self._b_K.repeat_interleave(self.repeat_kv_heads, dim=0)
+
+    @property
+    def b_V(self) -> Float[Tensor, "head d_head"]:
+        return self._b_V.repeat_interleave(self.repeat_kv_heads, dim=0)
+
+    @property
+    def b_O(self) -> Float[Tensor, "d_model"]:
+        return torch.zeros(self.cfg.d_model, dtype=self.o_weight.dtype, device=self.o_weight.device)
+
+    # --- forward ------------------------------------------------------------------------------------
+    def needs_explicit(self) -> bool:
+        return self.force_explicit or self.hook_attn_scores.has_hooks() or self.hook_pattern.has_hooks()
+
+    def forward(
+        self,
+        x: Float[Tensor, "batch pos d_model"],
+        cos: Tensor,
+        sin: Tensor,
+        mask: Bool[Tensor, "batch 1 query key"] | None,
+        is_causal: bool,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        b, p, _ = x.shape
+        h, g, e = self.n_heads, self.n_kv_heads, self.d_head
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([h * e, g * e, g * e], dim=-1)
+        q = self.hook_q(q.view(b, p, h, e))
+        k = self.hook_k(k.view(b, p, g, e))
+        v = self.hook_v(v.view(b, p, g, e))
+        full = self.cfg.rope_full_precision
+        q = self.hook_rot_q(apply_rotary(q, cos, sin, full))
+        k = self.hook_rot_k(apply_rotary(k, cos, sin, full))
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [batch, head, pos, d_head]
+        if self.needs_explicit():
+            z = self._explicit(qh, kh, vh, mask, is_causal)
+        else:
+            z = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal and mask is None,
+                                               enable_gqa=g != h)
+        z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head, d_head]
+        if self.cfg.use_attn_result:  # TL: per-head results only when asked (memory: batch·pos·head·d_model)
+            result = self.hook_result(torch.einsum("bphe,hed->bphd", z, self.W_O))
+            return result.sum(dim=2)
+        return F.linear(z.reshape(b, p, h * e), self.o_weight)
+
+    def _explicit(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+        if self.repeat_kv_heads > 1:
+            k = k.repeat_interleave(self.repeat_kv_heads, dim=1)
+            v = v.repeat_interleave(self.repeat_kv_heads, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.d_head)
+        if is_causal and mask is None:
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        scores = self.hook_attn_scores(scores)  # [batch, head, query, key]
+        pattern = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        # A fully-masked query row (pad rows under Dream's pair mask) is NaN; it must not leak.
+        pattern = torch.nan_to_num(pattern, nan=0.0).to(q.dtype)
+        pattern = self.hook_pattern(pattern)
+        return torch.matmul(pattern, v)
+
+
+class GatedMLP(nn.Module):
+    """`W_out(silu(W_gate x) * W_in x)`; TL hook names: hook_pre (gate), hook_pre_linear (up), hook_post."""
+
+    def __init__(self, cfg: MDMConfig):
+        super().__init__()
+        self.d_mlp = cfg.d_mlp
+        self.gate_up_weight = nn.Parameter(torch.empty(2 * cfg.d_mlp, cfg.d_model, dtype=cfg.dtype))
+        self.down_weight = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp, dtype=cfg.dtype))
+        self.hook_pre = HookPoint()
+        self.hook_pre_linear = HookPoint()
+        self.hook_post = HookPoint()
+
+    @property
+    def W_gate(self) -> Float[Tensor, "d_model d_mlp"]:
+        return self.gate_up_weight[: self.d_mlp].T
+
+    @property
+    def W_in(self) -> Float[Tensor, "d_model d_mlp"]:
+        return self.gate_up_weight[self.d_mlp:].T
+
+    @property
+    def W_out(self) -> Float[Tensor, "d_mlp d_model"]:
+        return self.down_weight.T
+
+    @property
+    def b_in(self) -> Tensor:
+        return torch.zeros(self.d_mlp, dtype=self.down_weight.dtype, device=self.down_weight.device)
+
+    @property
+    def b_out(self) -> Tensor:
+        return torch.zeros(self.down_weight.shape[0], dtype=self.down_weight.dtype, device=self.down_weight.device)
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        post = self.hook_post(F.silu(self.hook_pre(gate)) * self.hook_pre_linear(up))
+        return F.linear(post, self.down_weight)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with TransformerLens' residual hook points."""
+
+    def __init__(self, cfg: MDMConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.ln1 = RMSNorm(cfg)
+        self.attn = Attention(cfg)
+        self.ln2 = RMSNorm(cfg)
+        self.mlp = GatedMLP(cfg)
+        for name in ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post"):
+            setattr(self, name, HookPoint())
+
+    def forward(self, resid: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+        resid = self.hook_resid_pre(resid)
+        attn_out = self.hook_attn_out(self.attn(self.ln1(resid), cos, sin, mask, is_causal))
+        resid = self.hook_resid_mid(resid + attn_out)
+        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid)))
+        return self.hook_resid_post(resid + mlp_out)

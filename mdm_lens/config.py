@@ -1,0 +1,127 @@
+"""`MDMConfig`: the one description of a model that every part of mdm_lens reads.
+
+Field names follow TransformerLens' `HookedTransformerConfig` where the concept exists there
+(`d_model`, `n_layers`, `n_heads`, `d_head`, `d_mlp`, `d_vocab`, `n_ctx`), so TL utilities that read
+`model.cfg` work unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from mdm_lens.errors import ConfigError
+
+AttentionKind = Literal["bidirectional", "causal"]
+PositionPolicy = Literal["arange", "cumsum"]
+
+
+@dataclass
+class MDMConfig:
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_mlp: int
+    d_vocab: int
+    n_kv_heads: int | None = None  # None = multi-head attention (n_kv_heads == n_heads)
+    d_head: int | None = None  # None = d_model // n_heads
+    n_ctx: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    attention: AttentionKind = "bidirectional"
+    # Dream keeps its AR initialisation's alignment: hidden state i-1 predicts token i.
+    logit_shift: bool = False
+    # LLaDA rotates q/k in fp32 and casts back; HF Llama/Qwen2 cast cos/sin to the activation dtype.
+    # Identical in fp32, ~1e-2 apart in bf16, so we follow each family's own choice.
+    rope_full_precision: bool = False
+    # Positions under left padding: LLaDA uses raw 0..T-1, Dream the cumulative count of real tokens.
+    position_policy: PositionPolicy = "arange"
+    # Padded batches: LLaDA/HF hide pad *keys* only ("key"); Dream's sampler masks pad rows too ("pair").
+    padding_mask: Literal["key", "pair"] = "key"
+    mask_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    tie_word_embeddings: bool = False
+    family: str = "custom"  # llada | dream | llama | qwen2 | mdm_lens | custom
+    model_name: str = "custom"
+    use_attn_result: bool = False  # TL's opt-in per-head `hook_result` [batch, pos, head, d_model]
+    dtype: torch.dtype = torch.float32
+    device: str | torch.device = "cpu"
+    extra: dict[str, Any] = field(default_factory=dict)  # family-specific facts (special tokens, eot id…)
+
+    # TransformerLens compatibility constants: these models are pre-RMSNorm, rotary, never attn-only.
+    normalization_type: str = "RMS"
+    positional_embedding_type: str = "rotary"
+    attn_only: bool = False
+    act_fn: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.d_head is None:
+            if self.d_model % self.n_heads:
+                raise ConfigError(
+                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                    "pass d_head explicitly."
+                )
+            self.d_head = self.d_model // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
+                "(grouped-query attention shares each key/value head among n_heads/n_kv_heads queries)."
+            )
+        if self.attention not in ("bidirectional", "causal"):
+            raise ConfigError(f"attention must be 'bidirectional' or 'causal', got {self.attention!r}.")
+        if self.position_policy not in ("arange", "cumsum"):
+            raise ConfigError(f"position_policy must be 'arange' or 'cumsum', got {self.position_policy!r}.")
+        if self.padding_mask not in ("key", "pair"):
+            raise ConfigError(f"padding_mask must be 'key' or 'pair', got {self.padding_mask!r}.")
+        if self.d_head % 2:
+            raise ConfigError(f"rotary embeddings need an even d_head, got {self.d_head}.")
+        if isinstance(self.dtype, str):
+            self.dtype = getattr(torch, self.dtype)
+
+    # --- TransformerLens aliases -------------------------------------------------------------------
+    @property
+    def n_key_value_heads(self) -> int:
+        return int(self.n_kv_heads)  # type: ignore[arg-type]
+
+    @property
+    def is_mdm(self) -> bool:
+        return self.attention == "bidirectional"
+
+    @property
+    def n_params(self) -> int:
+        d, L, h, g, e, f, v = (self.d_model, self.n_layers, self.n_heads, self.n_key_value_heads,
+                               self.d_head, self.d_mlp, self.d_vocab)
+        per_layer = d * e * (h + 2 * g) + h * e * d + 3 * d * f + 2 * d
+        return L * per_layer + d + v * d * (1 if self.tie_word_embeddings else 2)
+
+    # --- (de)serialisation for our own checkpoint format ------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f_ in dataclasses.fields(self):
+            value = getattr(self, f_.name)
+            if f_.name == "dtype":
+                value = str(value).removeprefix("torch.")
+            elif f_.name == "device":
+                continue
+            out[f_.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MDMConfig":
+        known = {f_.name for f_ in dataclasses.fields(cls)}
+        unknown = set(data) - known - {"model_type"}
+        if unknown:
+            raise ConfigError(f"unknown MDMConfig fields {sorted(unknown)}; known: {sorted(known)}.")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def to_json(self) -> str:
+        return json.dumps({"model_type": "mdm_lens", **self.to_dict()}, indent=2)

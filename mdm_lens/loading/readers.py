@@ -1,0 +1,85 @@
+"""Read checkpoint tensors lazily, one at a time, from safetensors (single or sharded) or from
+PyTorch `.bin` files with `torch.load(weights_only=True)` — never anything that executes code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mdm_lens.errors import CheckpointError, CheckpointNotFoundError
+
+_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_SINGLES = ("model.safetensors", "pytorch_model.bin")
+
+
+class CheckpointReader:
+    """`keys()`, `shape(key)` and `get(key)` over every weight file of a checkpoint folder."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.files = self._weight_files()
+        self._where: dict[str, Path] = {}
+        self._bins: dict[Path, dict[str, torch.Tensor]] = {}
+        for f in self.files:
+            for k in self._file_keys(f):
+                self._where[k] = f
+
+    def _weight_files(self) -> list[Path]:
+        for index in _INDEXES:
+            p = self.folder / index
+            if p.exists():
+                try:
+                    weight_map = json.loads(p.read_text())["weight_map"]
+                except (json.JSONDecodeError, KeyError) as e:
+                    raise CheckpointError(f"{p} is not a valid shard index ({e}); re-download the checkpoint.") from e
+                files = sorted({self.folder / f for f in weight_map.values()})
+                missing = [f.name for f in files if not f.exists()]
+                if missing:
+                    raise CheckpointError(f"{p.name} lists shards that are absent from {self.folder}: {missing}. "
+                                          "The download is incomplete; fetch the missing shards.")
+                return files
+        for single in _SINGLES:
+            if (self.folder / single).exists():
+                return [self.folder / single]
+        found = sorted(set(self.folder.glob("*.safetensors")))
+        if found:
+            return found
+        raise CheckpointNotFoundError(
+            f"no weights in {self.folder}: expected model.safetensors, a sharded model.safetensors.index.json, or "
+            "pytorch_model.bin. Download the weight files too, e.g. `hf download <repo> --include '*.safetensors' '*.json'`."
+        )
+
+    def _file_keys(self, f: Path) -> list[str]:
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                return list(h.keys())
+        return list(self._bin(f).keys())
+
+    def _bin(self, f: Path) -> dict[str, torch.Tensor]:
+        if f not in self._bins:
+            try:
+                self._bins[f] = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # an unpickler refusal is exactly what weights_only is for
+                raise CheckpointError(f"{f} could not be read with torch.load(weights_only=True): {e}. "
+                                      "Convert it to safetensors; mdm_lens never unpickles arbitrary objects.") from e
+        return self._bins[f]
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        f = self._where[key]
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                return tuple(h.get_slice(key).get_shape())
+        return tuple(self._bin(f)[key].shape)
+
+    def get(self, key: str) -> torch.Tensor:
+        f = self._where[key]
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                return h.get_tensor(key)
+        return self._bin(f)[key]

@@ -1,0 +1,1 @@
+"""Tiny model zoo: synthetic knowledge-QA data (``data``) and its tokenizer (``tokenizer``)."""

@@ -1,0 +1,14 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
