@@ -4,7 +4,11 @@ from mdm_lens.config import MDMConfig
 from mdm_lens.errors import (CheckpointError, CheckpointNotFoundError, ConfigError, HookNameError, InputError,
                              MDMLensError, MemoryBudgetError, SamplerConfigError, UnknownModelError)
 from mdm_lens.model import HookedMDM
+from mdm_lens.diffusion import DenoisingState, GenerateOutput, Trajectory
+from mdm_lens.hooks import (KeyValueNorms, ReceivedAttention, TopKKeys, TrajectoryCache, at_steps,
+                            received_attention, steps)
 
-__all__ = ["HookedMDM", "MDMConfig", "MDMLensError", "ConfigError", "CheckpointError", "CheckpointNotFoundError",
+__all__ = ["HookedMDM", "MDMConfig", "DenoisingState", "GenerateOutput", "Trajectory", "KeyValueNorms",
+           "ReceivedAttention", "TopKKeys", "TrajectoryCache", "at_steps", "received_attention", "steps", "MDMLensError", "ConfigError", "CheckpointError", "CheckpointNotFoundError",
            "UnknownModelError", "HookNameError", "InputError", "SamplerConfigError", "MemoryBudgetError"]
 __version__ = "0.1.0"

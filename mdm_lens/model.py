@@ -222,6 +222,12 @@ class HookedMDM(HookedRootModule):
             return raw, aligned
         raise InputError(f"return_type must be 'logits', 'aligned', 'both' or None, got {return_type!r}.")
 
+    def generate(self, prompt: Any, **kwargs: Any) -> Any:
+        """Run the real sampler step by step (LLaDA, Dream or autoregressive); see `mdm_lens.diffusion.generate`."""
+        from mdm_lens.diffusion.generate import generate
+
+        return generate(self, prompt, **kwargs)
+
     def aligned_logits(self, raw: Tensor) -> Tensor:
         return shift_logits(raw) if self.cfg.logit_shift else raw
 

@@ -1,0 +1,50 @@
+"""Autoregressive decoding for the ARM twins through the same observable loop: step s is one
+forward pass over the prefix of length `prompt + s`, whose last position emits token `prompt + s`.
+No KV cache: every step's hooks see the whole prefix, exactly like a denoising step sees its canvas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mdm_lens.diffusion.dream import sample_tokens
+from mdm_lens.diffusion.output import TrajectoryRecorder
+from mdm_lens.diffusion.state import DenoisingState
+
+
+def arm_sample(runner: Any, prompt: Tensor, attention_mask: Tensor, *, gen_length: int, temperature: float = 0.0,
+               top_p: float | None = None, top_k: int | None = None, eos_id: int | None = None,
+               stop_at_eos: bool = False, generator: torch.Generator | None = None,
+               progress: Any = None) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
+    batch, prompt_length = prompt.shape
+    total = prompt_length + gen_length
+    recorder = TrajectoryRecorder(batch, total, prompt_length, prompt.device)
+    x, am = prompt, attention_mask
+    done = torch.zeros(batch, dtype=torch.bool, device=prompt.device)
+    for s in range(gen_length):
+        pos = x.shape[1]
+        prompt_index = torch.zeros_like(x, dtype=torch.bool)
+        prompt_index[:, :prompt_length] = True
+        state = DenoisingState(s, gen_length, 0, 1, x.clone(), torch.zeros_like(prompt_index), prompt_index,
+                               am.bool(), query_position=torch.full((batch,), pos - 1, device=x.device))
+        logits = runner.forward(state, x, attention_mask=am)[:, -1]
+        conf, token = sample_tokens(logits, temperature, top_p, top_k, generator=generator)
+        if stop_at_eos and eos_id is not None:
+            token = torch.where(done, torch.full_like(token, eos_id), token)
+            done |= token == eos_id
+        committed = torch.zeros(batch, pos + 1, dtype=torch.bool, device=x.device)
+        committed[:, pos] = True
+        confidence = torch.full((batch, pos + 1), float("-inf"), device=x.device)
+        confidence[:, pos] = conf.float()
+        state.confidence, state.committed = confidence, committed
+        runner.end_step(state)
+        x = torch.cat([x, token[:, None]], dim=1)
+        am = torch.cat([am, torch.ones_like(am[:, :1])], dim=1)
+        recorder.record(s, 0, torch.cat([state.x, torch.full_like(token[:, None], -1)], dim=1), committed, confidence)
+        if progress is not None:
+            progress.update(1)
+        if stop_at_eos and bool(done.all()):
+            break
+    return x, am, recorder

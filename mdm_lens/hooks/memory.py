@@ -1,0 +1,67 @@
+"""Shape and byte estimates for hook activations, so a cache is refused *before* the run when it
+would not fit, with the reducer to use instead."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from mdm_lens.config import MDMConfig
+from mdm_lens.errors import MemoryBudgetError
+
+DEFAULT_BUDGET = int(float(os.environ.get("MDM_LENS_CACHE_BUDGET_GB", "4")) * 2**30)
+
+_SUFFIX_SHAPES = {
+    "hook_embed": "bpd", "hook_resid_pre": "bpd", "hook_resid_mid": "bpd", "hook_resid_post": "bpd",
+    "hook_attn_out": "bpd", "hook_mlp_out": "bpd", "hook_scale": "bp1", "hook_normalized": "bpd",
+    "attn.hook_q": "bphe", "attn.hook_rot_q": "bphe", "attn.hook_k": "bpge", "attn.hook_rot_k": "bpge",
+    "attn.hook_v": "bpge", "attn.hook_z": "bphe", "attn.hook_result": "bphd",
+    "attn.hook_attn_scores": "bhpp", "attn.hook_pattern": "bhpp",
+    "mlp.hook_pre": "bpf", "mlp.hook_pre_linear": "bpf", "mlp.hook_post": "bpf",
+}
+
+ALTERNATIVES = {
+    "bhpp": "record a reducer instead, e.g. `record=[ReceivedAttention()]` ([step, batch, layer, head, key]) or "
+            "`TopKKeys(k=4)`; or cache fewer layers/steps",
+}
+
+
+def hook_shape(cfg: MDMConfig, name: str, batch: int, pos: int) -> tuple[int, ...]:
+    for suffix, letters in sorted(_SUFFIX_SHAPES.items(), key=lambda kv: -len(kv[0])):
+        if name.endswith(suffix):
+            dims = {"b": batch, "p": pos, "d": cfg.d_model, "h": cfg.n_heads, "g": cfg.n_key_value_heads,
+                    "e": cfg.d_head, "f": cfg.d_mlp, "1": 1}
+            return tuple(dims[c] for c in letters)
+    raise KeyError(name)
+
+
+def estimate_bytes(cfg: MDMConfig, names: list[str], n_steps: int, batch: int, pos: int, dtype_bytes: int) -> int:
+    total = 0
+    for name in names:
+        n = 1
+        for d in hook_shape(cfg, name, batch, pos):
+            n *= d
+        total += n * dtype_bytes
+    return total * n_steps
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def check_budget(cfg: MDMConfig, names: list[str], n_steps: int, batch: int, pos: int, dtype_bytes: int,
+                 budget: int) -> int:
+    need = estimate_bytes(cfg, names, n_steps, batch, pos, dtype_bytes)
+    if need > budget:
+        quadratic = [n for n in names if re.search(r"hook_(pattern|attn_scores)$", n)]
+        hint = ALTERNATIVES["bhpp"] if quadratic else "cache fewer names or steps"
+        raise MemoryBudgetError(
+            f"the trajectory cache would need {human(need)} ({len(names)} hook(s) × {n_steps} step(s), batch {batch}, "
+            f"{pos} positions) but the budget is {human(budget)}. {hint[0].upper() + hint[1:]}. Raise the budget with "
+            "`TrajectoryCache(..., budget_bytes=…)` or MDM_LENS_CACHE_BUDGET_GB if you really have the memory."
+        )
+    return need

@@ -1,0 +1,28 @@
+"""Hook-name filters as in TransformerLens (a name, a list, a predicate), plus shell globs."""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+from mdm_lens.errors import HookNameError
+
+
+def expand_names(model: Any, names: Any) -> list[str]:
+    """Concrete hook names for a name / glob / list / predicate; a filter that matches nothing is an error."""
+    all_names = list(model.hook_dict)
+    if callable(names):
+        out = [n for n in all_names if names(n)]
+    elif isinstance(names, str):
+        if any(c in names for c in "*?["):
+            out = fnmatch.filter(all_names, names)
+        else:
+            model.check_hook_name(names)
+            out = [names]
+    else:
+        out = []
+        for n in names:
+            out.extend(x for x in expand_names(model, n) if x not in out)
+    if not out:
+        raise HookNameError(f"the hook filter {names!r} matches no hook point; see `list(model.hook_dict)`.")
+    return out

@@ -1,0 +1,106 @@
+"""Binding hooks to denoising steps (and blocks, and phases).
+
+    at_steps(fn, [0, 5, -1])                 # a hook that exists only at steps 0, 5 and the last
+    steps(0, -1), steps(every=4), steps("first", "last"), steps(blocks=[1])
+    "blocks.0.attn.hook_pattern" @ steps(0, -1)   # a cache request (see TrajectoryCache)
+
+Negative indices count from the end of the run, as in Python. A step-bound hook is *installed* only
+for the forward passes of its steps, so an attention-pattern hook at two steps does not force the
+explicit attention path on the other steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+from mdm_lens.errors import SamplerConfigError
+
+StepSpec = int | str
+
+
+@dataclass(frozen=True)
+class Steps:
+    """A set of denoising steps: explicit indices / "first" / "last", every k-th, and/or blocks."""
+
+    indices: tuple[StepSpec, ...] = ()
+    every: int | None = None
+    blocks: tuple[int, ...] | None = None
+    phases: tuple[str, ...] = ("cond",)
+
+    def resolve(self, n_steps: int) -> set[int] | None:
+        """The concrete step indices (None = every step, subject to blocks/every)."""
+        if not self.indices:
+            return None
+        out = set()
+        for s in self.indices:
+            if s == "first":
+                s = 0
+            elif s == "last":
+                s = -1
+            if not isinstance(s, int):
+                raise SamplerConfigError(f"a step must be an int, 'first' or 'last', got {s!r}.")
+            i = s + n_steps if s < 0 else s
+            if not 0 <= i < n_steps:
+                raise SamplerConfigError(f"step {s} is outside a run of {n_steps} steps.")
+            out.add(i)
+        return out
+
+    def matches(self, step: int, n_steps: int, block: int = 0, phase: str = "cond") -> bool:
+        if phase not in self.phases:
+            return False
+        chosen = self.resolve(n_steps)
+        if chosen is not None and step not in chosen:
+            return False
+        if self.every is not None and step % self.every != 0 and step != n_steps - 1:
+            return False
+        return self.blocks is None or block in self.blocks
+
+    def __rmatmul__(self, names: Any) -> "CacheRequest":
+        return CacheRequest(names, self)
+
+
+def steps(*indices: StepSpec, every: int | None = None, blocks: Iterable[int] | None = None,
+          phases: Sequence[str] = ("cond",)) -> Steps:
+    """`steps(0, -1)`, `steps("first", "last")`, `steps(every=4)` (the last step is always included),
+    `steps(blocks=[0])`; `phases=("cond", "uncond")` to also fire on the CFG unconditional pass."""
+    if every is not None and every <= 0:
+        raise SamplerConfigError(f"every must be a positive step interval, got {every}.")
+    return Steps(tuple(indices), every, tuple(blocks) if blocks is not None else None, tuple(phases))
+
+
+ALL_STEPS = Steps()
+
+
+@dataclass(frozen=True)
+class CacheRequest:
+    names: Any  # a hook name, a glob ("blocks.*.attn.hook_pattern"), a list of them, or a filter function
+    steps: Steps
+
+
+@dataclass
+class StepHook:
+    """A TL forward hook `(name, fn)` that exists only at the steps in `when`."""
+
+    name: Any
+    fn: Callable
+    when: Steps
+
+
+def at_steps(fn: Callable, step_list: Iterable[StepSpec] | Steps | None = None, *, name: Any = None,
+             every: int | None = None, blocks: Iterable[int] | None = None) -> Any:
+    """Bind a hook function to steps. With `name`, returns a `StepHook` to pass in `fwd_hooks`;
+    without, returns a wrapper to pair with a name: `fwd_hooks=[(name, at_steps(fn, [0, -1]))]`."""
+    when = step_list if isinstance(step_list, Steps) else steps(*(step_list or ()), every=every, blocks=blocks)
+    if name is not None:
+        return StepHook(name, fn, when)
+    return _Bound(fn, when)
+
+
+@dataclass
+class _Bound:
+    fn: Callable
+    when: Steps
+
+    def __call__(self, tensor: Any, hook: Any) -> Any:  # usable as a plain TL hook outside generate
+        return self.fn(tensor, hook=hook)
