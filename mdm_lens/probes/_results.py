@@ -1,0 +1,91 @@
+"""Shared base for probe results: a dataclass mixin whose ``.to_frame()`` gives a tidy table.
+
+Every probe returns a dataclass whose tensor fields share a (possibly empty) *leading* shape
+(e.g. ``[batch, layer, head]``, whatever the caller passed in) followed by field-specific
+*trailing* axes (``key``, ``step``, ``region`` ...).  Subclasses declare the trailing axes of
+each reported field in ``_dims``; ``to_frame`` melts every such field into long format:
+
+    metric | <leading dims> | <trailing dims> | value | label
+
+one row per scalar.  Numeric values go to ``value``; string values (labels) to ``label``.
+The leading axes are unnamed at compute time (the probes are shape-generic), so their names
+are supplied at ``to_frame(lead_dims=("batch", "layer"))``; unnamed ones become ``dim0, dim1, ...``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+__all__ = ["ResultMixin", "to_numpy"]
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """Tensor / array / scalar / list -> numpy array (detached, on CPU)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:
+            x = x.float()
+        return x.numpy()
+    return np.asarray(x)
+
+
+class ResultMixin:
+    """Mixin for probe-result dataclasses.
+
+    Subclasses set ``_dims = {"field": ("trailing", "axes")}``; a field with ``()`` is per
+    leading element (e.g. a scalar summary per series).  ``_coords`` may map a trailing axis
+    name to labels (e.g. region names) used instead of integer positions.
+    """
+
+    _dims: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    def _coords(self) -> dict[str, Sequence[Any]]:
+        return {}
+
+    def to_frame(self, lead_dims: Sequence[str] | None = None, metrics: Sequence[str] | None = None) -> pd.DataFrame:
+        """Long-format DataFrame with one row per scalar of every reported field."""
+        coords = self._coords()
+        frames = []
+        names = list(self._dims) if metrics is None else list(metrics)
+        for name in names:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            arr = to_numpy(value)
+            trailing = self._dims[name]
+            n_lead = arr.ndim - len(trailing)
+            if n_lead < 0:
+                raise ValueError(f"field {name!r} has fewer axes than its declared trailing dims {trailing}")
+            given = list(lead_dims or [])[:n_lead]
+            lead = given + [f"dim{i}" for i in range(len(given), n_lead)]
+            axes = lead + list(trailing)
+            cols: dict[str, Any] = {"metric": np.full(arr.size, name, dtype=object)}
+            grids = np.indices(arr.shape).reshape(arr.ndim, -1) if arr.ndim else np.zeros((0, 1), int)
+            for ax, axis_name in enumerate(axes):
+                idx = grids[ax]
+                labels = coords.get(axis_name)
+                cols[axis_name] = np.asarray(labels, dtype=object)[idx] if labels is not None else idx
+            flat = arr.reshape(-1)
+            if flat.dtype.kind in "USO":
+                cols["value"] = np.full(flat.size, np.nan)
+                cols["label"] = flat.astype(object)
+            else:
+                cols["value"] = flat.astype(float)
+                cols["label"] = np.full(flat.size, None, dtype=object)
+            frames.append(pd.DataFrame(cols))
+        if not frames:
+            return pd.DataFrame(columns=["metric", "value", "label"])
+        df = pd.concat(frames, ignore_index=True, sort=False)
+        front = ["metric"] + [c for c in df.columns if c not in ("metric", "value", "label")]
+        return df[front + ["value", "label"]]
+
+    def summary(self) -> dict[str, Any]:
+        """Plain-python dict of all dataclass fields (tensors converted to numpy)."""
+        assert dataclasses.is_dataclass(self)
+        return {f.name: (to_numpy(v) if isinstance(v, torch.Tensor) else v)
+                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
