@@ -1,0 +1,403 @@
+"""Interactive views (circuitsvis) for notebooks, and offline HTML for them.
+
+    from mdm_lens import steps
+    out = model.generate(prompt, cache="blocks.3.attn.hook_pattern" @ steps(0, -1))
+    attention(out, step=0, layer=3)             # renders inline in Jupyter (a circuitsvis object)
+    html = to_html(attention(out, 0, 3))        # a self-contained page that renders with no network
+
+Offline rendering: what we found in circuitsvis 1.43.3 (`circuitsvis/utils/render.py`)
+--------------------------------------------------------------------------------------
+* Each view is a `RenderedHTML` holding two sources. `cdn_src` imports
+  `https://unpkg.com/circuitsvis@<version>/dist/cdn/esm.js` (network). `local_src` inlines the
+  1.3 MB React bundle that ships inside the wheel (`circuitsvis/dist/cdn/iife.js`) in a
+  `<script type="module">`, so it needs no network.
+* `str(view)` and `view.show_code()` return the **CDN** source. They are blank offline.
+* `view._repr_html_()` (Jupyter) first calls `urllib.request.urlopen("http://google.com", timeout=1)`.
+  That is a network probe on every display. If the probe succeeds it returns the CDN source, otherwise the
+  local one. So a notebook renders in both cases, but an HTML file saved from it may depend on unpkg.
+* The bundle itself fetches nothing at render time. Its only URLs are in comments and error
+  strings. We checked this by rendering in headless Chromium with background networking off.
+
+What `to_html` does:
+* Default path ("circuitsvis", used whenever `iife.js` is present): it inlines that bundle once, as a
+  *classic* `<script>`, which defines the global `CircuitsVis`. Each view is then a `<div>` plus a small
+  `CircuitsVis.render(id, CircuitsVis.<Element>, props)` call. The props are recovered from the view's
+  own source. A report with many views therefore carries the bundle only once (`report.write_report`
+  deduplicates it).
+* Fallback path ("fallback", used when the bundle is missing, or on request): a small dependency-free
+  renderer. Attention patterns get a canvas heatmap with a head selector (plus the head mean) and a
+  hover read-out. Tokens are coloured by the column mean. `ColoredTokens` become coloured `<span>`s.
+  Any other element gets a notice.
+Neither path references a remote script.
+"""
+
+from __future__ import annotations
+
+import html as _html
+import json
+import re
+import uuid
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import numpy as np
+
+from mdm_lens.errors import InputError
+
+__all__ = ["attention", "attention_from_pattern", "tokens_by_persistence", "step_str_tokens", "to_html",
+           "offline", "OfflineView", "bundle_available", "bundle_script", "parse_view", "BUNDLE_MARKER"]
+
+BUNDLE_MARKER = 'data-mdm-lens="circuitsvis-bundle"'
+Renderer = Literal["auto", "circuitsvis", "fallback"]
+
+
+def _cv():
+    import circuitsvis as cv  # imported lazily: only the interactive views need it
+
+    return cv
+
+
+def _np(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().float().cpu().numpy()
+    return np.asarray(x, dtype=np.float32)
+
+
+# --- building views ----------------------------------------------------------------------------------
+def step_str_tokens(out: Any, step: int, model: Any = None, batch: int = 0, length: int | None = None) -> list[str]:
+    """Token labels of the model input at `step` (`out.trajectory.x_steps[step, batch]`). Mask tokens are
+    shown as `[MASK]`, left padding as `[PAD]`. Without a tokenizer the labels are `str(id)`."""
+    n = out.n_steps
+    s = _resolve_step(step, n)
+    ids = out.trajectory.x_steps[s, batch]
+    if length is not None:
+        ids = ids[:length]
+    ids = [int(i) for i in ids]
+    model = model if model is not None else getattr(getattr(out, "cache", None), "model", None)
+    mask_id = getattr(getattr(model, "cfg", None), "mask_token_id", None)
+    am = getattr(out, "attention_mask", None)
+    pad = [False] * len(ids) if am is None else [not bool(v) for v in am[batch, :len(ids)].tolist()]
+    pad += [False] * (len(ids) - len(pad))
+    tok = getattr(model, "tokenizer", None)
+    labels: list[str] = []
+    if tok is not None:
+        valid = [i for i in ids if i >= 0]
+        strs = iter(model.to_str_tokens(valid) if valid else [])
+        for i in ids:
+            labels.append(next(strs) if i >= 0 else "[·]")
+    else:
+        labels = ["[MASK]" if (mask_id is not None and i == mask_id) else ("[·]" if i < 0 else str(i)) for i in ids]
+    return ["[PAD]" if p else lab for lab, p in zip(labels, pad)]
+
+
+def _resolve_step(step: int, n_steps: int) -> int:
+    if not -n_steps <= step < n_steps:
+        raise InputError(f"step {step} is out of range for a run of {n_steps} steps.")
+    return step % n_steps
+
+
+def attention(out: Any, step: int, layer: int, model: Any = None, batch: int = 0,
+              heads: Sequence[int] | None = None, kind: Literal["patterns", "heads"] = "patterns") -> Any:
+    """circuitsvis view of layer `layer`'s attention pattern at denoising step `step` (negative steps
+    count from the end of the run) for one batch row. The labels come from that step's input, so
+    still-masked positions read `[MASK]`. The pattern must be in `out.cache`; if it is not, rerun with
+    `cache="blocks.{layer}.attn.hook_pattern" @ steps(step)`."""
+    name = f"blocks.{layer}.attn.hook_pattern"
+    n = out.n_steps
+    s = _resolve_step(step, n)
+    how = (f'rerun generate with cache="{name}" @ steps({step}) (`from mdm_lens import steps`), or add '
+           f'"{name}" to the cached names')
+    cache = getattr(out, "cache", None)
+    if cache is None:
+        raise InputError(f"this run has no trajectory cache, so there is no attention pattern to show; {how}.")
+    cached_names = list(getattr(cache, "names", []) or [])
+    if cached_names and name not in cached_names:
+        raise InputError(f"{name!r} was not cached (cached: {cached_names}); {how}.")
+    if s not in cache.steps:
+        raise InputError(f"step {s} was not cached (cached steps: {cache.steps}); {how}.")
+    try:
+        pattern = cache[s][name]
+    except KeyError:
+        raise InputError(f"{name!r} is not in the cache of step {s}; {how}.") from None
+    if not 0 <= batch < pattern.shape[0]:
+        raise InputError(f"batch {batch} is out of range (batch size {pattern.shape[0]}).")
+    pattern = pattern[batch]                                    # [head, query, key]
+    if heads is not None:
+        pattern = pattern[list(heads)]
+    tokens = step_str_tokens(out, s, model=model, batch=batch, length=int(pattern.shape[-1]))
+    head_names = [f"L{layer}H{h}" for h in (heads if heads is not None else range(pattern.shape[0]))]
+    causal = bool(getattr(out, "causal", False))
+    return attention_from_pattern(tokens, pattern, kind=kind, head_names=head_names, mask_upper_tri=causal)
+
+
+def attention_from_pattern(str_tokens: Sequence[str], pattern: Any, kind: Literal["patterns", "heads"] = "patterns",
+                           head_names: Sequence[str] | None = None, mask_upper_tri: bool = False) -> Any:
+    """circuitsvis view of a `[head, query, key]` (or `[query, key]`) attention pattern. The default is
+    `cv.attention.attention_patterns`. `kind="heads"` uses `attention_heads`, which adds head names and
+    masks the upper triangle for causal models."""
+    p = _np(pattern)
+    if p.ndim == 2:
+        p = p[None]
+    if p.ndim != 3:
+        raise InputError(f"pattern must be [head, query, key], got shape {tuple(p.shape)}.")
+    if p.shape[1] != p.shape[2]:
+        raise InputError(f"circuitsvis needs square patterns (query = key positions); got {tuple(p.shape)}.")
+    tokens = [str(t) for t in str_tokens]
+    if len(tokens) != p.shape[-1]:
+        raise InputError(f"{len(tokens)} token labels for a pattern over {p.shape[-1]} positions.")
+    cv = _cv()
+    if kind == "heads":
+        return cv.attention.attention_heads(attention=p, tokens=tokens,
+                                            attention_head_names=list(head_names) if head_names else None,
+                                            mask_upper_tri=mask_upper_tri)
+    if kind != "patterns":
+        raise InputError("kind must be 'patterns' or 'heads'.")
+    return cv.attention.attention_patterns(tokens=tokens, attention=p)
+
+
+def tokens_by_persistence(str_tokens: Sequence[str], persistence: Any, max_value: float | None = None) -> Any:
+    """Tokens coloured by anchor persistence: the fraction of steps, or of layers, at which each position
+    was detected as an anchor. NaN counts as 0. The scale is 0 to 1, or 0 to the maximum if that is above 1."""
+    v = np.nan_to_num(_np(persistence).ravel(), nan=0.0)
+    tokens = [str(t) for t in str_tokens]
+    if len(tokens) != v.size:
+        raise InputError(f"{len(tokens)} tokens for {v.size} persistence values.")
+    top = float(max_value) if max_value is not None else max(1.0, float(v.max()) if v.size else 1.0)
+    return _cv().tokens.colored_tokens(tokens=tokens, values=v, min_value=0.0, max_value=top)
+
+
+# --- offline HTML ------------------------------------------------------------------------------------
+def _bundle_path() -> Path | None:
+    try:
+        import circuitsvis
+    except ImportError:
+        return None
+    p = Path(circuitsvis.__file__).parent / "dist" / "cdn" / "iife.js"
+    return p if p.is_file() else None
+
+
+def bundle_available() -> bool:
+    """Whether circuitsvis ships its browser bundle (`dist/cdn/iife.js`), so the default offline path works."""
+    return _bundle_path() is not None
+
+
+@lru_cache(maxsize=1)
+def _bundle_js() -> str:
+    p = _bundle_path()
+    if p is None:
+        return ""
+    js = p.read_text(encoding="utf-8")
+    js = re.sub(r"//# sourceMappingURL=\S+\s*$", "", js)  # the .map is not shipped alongside
+    return js.replace("</script", "<\\/script").replace("<!--", "<\\!--")
+
+
+def bundle_script() -> str:
+    """A classic `<script>` that defines the global `CircuitsVis` from the local bundle. It is "" if there
+    is no bundle."""
+    js = _bundle_js()
+    return f"<script {BUNDLE_MARKER}>{js}</script>" if js else ""
+
+
+_CDN_RE = re.compile(r'import\s*\{\s*render,\s*(\w+)\s*\}\s*from\s*"[^"]*";\s*render\(\s*"[^"]*",\s*\w+,\s*(.*)\)\s*'
+                     r'</script>\s*$', re.S)
+_LOCAL_RE = re.compile(r'CircuitsVis\.render\(\s*"[^"]*",\s*CircuitsVis\.(\w+),\s*(.*)\)\s*</script>\s*$', re.S)
+
+
+def parse_view(view: Any) -> tuple[str, dict] | None:
+    """`(element name, props)` of a circuitsvis `RenderedHTML`, or None when the view is not one."""
+    for attr, rx in (("cdn_src", _CDN_RE), ("local_src", _LOCAL_RE)):
+        src = getattr(view, attr, None)
+        if not isinstance(src, str):
+            continue
+        tail = src[-200_000:] if attr == "local_src" else src  # the props follow the bundle
+        m = rx.search(tail)
+        if m:
+            try:
+                return m.group(1), json.loads(m.group(2))
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def _js_json(obj: Any) -> str:
+    s = json.dumps(obj, allow_nan=True, separators=(",", ":"))
+    return s.replace("</", "<\\/").replace("<!--", "<\\!--")
+
+
+def _cv_fragment(element: str, props: dict, include_bundle: bool) -> str:
+    uid = "mdmcv-" + uuid.uuid4().hex[:12]
+    call = (f'<div id="{uid}" class="mdm-cv" style="margin: 12px 0;"></div>\n'
+            f'<script>CircuitsVis.render("{uid}", CircuitsVis.{element}, {_js_json(props)});</script>')
+    return (bundle_script() + "\n" + call) if include_bundle else call
+
+
+_FALLBACK_CSS = """
+.mdmfb{font:13px/1.4 system-ui,-apple-system,"Segoe UI",sans-serif;color:#222;margin:12px 0}
+.mdmfb .ctl{margin-bottom:6px}.mdmfb .ctl select{font:inherit;margin-left:4px}
+.mdmfb .info{margin-left:12px;color:#555;font-family:ui-monospace,Menlo,Consolas,monospace}
+.mdmfb canvas{display:block;border:1px solid #ddd}
+.mdmfb .toks{margin-top:8px;line-height:1.9}
+.mdmfb .tok{display:inline-block;padding:0 3px;margin:1px;border-radius:3px;border:1px solid #e2e2e2;
+ font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;white-space:pre}
+.mdmfb .note{color:#777;font-size:12px;margin-top:4px}
+"""
+
+_FALLBACK_ATTN_JS = r"""
+(function(){
+var D=__DATA__, root=document.getElementById("__ID__");
+var T=D.tokens.length, H=D.attention.length, names=D.names;
+var sel=root.querySelector("select.head"), rel=root.querySelector("select.scale"), info=root.querySelector(".info"), cv=root.querySelector("canvas"),
+    toks=root.querySelector(".toks");
+for(var h=0;h<H;h++){var o=document.createElement("option");o.value=h;o.textContent=names[h];sel.appendChild(o);}
+var om=document.createElement("option");om.value=-1;om.textContent="mean of heads";sel.appendChild(om);
+function mat(h){if(h>=0)return D.attention[h];var m=[];for(var i=0;i<T;i++){m.push([]);
+  for(var j=0;j<T;j++){var s=0;for(var k=0;k<H;k++)s+=D.attention[k][i][j];m[i].push(s/H);}}return m;}
+function short(s){s=String(s).replace(/\n/g,"\\n");return s.length>10?s.slice(0,9)+"\u2026":s;}
+var cell=Math.max(3,Math.min(18,Math.floor(640/Math.max(T,1)))), lab=cell>=7?96:8, M=null, vmax=1;
+cv.width=lab+T*cell+2; cv.height=lab+T*cell+2;
+function color(v){var top=rel.value==="rel"?vmax:1;var t=Math.sqrt(Math.max(0,Math.min(1,v/top)));   // sqrt: weak links stay visible
+  var r=Math.round(255+(0-255)*t),g=Math.round(255+(90-255)*t),b=Math.round(255+(160-255)*t);
+  return "rgb("+r+","+g+","+b+")";}
+function draw(){var h=parseInt(sel.value,10);M=mat(h);vmax=1e-12;
+  for(var i=0;i<T;i++)for(var j=0;j<T;j++)if(M[i][j]>vmax)vmax=M[i][j];
+  var c=cv.getContext("2d");c.clearRect(0,0,cv.width,cv.height);c.fillStyle="#fff";c.fillRect(0,0,cv.width,cv.height);
+  for(var i=0;i<T;i++)for(var j=0;j<T;j++){
+    if(D.causal&&j>i){c.fillStyle="#eee";}else{c.fillStyle=color(M[i][j]);}
+    c.fillRect(lab+j*cell,lab+i*cell,cell,cell);}
+  if(cell>=7){c.fillStyle="#333";c.font=Math.min(11,cell)+"px monospace";
+    for(var i=0;i<T;i++){c.textAlign="right";c.textBaseline="middle";c.fillText(short(D.tokens[i]),lab-3,lab+i*cell+cell/2);}
+    for(var j=0;j<T;j++){c.save();c.translate(lab+j*cell+cell/2,lab-3);c.rotate(-Math.PI/2);c.textAlign="left";
+      c.textBaseline="middle";c.fillText(short(D.tokens[j]),0,0);c.restore();}}
+  toks.innerHTML="";var col=[],cmax=1e-12;
+  for(var j=0;j<T;j++){var s=0,n=0;for(var i=0;i<T;i++){if(D.causal&&j>i)continue;s+=M[i][j];n++;}
+    col.push(s/T);if(s/T>cmax)cmax=s/T;}
+  for(var j=0;j<T;j++){var e=document.createElement("span");e.className="tok";e.textContent=D.tokens[j];
+    e.title="key "+j+": received attention "+col[j].toFixed(4);e.style.background=color(col[j]);
+    if(Math.sqrt(col[j]/(rel.value==="rel"?vmax:1))>0.6)e.style.color="#fff";toks.appendChild(e);}
+  info.textContent="max "+vmax.toFixed(3)+" \u00b7 hover a cell";}
+rel.addEventListener("change",draw);
+cv.addEventListener("mousemove",function(ev){var r=cv.getBoundingClientRect();
+  var j=Math.floor((ev.clientX-r.left-lab)/cell), i=Math.floor((ev.clientY-r.top-lab)/cell);
+  if(i>=0&&j>=0&&i<T&&j<T){info.textContent="query "+i+" "+JSON.stringify(D.tokens[i])+" \u2192 key "+j+" "+
+    JSON.stringify(D.tokens[j])+": "+M[i][j].toFixed(4);}});
+sel.addEventListener("change",draw); draw();
+})();
+"""
+
+
+def _fallback_attention(props: dict, element: str) -> str:
+    tokens = [str(t) for t in props.get("tokens", [])]
+    att = props.get("attention", [])
+    a = np.asarray(att, dtype=np.float64)
+    if a.ndim == 2:
+        a = a[None]
+    if a.ndim != 3:
+        return f'<div class="mdmfb" style="color:#a00">cannot draw an attention array of shape {a.shape}.</div>'
+    names = props.get("attentionHeadNames") or [f"head {h}" for h in range(a.shape[0])]
+    data = {"tokens": tokens, "attention": np.round(np.nan_to_num(a), 4).tolist(), "names": list(names),
+            "causal": bool(props.get("maskUpperTri", False))}
+    uid = "mdmfb-" + uuid.uuid4().hex[:12]
+    js = _FALLBACK_ATTN_JS.replace("__DATA__", _js_json(data)).replace("__ID__", uid)
+    return (f'<style>{_FALLBACK_CSS}</style><div class="mdmfb" id="{uid}">'
+            f'<div class="ctl"><label>head<select class="head"></select></label> <label>colour<select class="scale">'
+            f'<option value="abs">0 – 1</option><option value="rel">0 – head max</option></select></label>'
+            f'<span class="info"></span></div>'
+            f'<canvas></canvas><div class="toks"></div>'
+            f'<div class="note">Received attention (column mean) colours the tokens; rows = queries, '
+            f'columns = keys; sqrt colour scale.</div></div>'
+            f'<script>{js}</script>')
+
+
+def _mix(c0: tuple[int, int, int], c1: tuple[int, int, int], t: float) -> str:
+    t = float(min(1.0, max(0.0, t)))
+    return "#%02x%02x%02x" % tuple(round(a + (b - a) * t) for a, b in zip(c0, c1))
+
+
+def _fallback_tokens(props: dict) -> str:
+    tokens = [str(t) for t in props.get("tokens", [])]
+    vals = np.nan_to_num(np.asarray(props.get("values", []), dtype=float))
+    lo = props.get("minValue", float(min(0.0, vals.min())) if vals.size else 0.0)
+    hi = props.get("maxValue", float(vals.max()) if vals.size else 1.0)
+    spans = []
+    for t, v in zip(tokens, vals):
+        if v >= 0:
+            bg = _mix((255, 255, 255), (0, 114, 178), v / hi if hi > 0 else 0)
+        else:
+            bg = _mix((255, 255, 255), (213, 94, 0), v / lo if lo < 0 else 0)
+        dark = (v / hi if hi > 0 else 0) > 0.6
+        spans.append(f'<span class="tok" style="background:{bg};{"color:#fff;" if dark else ""}" '
+                     f'title="{v:.4g}">{_html.escape(t)}</span>')
+    return (f'<style>{_FALLBACK_CSS}</style><div class="mdmfb"><div class="toks">{"".join(spans)}</div>'
+            f'<div class="note">colour: {lo:g} (white) → {hi:g} (blue); hover for values</div></div>')
+
+
+def _fallback_fragment(element: str, props: dict) -> str:
+    if element in ("AttentionPatterns", "AttentionHeads", "AttentionPattern"):
+        return _fallback_attention(props, element)
+    if element == "ColoredTokens":
+        return _fallback_tokens(props)
+    return (f'<div class="mdmfb" style="color:#a00">The offline fallback renderer cannot draw the circuitsvis '
+            f'element <code>{_html.escape(element)}</code>; install circuitsvis with its bundled '
+            f'<code>dist/cdn/iife.js</code>.</div>')
+
+
+def _page(body: str, title: str, head: str = "") -> str:
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{_html.escape(title)}"
+            f"</title>{head}<style>body{{font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;"
+            "margin:16px 24px;color:#222}</style></head>\n<body>\n" + body + "\n</body></html>\n")
+
+
+def to_html(view: Any, *, full_document: bool = True, renderer: Renderer = "auto", include_bundle: bool = True,
+            title: str = "mdm_lens view") -> str:
+    """Self-contained, offline HTML for a circuitsvis view (see the module docstring).
+
+    Args:
+        view: a circuitsvis `RenderedHTML` (e.g. from `attention`). An HTML string, or any object with
+            `_repr_html_`, is passed through unchanged.
+        full_document: return a whole `<!DOCTYPE html>` page. Otherwise return a fragment to embed.
+        renderer: "auto" uses the circuitsvis bundle when it is installed and the fallback renderer
+            otherwise. "circuitsvis" and "fallback" force one of them.
+        include_bundle: a fragment from the circuitsvis path carries the 1.3 MB bundle unless this is
+            False; the page must then include `bundle_script()` once, before the fragment.
+    """
+    parsed = parse_view(view)
+    if parsed is None:
+        if isinstance(view, str):
+            body = view
+        elif hasattr(view, "_repr_html_"):
+            body = view._repr_html_()
+        else:
+            raise InputError(f"cannot turn a {type(view).__name__} into HTML.")
+        return _page(body, title) if full_document and "<html" not in body[:500].lower() else body
+    element, props = parsed
+    use_cv = renderer == "circuitsvis" or (renderer == "auto" and bundle_available())
+    if use_cv and not bundle_available():
+        raise InputError("circuitsvis's bundle (dist/cdn/iife.js) is not installed; use renderer='fallback'.")
+    if not use_cv:
+        frag = _fallback_fragment(element, props)
+        return _page(frag, title) if full_document else frag
+    if full_document:
+        return _page(_cv_fragment(element, props, include_bundle=False), title,
+                     head=bundle_script() if include_bundle else "")
+    return _cv_fragment(element, props, include_bundle=include_bundle)
+
+
+class OfflineView:
+    """Wraps a view so that Jupyter shows the offline rendering: no google.com probe, no CDN.
+    `str(view)` gives the same HTML."""
+
+    def __init__(self, view: Any, renderer: Renderer = "auto"):
+        self.view, self.renderer = view, renderer
+
+    def _repr_html_(self) -> str:
+        return to_html(self.view, full_document=False, renderer=self.renderer)
+
+    def __str__(self) -> str:
+        return self._repr_html_()
+
+
+def offline(view: Any, renderer: Renderer = "auto") -> OfflineView:
+    """`offline(attention(out, 0, 3))`: display a view in Jupyter without touching the network."""
+    return OfflineView(view, renderer)
