@@ -1,0 +1,390 @@
+"""Retrieval heads adapted to diffusion unmasking (spec §1.d, §3.7), Wu et al.'s original for ARMs,
+and the causal check (mask the top-K heads against K random heads).
+
+Copy-paste event for head (l, h) at answer position p with emitted token w_p: with
+j* = argmax_j A^{s,l,h}_{q(p), j}, the event counts iff j* ∈ E (the needle / answer-bearing evidence
+span) and x_{j*} = w_p.  q(p) is the readout row (p; p − 1 for ``logit_shift`` MDMs and for ARMs,
+whose token at p is emitted by the query at p − 1).  Score per sample = |distinct copied needle
+positions| / |needle|; samples count only if the answer is correct; final score = mean over counted
+samples; a retrieval head has score > 0.1.  Methods (which step s supplies A):
+
+- ``copy@commit`` (default): s = s(p), the step whose logits committed p;
+- ``copy@any``: any step s ≤ s(p) (p still masked at the step's input);
+- ``copy@final``: one clean forward on the final sequence (AF-like);
+- ``wu``: ARMs only, greedy decoding, s = the decode step of p (≡ ``copy@commit`` for an ARM);
+- ``evidence_focus`` (README-style, lax, *not* a retrieval score): the fraction of answer positions whose
+  argmax key at the commit step lies in the gold document, with no token-identity check.
+
+"Answer positions" are the generated positions whose final token is not EOS / pad / mask.  Argmax keys
+come from ``TopKKeys(k=1)`` reducers (no T×T is stored).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator, Literal, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from mdm_lens.hooks import TopKKeys
+from mdm_lens.hooks.names import expand_names
+from mdm_lens.hooks.steps import _Bound
+
+from ._results import ResultMixin, to_numpy
+from .run import _batch, layer_list, readout_shift
+
+__all__ = ["RetrievalItem", "from_qa_item", "retrieval_scores", "RetrievalScores", "METHODS", "answer_correct",
+           "head_mask_hooks", "mask_heads", "answer_accuracy", "ablation_accuracy", "AblationResult"]
+
+Method = Literal["copy@commit", "copy@any", "copy@final", "evidence_focus", "wu"]
+METHODS: tuple[str, ...] = ("copy@commit", "copy@any", "copy@final", "evidence_focus", "wu")
+
+
+# ----------------------------------------------------------------------------------------------
+# items
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class RetrievalItem:
+    """One prompt with its needle: ``evidence`` = token spans [start, end) of the answer-bearing span,
+    ``answer`` = gold text (substring match) or gold token ids (must appear contiguously in the
+    generation), ``gold_doc`` = token span of the gold document (for ``evidence_focus``)."""
+
+    prompt_ids: Tensor
+    evidence: list[tuple[int, int]]
+    answer: str | Sequence[int] | Tensor
+    gold_doc: tuple[int, int] | None = None
+
+    def needle_mask(self, length: int) -> Tensor:
+        m = torch.zeros(length, dtype=torch.bool)
+        for s, e in self.evidence:
+            m[s:e] = True
+        return m
+
+    def doc_mask(self, length: int) -> Tensor:
+        if self.gold_doc is None:
+            return self.needle_mask(length)
+        m = torch.zeros(length, dtype=torch.bool)
+        m[self.gold_doc[0]:self.gold_doc[1]] = True
+        return m
+
+
+def from_qa_item(item: Any) -> RetrievalItem:
+    """A zoo ``QAItem`` → ``RetrievalItem`` from one tokenisation with char offsets: the needle is the
+    answer occurrence in the gold passage (``evidence_span``), the gold doc its marker + sentence."""
+    from mdm_lens.zoo import tokenizer as ZT
+
+    ids, off = ZT.encode_with_offsets(item.prompt)
+    ev = [] if item.evidence_span is None else [ZT.char_span_to_token_span(off, item.evidence_span)]
+    gold = None
+    if item.gold_index is not None:
+        s, e = item.passage_spans[item.gold_index]
+        if item.marker_spans:
+            s = item.marker_spans[item.gold_index][0]
+        gold = ZT.char_span_to_token_span(off, (s, e))
+    return RetrievalItem(torch.tensor(ids, dtype=torch.long), ev, item.answer, gold)
+
+
+def _as_item(item: Any) -> RetrievalItem:
+    return item if isinstance(item, RetrievalItem) else from_qa_item(item)
+
+
+def _decode(model: Any, ids: Sequence[int]) -> str:
+    if getattr(model, "tokenizer", None) is not None:
+        from mdm_lens import tokenization
+
+        return tokenization.decode(model.tokenizer, list(ids))
+    from mdm_lens.zoo import tokenizer as ZT
+
+    return ZT.decode(ids)
+
+
+def answer_correct(model: Any, generated: Sequence[int] | Tensor, answer: Any, decode: Any = None) -> bool:
+    """Text answer: normalised substring match of the decoded generation (SQuAD normalisation, as the AF
+    Acc); token-id answer: the ids appear contiguously in the generated tokens."""
+    gen = [int(t) for t in torch.as_tensor(generated).flatten()]
+    if isinstance(answer, str):
+        from mdm_lens.zoo.data import substring_match
+
+        return bool(substring_match((decode or (lambda i: _decode(model, i)))(gen), answer))
+    ans = [int(t) for t in torch.as_tensor(answer).flatten()]
+    return any(gen[i:i + len(ans)] == ans for i in range(len(gen) - len(ans) + 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# scores
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class RetrievalScores(ResultMixin):
+    """Per-head scores (mean over counted samples; NaN if none counted)."""
+
+    method: str
+    threshold: float
+    layers: list[int]
+    scores: Tensor                      # [layer, head]
+    per_sample: Tensor                  # [item, layer, head]  NaN where not counted
+    correct: Tensor                     # [item] bool
+    n_counted: int
+    above_threshold: list[tuple[int, int]]
+    retrieval_heads: list[tuple[int, int]]   # = above_threshold except for evidence_focus (never a retrieval score)
+    notes: list[str] = field(default_factory=list)
+
+    _dims: ClassVar = {"scores": ("layer", "head"), "per_sample": ("item", "layer", "head")}
+
+    def top(self, k: int) -> list[tuple[int, int]]:
+        """The k best heads (layer, head) by score, NaN last."""
+        s = torch.nan_to_num(self.scores.to(torch.float64), nan=-1.0)
+        order = torch.argsort(s.flatten(), descending=True, stable=True)[:k]
+        return [(self.layers[int(i) // s.shape[1]], int(i) % s.shape[1]) for i in order]
+
+    def to_frame(self, lead_dims=None, metrics=None) -> pd.DataFrame:
+        """One row per head: method, layer, head, score, above_threshold, retrieval."""
+        s = to_numpy(self.scores)
+        rows = [dict(method=self.method, layer=self.layers[i], head=h, score=float(s[i, h]),
+                     above_threshold=(self.layers[i], h) in self.above_threshold,
+                     retrieval=(self.layers[i], h) in self.retrieval_heads)
+                for i in range(s.shape[0]) for h in range(s.shape[1])]
+        return pd.DataFrame(rows)
+
+
+def _answer_positions(model: Any, tokens: Tensor, prompt_length: int) -> list[int]:
+    skip = {model.cfg.eos_token_id, model.cfg.pad_token_id, model.cfg.mask_token_id} - {None}
+    return [p for p in range(prompt_length, tokens.shape[0]) if int(tokens[p]) not in skip]
+
+
+@torch.no_grad()
+def _final_argmax(model: Any, tokens: Tensor, layers: list[int], fwd_hooks: Sequence[Any]) -> Tensor:
+    """argmax_j A^{l,h}_{i,j} of one clean forward: ``[layer, head, query]``."""
+    got: dict[int, Tensor] = {}
+
+    def make(l: int):
+        def hook(pattern: Tensor, hook: Any) -> None:
+            got[l] = pattern[0].argmax(-1).cpu()
+        return hook
+
+    hooks = [(n, fn) for name, fn in _plain(fwd_hooks) for n in expand_names(model, name)]
+    hooks += [(f"blocks.{l}.attn.hook_pattern", make(l)) for l in layers]
+    model.run_with_hooks(tokens[None], fwd_hooks=hooks, return_type=None)
+    return torch.stack([got[l] for l in layers])
+
+
+def _plain(fwd_hooks: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """(name, fn) pairs usable outside ``generate`` (StepHook / at_steps bindings fire unconditionally)."""
+    out = []
+    for h in fwd_hooks:
+        if isinstance(h, tuple):
+            name, fn = h
+            out.append((name, fn.fn if isinstance(fn, _Bound) else fn))
+        else:  # StepHook
+            out.append((h.name, h.fn))
+    return out
+
+
+def _keys_per_position(method: str, out: Any, positions: list[int], shift: int, layers: list[int],
+                       model: Any, fwd_hooks: Sequence[Any]) -> list[Tensor]:
+    """For each answer position p, the argmax keys ``[n_events, layer, head]`` of the readout row q(p)."""
+    if method == "copy@final":
+        am = _final_argmax(model, out.tokens[0], layers, fwd_hooks)        # [layer, head, query]
+        return [am[:, :, p - shift][None] for p in positions]
+    top = out.records["topk_keys"][:, 0, :, :, :, 0]                       # [step, layer, head, query]
+    row_of = {s: i for i, s in enumerate(out.record_meta["topk_keys"]["steps"])}
+    cs = out.trajectory.commit_step[0]
+    keys = []
+    for p in positions:
+        sp = int(cs[p])
+        wanted = range(sp + 1) if method == "copy@any" else [sp]
+        rows = [row_of[s] for s in wanted if s in row_of]
+        keys.append(top[rows][:, :, :, p - shift] if rows else torch.empty(0, len(layers), top.shape[2], dtype=torch.long))
+    return keys
+
+
+def _sample_score(method: str, item: RetrievalItem, tokens: Tensor, positions: list[int],
+                  keys: list[Tensor], n_layers: int, n_heads: int) -> Tensor:
+    """copy methods: |distinct copied needle positions| / |needle|; evidence_focus: share of answer
+    positions whose argmax key is in the gold doc."""
+    T = tokens.shape[0]
+    tok = tokens.cpu()
+    if method == "evidence_focus":
+        doc = item.doc_mask(T)
+        hits = torch.zeros(n_layers, n_heads, dtype=torch.float64)
+        for k in keys:
+            valid = (k >= 0) & doc[k.clamp_min(0)]
+            hits += valid.any(0).to(torch.float64)
+        return hits / max(len(keys), 1)
+    needle = item.needle_mask(T)
+    copied = torch.zeros(n_layers, n_heads, T, dtype=torch.bool)
+    for p, k in zip(positions, keys):
+        kc = k.clamp_min(0)
+        event = (k >= 0) & needle[kc] & (tok[kc] == tok[p])                # [n, layer, head]
+        hot = torch.zeros(*k.shape, T, dtype=torch.bool).scatter_(-1, kc[..., None], event[..., None])
+        copied |= hot.any(0)
+    return copied.sum(-1).to(torch.float64) / max(int(needle.sum()), 1)
+
+
+def _generate(model: Any, item: RetrievalItem, method: str, layers: list[int], gen_length: int, steps: int | None,
+              fwd_hooks: Sequence[Any], seed: int, generate_kwargs: dict) -> Any:
+    record = [] if method == "copy@final" else [TopKKeys(k=1, layers=layers)]
+    kw = dict(generate_kwargs)
+    if method == "wu":
+        kw.update(sampler="arm", temperature=0.0)
+    return model.generate(_batch(item.prompt_ids, model.W_E.device), steps=steps or gen_length, gen_length=gen_length,
+                          record=record, fwd_hooks=list(fwd_hooks), seed=seed, **kw)
+
+
+def retrieval_scores(model: Any, items: Sequence[Any], method: Method = "copy@commit", *,
+                     layers: Sequence[int] | None = None, gen_length: int | None = None, steps: int | None = None,
+                     threshold: float = 0.1, only_correct: bool = True, decode: Any = None,
+                     fwd_hooks: Sequence[Any] = (), seed: int = 0, **generate_kwargs: Any) -> RetrievalScores:
+    """Per-head retrieval scores over ``items`` (``RetrievalItem`` or zoo ``QAItem``), see the module doc.
+
+    Each item is generated alone (``model.generate``, default sampler, ``gen_length`` defaults to
+    ``cfg.extra["gen_length"]``); ``fwd_hooks`` are passed to the sampler (and to the final forward of
+    ``copy@final``).  ``only_correct=False`` scores every sample.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    if method == "wu" and model.cfg.attention != "causal":
+        raise ValueError("method='wu' is Wu et al.'s autoregressive protocol; use copy@commit for an MDM")
+    ls = layer_list(model, layers)
+    g = int(gen_length or model.cfg.extra.get("gen_length", 4))
+    shift, H = readout_shift(model), model.cfg.n_heads
+    per, correct = [], []
+    for raw in items:
+        item = _as_item(raw)
+        out = _generate(model, item, method, ls, g, steps, fwd_hooks, seed, generate_kwargs)
+        toks = out.tokens[0].cpu()
+        ok = answer_correct(model, toks[out.prompt_length:], item.answer, decode)
+        positions = _answer_positions(model, toks, out.prompt_length)
+        correct.append(ok)
+        if (only_correct and not ok) or not positions:
+            per.append(torch.full((len(ls), H), torch.nan, dtype=torch.float64))
+            continue
+        keys = _keys_per_position(method, out, positions, shift, ls, model, fwd_hooks)
+        per.append(_sample_score(method, item, toks, positions, keys, len(ls), H))
+    per_t = torch.stack(per) if per else torch.empty(0, len(ls), H, dtype=torch.float64)
+    counted = ~torch.isnan(per_t[:, 0, 0]) if len(per) else torch.zeros(0, dtype=torch.bool)
+    scores = per_t[counted].mean(0) if bool(counted.any()) else torch.full((len(ls), H), torch.nan, dtype=torch.float64)
+    above = [(ls[i], h) for i, h in (scores > threshold).nonzero().tolist()]
+    above.sort(key=lambda lh: -float(scores[ls.index(lh[0]), lh[1]]))
+    notes = ["evidence_focus is a lax attention-to-gold-doc share, not a retrieval score"] if method == "evidence_focus" else []
+    return RetrievalScores(method=method, threshold=threshold, layers=ls, scores=scores, per_sample=per_t,
+                           correct=torch.tensor(correct, dtype=torch.bool), n_counted=int(counted.sum()),
+                           above_threshold=above, retrieval_heads=[] if method == "evidence_focus" else above,
+                           notes=notes)
+
+
+# ----------------------------------------------------------------------------------------------
+# causal check: head masking and accuracy
+# ----------------------------------------------------------------------------------------------
+
+def _by_layer(heads: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for l, h in heads:
+        out.setdefault(int(l), []).append(int(h))
+    return out
+
+
+def head_mask_hooks(heads: Sequence[tuple[int, int]], method: Literal["zero", "uniform"] = "zero"
+                    ) -> list[tuple[str, Any]]:
+    """TL hooks that knock out heads (layer, head).
+
+    ``zero``: z^{l,h} := 0 on ``blocks.{l}.attn.hook_z`` (the head writes nothing).  ``uniform``: the
+    head's pre-softmax scores := 0 on every visible key (``hook_attn_scores``), i.e. uniform attention.
+    """
+    if method not in ("zero", "uniform"):
+        raise ValueError(f"method must be 'zero' or 'uniform', got {method!r}")
+    hooks = []
+    for l, hs in _by_layer(heads).items():
+        idx = torch.tensor(hs)
+        if method == "zero":
+            def fn(z: Tensor, hook: Any, idx=idx) -> Tensor:
+                z = z.clone()
+                z[:, :, idx.to(z.device)] = 0
+                return z
+            hooks.append((f"blocks.{l}.attn.hook_z", fn))
+        else:
+            def fn(s: Tensor, hook: Any, idx=idx) -> Tensor:
+                s = s.clone()
+                sub = s[:, idx.to(s.device)]
+                s[:, idx.to(s.device)] = torch.where(torch.isfinite(sub), torch.zeros_like(sub), sub)
+                return s
+            hooks.append((f"blocks.{l}.attn.hook_attn_scores", fn))
+    return hooks
+
+
+@contextlib.contextmanager
+def mask_heads(model: Any, heads: Sequence[tuple[int, int]], method: Literal["zero", "uniform"] = "zero"
+               ) -> Iterator[Any]:
+    """Context manager: the heads are knocked out (see :func:`head_mask_hooks`) for every forward inside,
+    ``model.generate`` included; the hooks are removed on exit (TL ``hooks()`` context)."""
+    with model.hooks(fwd_hooks=head_mask_hooks(heads, method)):
+        yield model
+
+
+@torch.no_grad()
+def answer_accuracy(model: Any, items: Sequence[Any], fwd_hooks: Sequence[Any] = (), gen_length: int | None = None,
+                    steps: int | None = None, seed: int = 0, decode: Any = None, **generate_kwargs: Any) -> float:
+    """Mean :func:`answer_correct` of each item generated alone with ``fwd_hooks``."""
+    g = int(gen_length or model.cfg.extra.get("gen_length", 4))
+    hits = []
+    for raw in items:
+        item = _as_item(raw)
+        out = model.generate(_batch(item.prompt_ids, model.W_E.device), steps=steps or g, gen_length=g,
+                             fwd_hooks=list(fwd_hooks), seed=seed, **generate_kwargs)
+        hits.append(answer_correct(model, out.tokens[0, out.prompt_length:].cpu(), item.answer, decode))
+    return float(np.mean(hits)) if hits else float("nan")
+
+
+@dataclass
+class AblationResult(ResultMixin):
+    """Accuracy with no heads masked, the top-K heads masked, and K random heads masked (each draw)."""
+
+    k: int
+    method: str
+    top_heads: list[tuple[int, int]]
+    random_heads: list[list[tuple[int, int]]]
+    accuracy_clean: float
+    accuracy_top: float
+    accuracy_random: list[float]
+
+    @property
+    def drop_top(self) -> float:
+        return self.accuracy_clean - self.accuracy_top
+
+    @property
+    def drop_random(self) -> float:
+        return self.accuracy_clean - float(np.mean(self.accuracy_random)) if self.accuracy_random else float("nan")
+
+    def to_frame(self, lead_dims=None, metrics=None) -> pd.DataFrame:
+        rows = [dict(condition="clean", draw=None, k=0, accuracy=self.accuracy_clean, heads=""),
+                dict(condition="top", draw=None, k=self.k, accuracy=self.accuracy_top, heads=str(self.top_heads))]
+        rows += [dict(condition="random", draw=i, k=self.k, accuracy=a, heads=str(h))
+                 for i, (a, h) in enumerate(zip(self.accuracy_random, self.random_heads))]
+        return pd.DataFrame(rows)
+
+
+def ablation_accuracy(model: Any, items: Sequence[Any], heads: RetrievalScores | Sequence[tuple[int, int]], k: int,
+                      control: Literal["random"] = "random", seed: int = 0, n_random: int = 3,
+                      method: Literal["zero", "uniform"] = "zero", **kwargs: Any) -> AblationResult:
+    """Causal check (Wu et al.; §3.7): accuracy after masking the top-``k`` heads vs ``k`` random heads.
+
+    ``heads``: a :class:`RetrievalScores` (its ``top(k)``) or a ranked list of (layer, head).  Random
+    heads are drawn (``seed``) among all heads outside the top-k, ``n_random`` times.  ``kwargs`` go to
+    :func:`answer_accuracy`.
+    """
+    if control != "random":
+        raise ValueError("only control='random' is implemented")
+    top = heads.top(k) if isinstance(heads, RetrievalScores) else [tuple(h) for h in heads][:k]
+    pool = [(l, h) for l in range(model.cfg.n_layers) for h in range(model.cfg.n_heads) if (l, h) not in top]
+    rng = random.Random(seed)
+    draws = [rng.sample(pool, min(k, len(pool))) for _ in range(n_random)]
+    acc = lambda hs: answer_accuracy(model, items, fwd_hooks=head_mask_hooks(hs, method), **kwargs)  # noqa: E731
+    return AblationResult(k=k, method=method, top_heads=top, random_heads=draws,
+                          accuracy_clean=answer_accuracy(model, items, **kwargs), accuracy_top=acc(top),
+                          accuracy_random=[acc(d) for d in draws])

@@ -1,0 +1,466 @@
+"""Adapters from model runs (one clean forward, or a sampler's ``GenerateOutput``) to the tensor probes
+of :mod:`floating`, :mod:`qk` and :mod:`flow` (spec §1.b, §3.3, §3.4, §3.6, §3.8).
+
+The tensor probes are shape-generic and know nothing about models; this module does the plumbing:
+which hook to read, which axis is which, which keys are visible at which step, which query row reads
+out which position.  Conventions shared by :mod:`retrieval` and :mod:`patching`:
+
+- *readout row* q(p) of position p: the hidden state whose logits emit token p.  q(p) = p for
+  unshifted MDMs (LLaDA); q(p) = p − 1 for ``cfg.logit_shift`` models (Dream) and for causal ARMs
+  (the token at p is emitted by the query at p − 1).  See :func:`readout_shift`.
+- sampler records are ``[step, batch, layer, head, key]``; the floating probes want ``[..., step, key]``,
+  so :func:`anchors_over_steps` permutes to ``[batch, layer, (head,) step, key]``.
+- keys that do not exist at a step (ARM: beyond the prefix ``prompt + s``) or are padding are NaN in
+  the received-attention series, which both ``detect_anchors`` and ``drift`` treat as invisible.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Sequence
+
+import pandas as pd
+import torch
+from einops import rearrange
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from . import flow as F
+from . import floating, qk
+from ._results import ResultMixin, to_numpy
+
+__all__ = ["final_attention", "absorption_by_layer", "AbsorptionByLayer", "anchors_over_steps", "StepAnchors",
+           "drift_from_output", "qk_at_layer", "regions_for_item", "flow_for_items", "ItemFlows",
+           "generate_final", "readout_shift", "step_canvas", "layer_list", "is_causal"]
+
+
+# ----------------------------------------------------------------------------------------------
+# small shared helpers
+# ----------------------------------------------------------------------------------------------
+
+def is_causal(model: Any) -> bool:
+    return model.cfg.attention == "causal"
+
+
+def readout_shift(model: Any) -> int:
+    """1 if the logits for position p come from hidden state p − 1 (``logit_shift`` MDMs, causal ARMs), else 0."""
+    return int(bool(model.cfg.logit_shift) or is_causal(model))
+
+
+def layer_list(model: Any, layers: int | Sequence[int] | None) -> list[int]:
+    """Concrete layer indices (None = all; negatives count from the end)."""
+    n = model.cfg.n_layers
+    if layers is None:
+        return list(range(n))
+    if isinstance(layers, int):
+        layers = [layers]
+    return [int(l) % n for l in layers]
+
+
+def _batch(tokens: Any, device: Any = None) -> Tensor:
+    t = torch.as_tensor(tokens)
+    t = t[None] if t.ndim == 1 else t
+    return t.long() if device is None else t.long().to(device)
+
+
+def step_canvas(out: Any, step: int) -> tuple[Tensor, Tensor]:
+    """The model input ``x_s`` and its attention mask at ``step`` of a run (ARM: the prefix ``prompt + s``)."""
+    s = step % out.n_steps
+    x = out.trajectory.x_steps[s].to(out.tokens.device)
+    if out.causal:
+        x = x[:, : out.prompt_length + s]
+    return x, out.attention_mask[:, : x.shape[1]]
+
+
+@torch.no_grad()
+def generate_final(model: Any, prompts: Sequence[Any], gen_length: int | None = None, steps: int | None = None,
+                   **generate_kwargs: Any) -> tuple[Tensor, Tensor, list[int]]:
+    """Generate each prompt alone (no left padding) and right-pad the final sequences with the pad id.
+
+    Returns ``(tokens [batch, T], attention_mask [batch, T], prompt_lengths)``; the layout the zoo twins
+    were trained on (pads hidden as keys; a causal model never sees right padding).
+    """
+    g = int(gen_length or model.cfg.extra.get("gen_length", 4))
+    rows = []
+    for p in prompts:
+        out = model.generate(_batch(p, model.W_E.device), steps=steps or g, gen_length=g, **generate_kwargs)
+        rows.append(out.tokens[0].cpu())
+    pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
+    width = max(len(r) for r in rows)
+    toks = torch.full((len(rows), width), pad, dtype=torch.long)
+    am = torch.zeros_like(toks)
+    for i, r in enumerate(rows):
+        toks[i, : len(r)], am[i, : len(r)] = r, 1
+    lengths = [len(torch.as_tensor(p).flatten()) for p in prompts]
+    return toks.to(model.W_E.device), am.to(model.W_E.device), lengths
+
+
+# ----------------------------------------------------------------------------------------------
+# §1.b / §3.3 full-sequence attention and absorption
+# ----------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def final_attention(model: Any, tokens: Int[Tensor, "batch pos"], attention_mask: Tensor | None = None,
+                    layers: int | Sequence[int] | None = None) -> Float[Tensor, "batch layer head query key"]:
+    """A^l = softmax(q kᵀ/√d_h + mask) of one clean forward (the paper's "full sequence" mode).
+
+    Reads ``blocks.{l}.attn.hook_pattern`` via ``run_with_cache(names_filter=...)``, which forces the
+    explicit attention path.  Rows sum to 1 over the visible keys (pad rows under a pair mask are 0).
+    """
+    tokens = _batch(tokens, model.W_E.device)
+    names = [f"blocks.{l}.attn.hook_pattern" for l in layer_list(model, layers)]
+    am = None if attention_mask is None else _batch(attention_mask, model.W_E.device)
+    _, cache = model.run_with_cache(tokens, attention_mask=am, names_filter=names, return_type=None)
+    return torch.stack([cache[n] for n in names], dim=1)
+
+
+@dataclass
+class AbsorptionByLayer(ResultMixin):
+    """Absorption (percent) per sample, layer and variant, with uniform nulls, and mean ± std over samples.
+
+    ``mode="paper"``: one variant, ``top1`` (MDM: AF Rule A, which always falls back to top-1) or
+    ``pos0`` (ARM: column 0).  ``mode="default"``: ``pos0``, ``top1``, ``anchors`` for every model.
+    ``std`` is the population std over the batch (numpy's default, as the reference's ``fill_between``).
+    """
+
+    mode: str
+    causal: bool
+    variants: tuple[str, ...]
+    layers: list[int]
+    per_sample: Tensor          # [batch, layer, variant]
+    null: Tensor                # [batch, layer, variant]  uniform-attention value under the same visibility
+    excess: Tensor              # [batch, layer, variant]  per_sample − null
+    n_anchors: Tensor           # [batch, layer]           |S| (head="mean"), mean over heads (head="each")
+    mean: Tensor                # [layer, variant]
+    std: Tensor                 # [layer, variant]
+    null_mean: Tensor           # [layer, variant]
+    excess_mean: Tensor         # [layer, variant]
+
+    _dims: ClassVar = {"mean": ("layer", "variant"), "std": ("layer", "variant"),
+                       "null_mean": ("layer", "variant"), "excess_mean": ("layer", "variant"),
+                       "per_sample": ("batch", "layer", "variant"), "n_anchors": ("batch", "layer")}
+
+    def _coords(self):
+        return {"variant": list(self.variants), "layer": list(self.layers)}
+
+    def to_frame(self, lead_dims=None, metrics=("mean", "std", "null_mean", "excess_mean")):
+        return super().to_frame(lead_dims=lead_dims, metrics=metrics)
+
+    def table(self) -> pd.DataFrame:
+        """Wide summary: one row per layer, columns ``{variant}``, ``{variant}_std``, ``_null``, ``_excess``."""
+        df = self.to_frame()
+        wide = df.pivot_table(index="layer", columns=["variant", "metric"], values="value")
+        wide.columns = [v if m == "mean" else f"{v}_{m.replace('_mean', '')}" for v, m in wide.columns]
+        order = [c for v in self.variants for c in (v, f"{v}_std", f"{v}_null", f"{v}_excess") if c in wide.columns]
+        return wide[order]
+
+
+def _absorption_from_received(received: Tensor, key_visible: Tensor | None, causal: bool, mode: str,
+                              rule: str) -> tuple[tuple[str, ...], Tensor, Tensor, Tensor]:
+    """(variants, values [..., variant], nulls [..., variant], n_anchors [...]) from mass received attention."""
+    if mode == "paper":
+        if causal:
+            res = floating.absorption_variants(received, key_visible, causal=True)
+            return ("pos0",), res.pos0[..., None], res.null_pos0[..., None], torch.ones_like(res.pos0)
+        s = floating.detect_anchors(received, rule="paper_absorption", key_visible=key_visible)
+        res = floating.absorption_variants(received, key_visible, causal=False, anchors=s)
+        return ("top1",), res.anchors[..., None], res.null_anchors[..., None], res.n_anchors.to(torch.float64)
+    res = floating.absorption_variants(received, key_visible, causal=causal, rule=rule)
+    names = ("pos0", "top1", "anchors")
+    vals = torch.stack([getattr(res, n) for n in names], -1)
+    nulls = torch.stack([getattr(res, f"null_{n}") for n in names], -1)
+    return names, vals, nulls, res.n_anchors.to(torch.float64)
+
+
+def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_mask: Tensor | None = None,
+                        mode: Literal["default", "paper"] = "default", rule: str = "zscore",
+                        head: Literal["mean", "each"] = "mean",
+                        layers: int | Sequence[int] | None = None) -> AbsorptionByLayer:
+    """Absorb(S, l) = 100 · Σ_{j∈S} m^l_j on the clean final sequence, per sample and layer (§1.b, §3.3).
+
+    m^l_j = (1/|Q|) Σ_{i∈Q} Ā^l_ij with Ā the head-mean attention and Q all non-pad rows.
+    ``paper``: MDM S = AF Rule A (``paper_absorption`` ⇒ top-1), ARM S = {column 0} (the first real
+    token).  ``default``: the three variants pos0 / top1 / anchors (``rule``, zscore by default), each
+    with its uniform null (bidirectional 100/n; causal pos0/top1 100·H_n/n) and excess = value − null.
+    ``head="each"`` (default mode only) computes per head and averages the percentages over heads.
+    """
+    if mode not in ("default", "paper"):
+        raise ValueError(f"mode must be 'default' or 'paper', got {mode!r}")
+    attn = final_attention(model, tokens, attention_mask, layers).to(torch.float64)   # [b, l, h, q, k]
+    kv = None if attention_mask is None else _batch(attention_mask, attn.device).bool()
+    causal = is_causal(model)
+    per_head = head == "each" and mode == "default"
+    pattern = attn if per_head else attn.mean(2)
+    kvb = None if kv is None else floating.align_mask(kv, pattern.ndim - 1, batch_dim=0)
+    received = floating.received_attention(pattern, key_visible=kvb, causal=causal)
+    names, vals, nulls, n_anc = _absorption_from_received(received, kvb, causal, mode, rule)
+    if per_head:
+        vals, nulls, n_anc = vals.mean(2), nulls.mean(2), n_anc.mean(2)
+    ex = vals - nulls
+    std = lambda x: x.std(0, unbiased=False) if x.shape[0] > 1 else torch.zeros_like(x[0])  # noqa: E731
+    return AbsorptionByLayer(mode=mode, causal=causal, variants=names, layers=layer_list(model, layers),
+                             per_sample=vals, null=nulls, excess=ex, n_anchors=n_anc, mean=vals.mean(0),
+                             std=std(vals), null_mean=nulls.mean(0), excess_mean=ex.mean(0))
+
+
+# ----------------------------------------------------------------------------------------------
+# §3.4 anchors and drift over the steps of a run
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class StepAnchors(ResultMixin):
+    """Anchor sets S_s and received attention over steps, ``[batch, layer, (head,) step, key]``.
+
+    The layer axis is dropped when a single ``layer`` was asked for.  ``received`` is NaN at keys that
+    are padding or do not exist yet at that step (ARM prefixes).
+    """
+
+    anchors: Tensor
+    received: Tensor
+    key_visible: Tensor         # [batch, step, key]
+    steps: list[int]
+    layers: list[int]
+    rule: str
+    head: Any
+    causal: bool
+    lead_dims: tuple[str, ...] = ()
+
+    _dims: ClassVar = {"anchors": ("step", "key"), "received": ("step", "key")}
+
+    def to_frame(self, lead_dims=None, metrics=None):
+        return super().to_frame(lead_dims=lead_dims or self.lead_dims, metrics=metrics)
+
+
+def _step_visibility(out: Any, steps: Sequence[int], n_keys: int) -> Bool[Tensor, "batch step key"]:
+    """Key j exists and is not padding at step s (ARM: j < prompt_length + s)."""
+    am = out.attention_mask.bool().cpu()[:, :n_keys]
+    vis = am[:, None, :].expand(am.shape[0], len(steps), n_keys).clone()
+    if out.causal:
+        pos = torch.arange(n_keys)
+        limit = out.prompt_length + torch.tensor(list(steps))
+        vis &= pos[None, :] < limit[:, None]
+    return vis
+
+
+def _series(out: Any, layer: int | None, head: Any, record: str) -> tuple[Tensor, Tensor, list[int], list[int], tuple]:
+    rec = out.records[record]                                              # [step, batch, layer, head, key]
+    meta = out.record_meta.get(record, {})
+    rec_layers = list(meta.get("layers", range(rec.shape[2])))
+    steps = list(meta.get("steps", range(rec.shape[0])))
+    if layer is not None:
+        want = rec_layers[layer] if layer < 0 else layer
+        if want not in rec_layers:
+            raise ValueError(f"layer {layer} was not recorded; recorded layers: {rec_layers}")
+        rec, rec_layers = rec[:, :, [rec_layers.index(want)]], [want]
+    r = rearrange(rec.to(torch.float64), "s b l h k -> b l h s k")
+    lead = ("batch", "layer", "head")
+    if head == "mean":
+        r, lead = r.mean(2), ("batch", "layer")
+    elif isinstance(head, int):
+        r, lead = r[:, :, head], ("batch", "layer")
+    elif head != "each":
+        raise ValueError(f"head must be 'mean', 'each' or an int, got {head!r}")
+    vis = _step_visibility(out, steps, r.shape[-1])
+    vis_b = vis.reshape(vis.shape[0], *([1] * (r.ndim - 3)), *vis.shape[1:])
+    r = torch.where(vis_b, r, torch.full_like(r, torch.nan))
+    if layer is not None:
+        r, lead = r.squeeze(1), tuple(d for d in lead if d != "layer")
+    return r, vis, steps, rec_layers, lead
+
+
+def anchors_over_steps(out: Any, layer: int | None = None, rule: str = "zscore", head: Any = "mean",
+                       record: str = "received_attention", eps: float | None = None, **detect_kwargs: Any) -> StepAnchors:
+    """S_s = detect_anchors(r(s)) at every recorded step of a run (§3.2 on ``ReceivedAttention`` records).
+
+    ``record`` names a ``[step, batch, layer, head, key]`` mass record.  ``head="mean"`` averages the
+    per-head received attention (= received attention of the head-mean pattern), an int picks one head,
+    ``"each"`` keeps a head axis.  ``layer`` indexes the model's layers (−1 = last *recorded* layer).
+    """
+    r, vis, steps, layers, lead = _series(out, layer, head, record)
+    anchors = floating.detect_anchors(r, rule=rule, eps=eps, causal=out.causal, **detect_kwargs)
+    vis_b = vis.reshape(vis.shape[0], *([1] * (r.ndim - 3)), *vis.shape[1:])
+    return StepAnchors(anchors=anchors & vis_b, received=r, key_visible=vis, steps=steps, layers=layers,
+                       rule=rule, head=head, causal=out.causal, lead_dims=lead)
+
+
+def drift_from_output(out: Any, layer: int | None = None, rule: str = "zscore", head: Any = "mean",
+                      record: str = "received_attention", **detect_kwargs: Any) -> floating.DriftResult:
+    """``floating.drift`` of the anchor sets of one run (§3.4), with anchor types from ``commit_step``.
+
+    Leading shape ``[batch, (layer,) (head,)]`` as in :func:`anchors_over_steps`.  Anchor types are
+    only reported when every step was recorded (otherwise the step axis is not the run's step index).
+    """
+    sa = anchors_over_steps(out, layer, rule, head, record, **detect_kwargs)
+    commit = None
+    if sa.steps == list(range(out.n_steps)):
+        cs = out.trajectory.commit_step[:, : sa.received.shape[-1]]
+        commit = cs.reshape(cs.shape[0], *([1] * (sa.received.ndim - 3)), cs.shape[-1])
+    return floating.drift(sa.anchors, sa.received, commit_step=commit)
+
+
+# ----------------------------------------------------------------------------------------------
+# §3.6 QK decomposition at one layer
+# ----------------------------------------------------------------------------------------------
+
+def _query_mask(model: Any, tokens: Tensor, query: Any, key_visible: Tensor | None) -> Tensor | None:
+    if isinstance(query, Tensor):
+        return _batch(query, tokens.device).bool()
+    base = torch.ones_like(tokens, dtype=torch.bool) if key_visible is None else key_visible
+    if query == "all":
+        return None if key_visible is None else base
+    is_mask = tokens == model.cfg.mask_token_id
+    if query == "masked":
+        return base & is_mask
+    if query == "unmasked":
+        return base & ~is_mask
+    raise ValueError(f"query must be 'all', 'masked', 'unmasked' or a bool mask, got {query!r}")
+
+
+def _anchor_from_pattern(pattern: Tensor, query_mask: Tensor | None, key_visible: Tensor | None, causal: bool,
+                         rule: str) -> Int[Tensor, "batch"]:
+    """Top-1 received key of the head-mean pattern, or the most-attended ``rule`` anchor (top-1 if none)."""
+    rec = floating.received_attention(pattern.mean(1).to(torch.float64), query_mask=query_mask,
+                                      key_visible=key_visible, causal=causal)
+    masked = rec if key_visible is None else rec.masked_fill(~key_visible, -torch.inf)
+    top1 = masked.argmax(-1)
+    if rule == "top1":
+        return top1
+    anc = floating.detect_anchors(rec, rule=rule, key_visible=key_visible, causal=causal)
+    if not bool(anc.any(-1).all()):
+        warnings.warn(f"qk_at_layer: no {rule} anchor in some rows; using the top-1 key there", stacklevel=3)
+    best = masked.masked_fill(~anc, -torch.inf).argmax(-1)
+    return torch.where(anc.any(-1), best, top1)
+
+
+@torch.no_grad()
+def qk_at_layer(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, anchor: Any = None, query: Any = "all",
+                attention_mask: Tensor | None = None, rule: str = "top1", share: float = 0.8) -> qk.QKDecomposition:
+    """§3.6 norm/angle split of the anchor key's QK advantage at one layer of one clean forward.
+
+    Reads post-RoPE ``hook_rot_q`` / ``hook_rot_k`` and ``hook_v`` (for ‖v*‖ / mean ‖v‖).  ``anchor``:
+    an int / ``[batch]`` / ``[batch, head]`` tensor, or None → detected on the head-mean pattern of the
+    same layer over the query set: ``rule="top1"`` (most received key) or e.g. ``"zscore"`` (the most
+    received zscore anchor, top-1 where there is none).  ``query``: "all", "masked", "unmasked" or a mask.
+    """
+    tokens = _batch(tokens, model.W_E.device)
+    l = layer_list(model, layer)[0]
+    am = None if attention_mask is None else _batch(attention_mask, tokens.device)
+    kv = None if am is None else am.bool()
+    pre = f"blocks.{l}.attn."
+    names = [pre + n for n in ("hook_rot_q", "hook_rot_k", "hook_v", "hook_pattern")]
+    _, cache = model.run_with_cache(tokens, attention_mask=am, names_filter=names, return_type=None)
+    qm = _query_mask(model, tokens, query, kv)
+    causal = is_causal(model)
+    if anchor is None or isinstance(anchor, str):
+        anchor = _anchor_from_pattern(cache[pre + "hook_pattern"], qm, kv, causal, anchor or rule)
+    return qk.decompose(cache[pre + "hook_rot_q"], cache[pre + "hook_rot_k"], anchor, query_mask=qm,
+                        key_visible=kv, causal=causal, v=cache[pre + "hook_v"], share=share)
+
+
+# ----------------------------------------------------------------------------------------------
+# §3.8 regions of a zoo item and region flow
+# ----------------------------------------------------------------------------------------------
+
+def _item_char_spans(item: Any) -> list[F.CharSpan]:
+    """BOS / docs (marker + sentence; the gold one kind ``gold``) / question cue / query / answer cue."""
+    from mdm_lens.zoo import data as D
+
+    p = item.prompt
+    spans = [F.CharSpan("bos", 0, len(D.BOS), "bos")] if p.startswith(D.BOS) else []
+    markers = item.marker_spans or [None] * len(item.passage_spans)
+    for i, (ps, mk) in enumerate(zip(item.passage_spans, markers)):
+        start = ps[0] if mk is None else mk[0]
+        spans.append(F.CharSpan(f"doc{i + 1}", start, ps[1], "gold" if i == item.gold_index else "doc"))
+    q0, q1 = item.question_span
+    cue = p.rfind(D.QUESTION_CUE, 0, q0)
+    if cue >= 0:
+        spans.append(F.CharSpan("question_cue", cue, cue + len(D.QUESTION_CUE), "template"))
+    spans.append(F.CharSpan("query", q0, q1, "query"))
+    ans = p.find(item.answer_prefix, q1)
+    if ans >= 0:
+        spans.append(F.CharSpan("answer_cue", ans, ans + len(item.answer_prefix), "template"))
+    return spans
+
+
+def regions_for_item(item: Any, answer_length: int = 0, offsets: Sequence[tuple[int, int]] | None = None,
+                     total_length: int | None = None, answer_span: tuple[int, int] | None = None) -> list[F.Region]:
+    """Token regions of a zoo ``QAItem`` from the char offsets of ONE tokenisation of its prompt (§3.8).
+
+    Regions: ``bos``, ``doc{i}`` (kind ``gold`` for the gold passage, ``doc`` otherwise; each includes its
+    ``[i]`` marker), ``question_cue`` / ``answer_cue`` (kind ``template``), ``query``, then ``answer``
+    (``answer_span``, default the ``answer_length`` tokens after the prompt) and ``pad`` up to
+    ``total_length``; any gap is an explicit ``other`` region (nothing is dropped).
+    """
+    if offsets is None:
+        from mdm_lens.zoo import tokenizer as ZT
+
+        _, offsets = ZT.encode_with_offsets(item.prompt)
+    regs = F.regions_from_char_spans(_item_char_spans(item), offsets)
+    n = len(offsets)
+    a0, a1 = answer_span if answer_span is not None else (n, n + answer_length)
+    if a1 > a0:
+        regs.append(F.Region("answer", a0, a1, "answer"))
+    end = max(a1, n)
+    total = end if total_length is None else total_length
+    if total > end:
+        regs.append(F.Region("pad", end, total, "pad"))
+    return F.complete_regions(regs, total)
+
+
+@dataclass
+class ItemFlows(ResultMixin):
+    """Per-item region flows (regions differ between items, so no common region axis)."""
+
+    results: list[F.FlowResult]
+    gold_index: list[int | None]
+    gold_ratio: Tensor              # [item]
+    gold_ratio_density: Tensor      # [item]
+    answers: list[str] = field(default_factory=list)
+    correct: Tensor | None = None   # [item] substring match of the generated answer (zoo scoring)
+
+    def to_frame(self, lead_dims=None, metrics=("answer_row", "answer_density", "answer_no_bos")) -> pd.DataFrame:
+        """Long table: item, gold_index, region, kind, metric, value (answer-row metrics per region, plus
+        the item-level gold_ratio / gold_ratio_density / row_spread / bos_share with region = None)."""
+        rows = []
+        for i, r in enumerate(self.results):
+            for m in metrics:
+                vals = to_numpy(getattr(r, m)).reshape(-1)
+                rows += [dict(item=i, gold_index=self.gold_index[i], region=g.name, kind=g.kind, metric=m,
+                              value=float(v)) for g, v in zip(r.regions, vals)]
+            for m in ("gold_ratio", "gold_ratio_density", "row_spread", "bos_share"):
+                rows.append(dict(item=i, gold_index=self.gold_index[i], region=None, kind=None, metric=m,
+                                 value=float(to_numpy(getattr(r, m)).reshape(-1)[0])))
+        return pd.DataFrame(rows)
+
+
+@torch.no_grad()
+def flow_for_items(model: Any, items: Sequence[Any], mode: Literal["default", "paper"] = "default",
+                   gen_length: int | None = None, steps: int | None = None, residual: float = 0.5,
+                   **generate_kwargs: Any) -> ItemFlows:
+    """Region flow (§3.8) of each zoo item: generate the answer, one clean forward on the final sequence,
+    head-mean attention per layer, regions from :func:`regions_for_item`, then ``flow.flow``.
+
+    ``paper`` mode also rebuilds the boundaries the AF way (``flow.paper_region_shift``: off by one
+    after BOS).  Diagnostics warnings are off; read ``row_spread`` / ``bos_absorbing`` on each result.
+    """
+    from mdm_lens.zoo import data as D
+    from mdm_lens.zoo import tokenizer as ZT
+
+    g = int(gen_length or model.cfg.extra.get("gen_length", 4))
+    results, answers, correct = [], [], []
+    for item in items:
+        ids, offsets = ZT.encode_with_offsets(item.prompt)
+        toks, _, _ = generate_final(model, [torch.tensor(ids)], g, steps, **generate_kwargs)
+        attn = final_attention(model, toks)[0].mean(1)                     # [layer, T, T]
+        regs = regions_for_item(item, g, offsets)
+        if mode == "paper":
+            regs = F.paper_region_shift(regs)
+        results.append(F.flow(attn, regs, causal=is_causal(model), mode=mode, residual=residual, warn=False))
+        answer = ZT.decode(toks[0, len(ids):].tolist())
+        answers.append(answer)
+        correct.append(D.substring_match(answer, item.answer))
+    stack = lambda name: torch.stack([torch.as_tensor(getattr(r, name)).reshape(()) for r in results])  # noqa: E731
+    return ItemFlows(results=results, gold_index=[it.gold_index for it in items], gold_ratio=stack("gold_ratio"),
+                     gold_ratio_density=stack("gold_ratio_density"), answers=answers,
+                     correct=torch.tensor(correct))
