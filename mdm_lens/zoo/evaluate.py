@@ -1,0 +1,160 @@
+"""Answer accuracy of the zoo twins on the synthetic RAG-QA task, with small local greedy decoders.
+
+* ``greedy_mdm_answer``: the prompt followed by ``gen_length`` mask tokens; ``gen_length`` steps, each
+  unmasking the one still-masked canvas position whose top-1 probability is highest (LLaDA's
+  "low-confidence remasking" with one token per step) and writing its argmax there.
+* ``greedy_arm_answer``: plain greedy next-token decoding of ``gen_length`` tokens.
+
+Both decode batches right-padded with ``<pad>`` (the layout the models were trained on; pads are
+hidden as keys from the MDM, and the causal ARM never sees them) and return the answer string read
+from the canvas by ``canvas_answer``: the first run of non-``<eos>`` tokens. Scores follow
+``mdm_lens.zoo.data.score`` (exact match, word-aligned substring match, token F1).
+
+This module deliberately depends only on ``HookedMDM``'s forward and the zoo data/tokenizer, so that
+demos can reuse it without the general sampler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mdm_lens.zoo import data as D
+from mdm_lens.zoo import tokenizer as T
+
+#: The held-out evaluation set of the zoo README (never used for training or model selection).
+EVAL_N, EVAL_SEED, EVAL_DISTRACTORS = 500, 1234, 4
+
+
+def _gen_length(model: Any, gen_length: int | None) -> int:
+    if gen_length is not None:
+        return gen_length
+    return int(model.cfg.extra.get("gen_length", 4))
+
+
+def _prompt_ids(items: Sequence[D.QAItem]) -> list[list[int]]:
+    return [T.encode(it.prompt) for it in items]
+
+
+def canvas_answer(ids: Sequence[int]) -> str:
+    """The answer read from a generated canvas: the first run of tokens that are not ``<eos>``
+    (leading ``<eos>`` skipped, stop at the next ``<eos>``/``<pad>``), space-joined."""
+    out: list[int] = []
+    for i in (int(x) for x in ids):
+        if i in (T.EOS_ID, T.PAD_ID):
+            if out:
+                break
+            continue
+        out.append(i)
+    return T.decode(out)
+
+
+def _canvas_batch(prompts: list[list[int]], gen_length: int, fill: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``[batch, max_prompt + G]`` ids (canvas filled with ``fill``), attention mask, starts."""
+    width = max(len(p) for p in prompts) + gen_length
+    ids = torch.full((len(prompts), width), T.PAD_ID, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, : len(p)] = torch.tensor(p)
+        ids[r, len(p) : len(p) + gen_length] = fill
+        am[r, : len(p) + gen_length] = 1
+    starts = torch.tensor([len(p) for p in prompts])
+    return ids, am, starts
+
+
+@torch.no_grad()
+def greedy_mdm_canvas(model: Any, prompts: list[list[int]], gen_length: int) -> list[list[int]]:
+    """Greedy low-confidence decoding, one token per step; returns the ``gen_length`` canvas ids per row."""
+    mask_id = model.cfg.mask_token_id
+    device = model.W_E.device
+    ids, am, starts = _canvas_batch(prompts, gen_length, mask_id)
+    ids, am = ids.to(device), am.to(device)
+    rows = torch.arange(len(prompts), device=device)
+    cols = starts.to(device)[:, None] + torch.arange(gen_length, device=device)[None]  # [batch, G]
+    for _ in range(gen_length):
+        logits = model(ids, attention_mask=am)[rows[:, None], cols].float()  # [batch, G, vocab]
+        logits[..., mask_id] = float("-inf")  # the mask token is never a prediction
+        conf, pred = logits.softmax(-1).max(-1)
+        still = ids[rows[:, None], cols] == mask_id
+        conf = conf.masked_fill(~still, -1.0)
+        j = conf.argmax(-1)  # [batch]: most confident still-masked canvas slot
+        upd = still[rows, j]
+        c = cols[rows, j]
+        ids[rows[upd], c[upd]] = pred[rows, j][upd]
+    return ids[rows[:, None], cols].tolist()
+
+
+@torch.no_grad()
+def greedy_arm_canvas(model: Any, prompts: list[list[int]], gen_length: int) -> list[list[int]]:
+    """Greedy next-token decoding of ``gen_length`` tokens (right padding is invisible to a causal model)."""
+    device = model.W_E.device
+    ids, _, starts = _canvas_batch(prompts, gen_length, T.PAD_ID)
+    ids = ids.to(device)
+    rows = torch.arange(len(prompts), device=device)
+    starts = starts.to(device)
+    for j in range(gen_length):
+        logits = model(ids)[rows, starts + j - 1].float()
+        logits[:, model.cfg.mask_token_id] = float("-inf")
+        ids[rows, starts + j] = logits.argmax(-1)
+    cols = starts[:, None] + torch.arange(gen_length, device=device)[None]
+    return ids[rows[:, None], cols].tolist()
+
+
+def _answers(canvas_fn, model: Any, items: Sequence[D.QAItem], gen_length: int | None, batch_size: int) -> list[str]:
+    g = _gen_length(model, gen_length)
+    prompts = _prompt_ids(items)
+    out: list[str] = []
+    was_training = model.training
+    model.eval()
+    try:
+        for s in range(0, len(prompts), batch_size):
+            out.extend(canvas_answer(c) for c in canvas_fn(model, prompts[s : s + batch_size], g))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def greedy_mdm_answer(model: Any, items: Sequence[D.QAItem], gen_length: int | None = None,
+                      batch_size: int = 100) -> list[str]:
+    """Answer strings of a masked diffusion model, greedy low-confidence decoding (see module doc)."""
+    return _answers(greedy_mdm_canvas, model, items, gen_length, batch_size)
+
+
+def greedy_arm_answer(model: Any, items: Sequence[D.QAItem], gen_length: int | None = None,
+                      batch_size: int = 100) -> list[str]:
+    """Answer strings of an autoregressive model, greedy decoding of ``gen_length`` tokens."""
+    return _answers(greedy_arm_canvas, model, items, gen_length, batch_size)
+
+
+def greedy_answer(model: Any, items: Sequence[D.QAItem], gen_length: int | None = None,
+                  batch_size: int = 100) -> list[str]:
+    """``greedy_mdm_answer`` for bidirectional models, ``greedy_arm_answer`` for causal ones."""
+    fn = greedy_mdm_answer if model.cfg.attention == "bidirectional" else greedy_arm_answer
+    return fn(model, items, gen_length, batch_size)
+
+
+def accuracy(model: Any, items: Sequence[D.QAItem], gen_length: int | None = None,
+             batch_size: int = 100) -> dict[str, float]:
+    """``data.score`` of the model's greedy answers (exact_match, substring_match, f1, n)."""
+    return D.score(greedy_answer(model, items, gen_length, batch_size), items)
+
+
+def eval_sets(n: int = EVAL_N, seed: int = EVAL_SEED, n_distractors: int = EVAL_DISTRACTORS
+              ) -> dict[str, list[D.QAItem]]:
+    """The README's held-out sets: with context (4 distractors, random gold position) and closed-book."""
+    return {
+        "with_context": D.make_dataset(n, seed=seed, n_distractors=n_distractors),
+        "no_context": D.make_dataset(n, seed=seed, no_context=True),
+    }
+
+
+def evaluate(model: Any, n: int = EVAL_N, seed: int = EVAL_SEED, distractor_sweep: Sequence[int] = (),
+             gen_length: int | None = None) -> dict[str, dict[str, float]]:
+    """Scores on ``eval_sets`` (and optionally on ``make_dataset(n, seed, n_distractors=k)`` for each k
+    of ``distractor_sweep``, keyed ``distractors_k``)."""
+    sets = eval_sets(n, seed)
+    for k in distractor_sweep:
+        sets[f"distractors_{k}"] = D.make_dataset(n, seed=seed, n_distractors=k)
+    return {name: accuracy(model, items, gen_length) for name, items in sets.items()}
