@@ -98,7 +98,7 @@ def accuracy_section(twins: dict[str, HookedMDM], n: int, out: Path) -> Section:
 
 def absorption_section(twins: dict[str, HookedMDM], n: int, out: Path) -> tuple[Section, dict]:
     prompts = _prompts(D.make_dataset(n, seed=2024, n_distractors=4))
-    curves, nulls, paper_curves, tables = {}, {}, {}, []
+    curves, nulls, paper_curves, tables, summary = {}, {}, {}, [], {}
     for name, model in twins.items():
         toks, am, _ = R.generate_final(model, prompts)
         default = R.absorption_by_layer(model, toks, attention_mask=am, mode="default")
@@ -106,6 +106,7 @@ def absorption_section(twins: dict[str, HookedMDM], n: int, out: Path) -> tuple[
         variant = "pos0" if name == "ARM" else "top1"
         v = default.variants.index(variant)
         curves[f"tiny-{name.lower()} ({variant})"] = (default.mean[:, v], default.std[:, v])
+        summary[name] = float(default.mean[:, v].mean())
         nulls[f"tiny-{name.lower()} ({variant})"] = default.null_mean[:, v]
         paper_curves[f"tiny-{name.lower()} (paper)"] = (paper.mean[:, 0], paper.std[:, 0])
         t = default.table().add_prefix(f"{name} ")
@@ -122,7 +123,6 @@ def absorption_section(twins: dict[str, HookedMDM], n: int, out: Path) -> tuple[
             "models with the uniform-attention null under the same visibility (causal column 0: H_T/T; "
             "bidirectional: 1/T). Paper mode reproduces the reference: MDM = Rule A, which can never fire and "
             "falls back to top-1; ARM = column 0.")
-    summary = {name: float(t.iloc[:, 0].mean()) for name, t in zip(twins, tables)}
     return Section("Absorption by layer (ARM vs MDM)", text, [out / "absorption.png", out / "absorption_paper.png"],
                    table=table[keep], table_caption="per-layer means over samples"), summary
 
