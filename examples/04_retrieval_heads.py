@@ -15,22 +15,11 @@ from mdm_lens.errors import MDMLensError
 from mdm_lens.probes import retrieval as RT
 from mdm_lens.zoo import data as D
 from mdm_lens.zoo import tokenizer as ZT
+from _common import load  # noqa: E402  (examples/ is on sys.path when run as a script)
 
 pd.set_option("display.width", 200, "display.max_columns", 40, "display.precision", 2)
 
 
-def load(name: str) -> HookedMDM:
-    """The zoo twin if it is installed, else a random tiny model of the same interface (with a notice)."""
-    try:
-        return HookedMDM.from_pretrained(name)
-    except MDMLensError as e:
-        print(f"[notice] {name} is not available ({type(e).__name__}); using a RANDOM tiny model instead — "
-              "numbers below are not the trained twin's.")
-        cfg = MDMConfig(d_model=64, n_layers=4, n_heads=4, d_mlp=128, d_vocab=ZT.vocab_size(), n_ctx=128,
-                        mask_token_id=ZT.MASK_ID, bos_token_id=ZT.BOS_ID, eos_token_id=ZT.EOS_ID,
-                        pad_token_id=ZT.PAD_ID, attention="causal" if name.endswith("arm") else "bidirectional",
-                        model_name=f"random:{name}", extra={"gen_length": 4})
-        return HookedMDM.from_config(cfg, seed=0, init_std=0.2)
 def show(res: RT.RetrievalScores) -> None:
     grid = res.to_frame().pivot(index="layer", columns="head", values="score")
     frac = float((res.scores > res.threshold).float().mean()) if res.n_counted else float("nan")
