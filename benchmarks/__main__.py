@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=["full", "tiny"], default="full", help="model/sequence sizes (default full)")
     p.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {','.join(BENCHES)}")
     p.add_argument("--repeats", type=int, default=None,
-                   help="timed rounds per comparison (default 21; trajectories 5)")
+                   help="timed rounds per comparison (default 31; trajectories 5)")
     p.add_argument("--ref-repeats", type=int, default=None,
                    help="timed rounds against the (slow) reference extractor (default 2)")
     p.add_argument("--no-gqa", action="store_true", help="skip the GQA 8/2 variants of items 1-2")
@@ -69,7 +69,7 @@ def _run(args: argparse.Namespace, chosen: list[str], argv: list[str] | None) ->
     from benchmarks.models import SIZES, Workspace
 
     size = SIZES[args.size]
-    reps = args.repeats if args.repeats is not None else 21
+    reps = args.repeats if args.repeats is not None else 31
     traj_reps = args.repeats if args.repeats is not None else 5
     ref_reps = args.ref_repeats if args.ref_repeats is not None else (1 if args.repeats == 1 else 2)
     info = machine_info()
