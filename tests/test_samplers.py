@@ -261,6 +261,10 @@ def test_cache_refuses_when_over_budget_before_compute():
                        fwd_hooks=[("hook_embed", lambda x, hook: forwards.append(1))],
                        cache=TrajectoryCache("blocks.*.attn.hook_pattern", budget_bytes=10_000))
     assert forwards == []
+    # a block-bound cache is sized before the run too (an upper bound: blocks are known only while sampling)
+    with pytest.raises(MemoryBudgetError):
+        model.generate(PROMPT, steps=8, gen_length=8, block_length=4,
+                       cache=TrajectoryCache("blocks.*.attn.hook_pattern", steps(blocks=[1]), budget_bytes=10_000))
 
 
 @pytest.mark.parametrize("kind", ["llada", "arm"])

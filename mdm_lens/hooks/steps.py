@@ -47,14 +47,20 @@ class Steps:
         return out
 
     def matches(self, step: int, n_steps: int, block: int = 0, phase: str = "cond") -> bool:
-        if phase not in self.phases:
-            return False
+        return (phase in self.phases and self._matches_step(step, n_steps)
+                and (self.blocks is None or block in self.blocks))
+
+    def _matches_step(self, step: int, n_steps: int) -> bool:
+        """The step filters alone (indices and every-k), without blocks and phases."""
         chosen = self.resolve(n_steps)
         if chosen is not None and step not in chosen:
             return False
-        if self.every is not None and step % self.every != 0 and step != n_steps - 1:
-            return False
-        return self.blocks is None or block in self.blocks
+        return self.every is None or step % self.every == 0 or step == n_steps - 1
+
+    def max_count(self, n_steps: int) -> int:
+        """How many steps of a run can match: an upper bound, since which step falls in which block is
+        only known while the sampler runs (used to size a cache before the run)."""
+        return sum(self._matches_step(s, n_steps) for s in range(n_steps))
 
     def __rmatmul__(self, names: Any) -> "CacheRequest":
         return CacheRequest(names, self)

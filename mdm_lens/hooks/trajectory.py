@@ -44,9 +44,7 @@ class TrajectoryCache:
     def begin(self, model: Any, batch: int, max_pos: int, n_steps: int) -> None:
         self.model = model
         self.names = expand_names(model, self.names_arg)
-        chosen = self.when.resolve(n_steps)
-        n_cached = sum(self.when.matches(s, n_steps) for s in range(n_steps)) if chosen is None or \
-            self.when.every or self.when.blocks else len(chosen)
+        n_cached = self.when.max_count(n_steps)  # blocks are only known during the run: an upper bound
         dtype_bytes = torch.finfo(model.cfg.dtype).bits // 8
         self.estimated_bytes = check_budget(model.cfg, self.names, n_cached, batch, max_pos, dtype_bytes,
                                             self.budget_bytes)
