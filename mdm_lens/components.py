@@ -52,11 +52,18 @@ def rotary_cos_sin(positions: Int[Tensor, "batch pos"], d_head: int, theta: floa
 
 
 def apply_rotary(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Tensor, full_precision: bool) -> Tensor:
+    """`x·cos + rotate_half(x)·sin` (HF's formula), bit-identical to it but without materialising
+    `rotate_half(x)`: the two halves are updated in place (a + (−b)·s == a − b·s exactly in IEEE)."""
+    dtype = x.dtype
     if full_precision:
-        x32 = x.float()
-        return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+        x = x.float()
+    else:
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half] -= x[..., half:] * sin[..., :half]
+    out[..., half:] += x[..., :half] * sin[..., half:]
+    return out.to(dtype)
 
 
 class Attention(nn.Module):
@@ -160,7 +167,9 @@ class Attention(nn.Module):
         full = self.cfg.rope_full_precision
         q = self.hook_rot_q(apply_rotary(q, cos, sin, full))
         k = self.hook_rot_k(apply_rotary(k, cos, sin, full))
-        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [batch, head, pos, d_head]
+        # v is a strided view into the fused qkv output; SDPA's CPU kernel reads a dense copy ~8% faster
+        # than it reads the view (measured at T = 512), and the copy costs less than that.
+        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.contiguous().transpose(1, 2)  # [batch, head, pos, d_head]
         if self.needs_explicit():
             z = self._explicit(qh, kh, vh, mask, is_causal)
         else:
@@ -173,20 +182,24 @@ class Attention(nn.Module):
         return F.linear(z.reshape(b, p, h * e), self.o_weight)
 
     def _explicit(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-        if self.repeat_kv_heads > 1:
-            k = k.repeat_interleave(self.repeat_kv_heads, dim=1)
-            v = v.repeat_interleave(self.repeat_kv_heads, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.d_head)
+        b, h, p, e = q.shape
+        g, r = self.n_kv_heads, self.repeat_kv_heads
+        # Scale q (T·d_head values) rather than the scores (T²). GQA: fold each group's r query heads
+        # into the query axis, so K and V are read once per group instead of being repeated r times
+        # (head j uses kv head j // r, the order of HF's repeat_kv).
+        qg = (q * (1.0 / math.sqrt(e))).reshape(b, g, r * p, e)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, h, p, k.shape[-2])
         if is_causal and mask is None:
-            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+            mask = torch.ones(p, k.shape[-2], dtype=torch.bool, device=q.device).tril()
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         scores = self.hook_attn_scores(scores)  # [batch, head, query, key]
         pattern = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        # A fully-masked query row (pad rows under Dream's pair mask) is NaN; it must not leak.
-        pattern = torch.nan_to_num(pattern, nan=0.0).to(q.dtype)
-        pattern = self.hook_pattern(pattern)
-        return torch.matmul(pattern, v)
+        if mask is not None:  # a fully-masked query row (pad rows under Dream's pair mask) is NaN; it must not leak
+            pattern = torch.nan_to_num(pattern, nan=0.0)
+        pattern = self.hook_pattern(pattern.to(q.dtype))
+        z = torch.matmul(pattern.reshape(b, g, r * p, -1), v)  # [batch, kv_head, r·query, d_head]
+        return z.view(b, h, p, e)
 
 
 class GatedMLP(nn.Module):

@@ -49,18 +49,33 @@ def test_hook_result_opt_in_sums_to_attn_out():
 
 
 @pytest.mark.parametrize("attention", ["bidirectional", "causal"])
-def test_sdpa_and_explicit_paths_agree(attention):
-    model = tiny(attention)
+@pytest.mark.parametrize("n_kv", [4, 2, 1])  # MHA, GQA, MQA: the explicit path groups query heads per kv head
+@pytest.mark.parametrize("padding", [None, "key", "pair"])
+def test_sdpa_and_explicit_paths_agree(attention, n_kv, padding):
+    model = tiny(attention, n_kv=n_kv, padding_mask=padding or "key")
     tokens = torch.randint(0, 49, (3, 9))
     am = torch.ones_like(tokens)
-    am[1, :4] = 0
+    if padding:
+        am[1, :4] = 0
     with torch.no_grad():
         fast = model(tokens, attention_mask=am)
         for block in model.blocks:
             block.attn.force_explicit = True
         slow = model(tokens, attention_mask=am)
     valid = am.bool()
+    assert not slow[valid].isnan().any()
     assert (fast - slow)[valid].abs().max() <= 1e-5
+
+
+def test_grouped_explicit_pattern_equals_per_head_recomputation():
+    """Head j of the pattern uses kv head j // r (HF's repeat_kv order), recomputed here by hand."""
+    model = tiny(n_kv=2)
+    tokens = torch.randint(0, 49, (2, 7))
+    _, cache = model.run_with_cache(tokens)
+    q, k = cache["blocks.1.attn.hook_rot_q"], cache["blocks.1.attn.hook_rot_k"]  # [b, p, h|g, e]
+    k_rep = k.repeat_interleave(2, dim=2)
+    ref = torch.einsum("bqhe,bkhe->bhqk", q, k_rep).div(q.shape[-1] ** 0.5).softmax(-1)
+    torch.testing.assert_close(cache["blocks.1.attn.hook_pattern"], ref, atol=1e-6, rtol=1e-5)
 
 
 def test_explicit_path_only_when_pattern_is_hooked(monkeypatch):
