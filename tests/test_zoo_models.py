@@ -53,14 +53,42 @@ def test_shipped_twins_attention_kind_is_real(twins: dict[str, HookedMDM]) -> No
 
 def test_shipped_twins_reproduce_reported_accuracy(twins: dict[str, HookedMDM]) -> None:
     """The shipped weights are the ones the README reports on: the first 100 held-out items score
-    within sampling noise of ``assets/results.json`` (500 items), and the ARM reads single passages."""
+    within sampling noise of ``assets/results.json`` (500 items)."""
     results = json.loads((TR.ASSETS / "results.json").read_text())
     items = D.make_dataset(100, seed=E.EVAL_SEED, n_distractors=E.EVAL_DISTRACTORS)
     for name, m in twins.items():
         reported = results[name]["eval"]["with_context"]["exact_match"]
         assert abs(E.accuracy(m, items)["exact_match"] - reported) <= 0.12, name
+
+
+def test_both_twins_read_the_passage(twins: dict[str, HookedMDM]) -> None:
+    """Both twins copy the answer out of a single passage far above closed-book chance (~4%), and
+    without the passage they are back near chance: the accuracy comes from reading, not memory."""
     easy = D.make_dataset(60, seed=E.EVAL_SEED, n_distractors=0)
-    assert E.accuracy(twins["arm"], easy)["exact_match"] >= 0.5
+    closed = D.make_dataset(60, seed=E.EVAL_SEED, no_context=True)
+    for name, m in twins.items():
+        assert E.accuracy(m, easy)["exact_match"] >= 0.5, name
+        assert E.accuracy(m, closed)["exact_match"] <= 0.2, name
+
+
+def test_evaluation_sweeps_and_figures(twins: dict[str, HookedMDM], tmp_path) -> None:
+    ev = E.evaluate(twins["arm"], n=8, distractor_sweep=(0, 2), position_sweep=(0, 4), hardness_sweep=(0.0, 1.0))
+    assert set(ev) == {"with_context", "no_context", "distractors_0", "distractors_2", "gold_0", "gold_4",
+                       "hard_0", "hard_1"}
+    assert all(v["n"] == 8 for v in ev.values())
+    paths = E.plot_evaluation({"arm": {"eval": {**ev, **{f"distractors_{k}": ev["distractors_0"] for k in
+                                                          E.DISTRACTOR_SWEEP},
+                                                **{f"gold_{p}": ev["gold_0"] for p in E.POSITION_SWEEP}}}}, tmp_path)
+    assert [p.name for p in paths] == ["acc_distractors.png", "acc_position.png"]
+    assert all(p.stat().st_size > 5000 for p in paths)
+
+
+def test_wilson_interval_and_chance() -> None:
+    lo, hi = E.binomial_ci(0.5, 100)
+    assert lo < 0.5 < hi and abs((hi - lo) - 0.19) < 0.01  # ±1.96·sqrt(.25/100) ≈ ±0.098
+    lo, hi = E.binomial_ci(0.0, 50)
+    assert lo == pytest.approx(0.0, abs=1e-12) and 0 < hi < 0.1  # never a zero-width interval at 0
+    assert 0.03 < E.type_chance() < 0.06
 
 
 def test_canvas_answer() -> None:

@@ -150,11 +150,117 @@ def eval_sets(n: int = EVAL_N, seed: int = EVAL_SEED, n_distractors: int = EVAL_
     }
 
 
+#: The README's sweeps: distractor counts (the twins were trained on 0..4; 6 and 8 test extrapolation)
+#: and gold positions 0..4 among the 5 passages of the 4-distractor setting.
+DISTRACTOR_SWEEP: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8)
+POSITION_SWEEP: tuple[int, ...] = (0, 1, 2, 3, 4)
+
+
+#: Share of distractors that use the question's relation (training used 0.5). At 1.0 every passage
+#: offers an answer of the right type, so only matching the question's subject beats 1/(k+1).
+HARDNESS_SWEEP: tuple[float, ...] = (0.0, 1.0)
+
+
 def evaluate(model: Any, n: int = EVAL_N, seed: int = EVAL_SEED, distractor_sweep: Sequence[int] = (),
+             position_sweep: Sequence[int] = (), hardness_sweep: Sequence[float] = (),
              gen_length: int | None = None) -> dict[str, dict[str, float]]:
-    """Scores on ``eval_sets`` (and optionally on ``make_dataset(n, seed, n_distractors=k)`` for each k
-    of ``distractor_sweep``, keyed ``distractors_k``)."""
+    """Scores on ``eval_sets``, plus ``make_dataset(n, seed, n_distractors=k)`` for each k of
+    ``distractor_sweep`` (keyed ``distractors_k``), and 4-distractor sets with the gold passage at
+    index p for each p of ``position_sweep`` (keyed ``gold_p``) and with a share h of same-relation
+    distractors for each h of ``hardness_sweep`` (keyed ``hard_h``)."""
     sets = eval_sets(n, seed)
     for k in distractor_sweep:
         sets[f"distractors_{k}"] = D.make_dataset(n, seed=seed, n_distractors=k)
+    for p in position_sweep:
+        sets[f"gold_{p}"] = D.make_dataset(n, seed=seed, n_distractors=EVAL_DISTRACTORS, gold_position=p)
+    for h in hardness_sweep:
+        sets[f"hard_{h:g}"] = D.make_dataset(n, seed=seed, n_distractors=EVAL_DISTRACTORS, hard_negative_frac=h)
     return {name: accuracy(model, items, gen_length) for name, items in sets.items()}
+
+
+def binomial_ci(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a proportion (95% by default)."""
+    if n <= 0:
+        return float("nan"), float("nan")
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def plot_evaluation(results: dict[str, Any], out: Any) -> list[Any]:
+    """``acc_distractors.png`` and ``acc_position.png`` (exact match with 95% Wilson bands, closed-book
+    dashed, type-level chance dotted) from a ``results.json``-shaped dict ``{twin: {"eval": ...}}``."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from mdm_lens.views import figures
+
+    out = Path(out)
+    evals = {name: r["eval"] for name, r in results.items() if "eval" in r}
+    label = {"mdm": "tiny-mdm (MDM)", "arm": "tiny-arm (ARM)"}
+    paths = []
+    for key, xs, xlabel, title, fname in (
+        ("distractors_{}", DISTRACTOR_SWEEP, "distractor passages (trained on 0-4)",
+         "Exact match vs number of distractors", "acc_distractors.png"),
+        ("gold_{}", POSITION_SWEEP, "gold passage index among 5 passages",
+         "Exact match vs gold position (lost in the middle?)", "acc_position.png"),
+    ):
+        series, errors = {}, {}
+        for name, ev in evals.items():
+            pts = [ev.get(key.format(x)) for x in xs]
+            if any(p is None for p in pts):
+                continue
+            y = np.array([100 * p["exact_match"] for p in pts])
+            ci = np.array([binomial_ci(p["exact_match"], int(p["n"])) for p in pts]).T * 100
+            series[label.get(name, name)] = y
+            errors[label.get(name, name)] = ci
+            closed = 100 * ev["no_context"]["exact_match"]
+            series[f"{label.get(name, name)}, no context"] = np.full(len(xs), closed)
+        if series:
+            figures.accuracy_curves(list(xs), series, xlabel=xlabel, title=title, ylabel="exact match (%)",
+                                    path=out / fname, errors=errors, chance=100 * type_chance())
+            paths.append(out / fname)
+    return paths
+
+
+def type_chance() -> float:
+    """Accuracy of guessing a random word of the right answer type, averaged over the relations."""
+    pools = [len(D.POOLS[rel.object]) for rel in D.RELATIONS.values()]
+    return sum(1 / n for n in pools) / len(pools)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Re-score the shipped twins (``python -m mdm_lens.zoo.evaluate``): updates the ``eval`` entries
+    of ``assets/results.json`` and writes the two accuracy PNGs next to it."""
+    import argparse
+    import json
+    import time
+    from pathlib import Path
+
+    from mdm_lens.model import HookedMDM
+    from mdm_lens.zoo.train import ASSETS, NAMES
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--which", choices=["mdm", "arm", "both"], default="both")
+    ap.add_argument("--n", type=int, default=EVAL_N)
+    ap.add_argument("--out", type=Path, default=ASSETS)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    path = args.out / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    for o in (["mdm", "arm"] if args.which == "both" else [args.which]):
+        model = HookedMDM.from_pretrained(str(args.out / NAMES[o].split("/")[-1]))
+        t = time.perf_counter()
+        entry = results.setdefault(o, {})
+        entry["eval"] = evaluate(model, n=args.n, distractor_sweep=DISTRACTOR_SWEEP, position_sweep=POSITION_SWEEP,
+                                 hardness_sweep=HARDNESS_SWEEP)
+        entry["eval_s"] = round(time.perf_counter() - t, 1)
+        print(o, {k: v["exact_match"] for k, v in entry["eval"].items()}, flush=True)
+    path.write_text(json.dumps(results, indent=2))
+    for p in plot_evaluation(results, args.out):
+        print(p)
+
+
+if __name__ == "__main__":
+    main()
