@@ -121,12 +121,18 @@ def test_attention_needs_cache(tiny):
         views.attention(bare, step=0, layer=0)
 
 
+def test_labels_keep_their_own_spaces():
+    assert circuits._display(["a", "b"]) == ["a", " b"]
+    assert circuits._display(["The", " cat", "[MASK]"]) == ["The", " cat", "[MASK]"]  # BPE-style: unchanged
+
+
 def test_attention_view(tiny):
     model, out = tiny
     view = views.attention(out, step=0, layer=0, model=model)
     element, props = circuits.parse_view(view)
     assert element == "AttentionPatterns"
-    assert props["tokens"] == ["1", "2", "3", "4", "[MASK]", "[MASK]", "[MASK]", "[MASK]"]
+    # word-level labels (no spaces of their own) are shown space-separated; mask tokens as [MASK]
+    assert props["tokens"] == ["1", " 2", " 3", " 4", " [MASK]", " [MASK]", " [MASK]", " [MASK]"]
     assert np.asarray(props["attention"]).shape == (4, 8, 8)
     sub = views.attention(out, step=0, layer=0, heads=[1, 3])
     assert np.asarray(circuits.parse_view(sub)[1]["attention"]).shape == (2, 8, 8)

@@ -131,6 +131,15 @@ def attention(out: Any, step: int, layer: int, model: Any = None, batch: int = 0
     return attention_from_pattern(tokens, pattern, kind=kind, head_names=head_names, mask_upper_tri=causal)
 
 
+def _display(str_tokens: Sequence[Any]) -> list[str]:
+    """Labels as circuitsvis prints them, run together. A word-level vocabulary (no label carries a space)
+    would read as one long word, so such labels get a leading space; BPE labels keep their own."""
+    tokens = [str(t) for t in str_tokens]
+    if tokens and not any(any(c.isspace() for c in t) for t in tokens):
+        return [tokens[0]] + [" " + t for t in tokens[1:]]
+    return tokens
+
+
 def attention_from_pattern(str_tokens: Sequence[str], pattern: Any, kind: Literal["patterns", "heads"] = "patterns",
                            head_names: Sequence[str] | None = None, mask_upper_tri: bool = False) -> Any:
     """circuitsvis view of a `[head, query, key]` (or `[query, key]`) attention pattern. The default is
@@ -143,7 +152,7 @@ def attention_from_pattern(str_tokens: Sequence[str], pattern: Any, kind: Litera
         raise InputError(f"pattern must be [head, query, key], got shape {tuple(p.shape)}.")
     if p.shape[1] != p.shape[2]:
         raise InputError(f"circuitsvis needs square patterns (query = key positions); got {tuple(p.shape)}.")
-    tokens = [str(t) for t in str_tokens]
+    tokens = _display(str_tokens)
     if len(tokens) != p.shape[-1]:
         raise InputError(f"{len(tokens)} token labels for a pattern over {p.shape[-1]} positions.")
     cv = _cv()
@@ -160,7 +169,7 @@ def tokens_by_persistence(str_tokens: Sequence[str], persistence: Any, max_value
     """Tokens coloured by anchor persistence: the fraction of steps, or of layers, at which each position
     was detected as an anchor. NaN counts as 0. The scale is 0 to 1, or 0 to the maximum if that is above 1."""
     v = np.nan_to_num(_np(persistence).ravel(), nan=0.0)
-    tokens = [str(t) for t in str_tokens]
+    tokens = _display(str_tokens)
     if len(tokens) != v.size:
         raise InputError(f"{len(tokens)} tokens for {v.size} persistence values.")
     top = float(max_value) if max_value is not None else max(1.0, float(v.max()) if v.size else 1.0)
