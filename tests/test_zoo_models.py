@@ -136,3 +136,13 @@ def test_time_budget_stops_training() -> None:
     _, log = TR.train_mdm(steps=50, minutes=0.0, batch_size=4, val_every=0, verbose=False,
                           arch=TR.ArchConfig(**TINY_ARCH))
     assert log["stopped_by"] == "time" and log["steps_done"] == 0
+
+
+def test_train_cli_records_the_data_recipe(tmp_path) -> None:
+    TR.main(["--which", "arm", "--steps", "3", "--batch-size", "4", "--no-eval", "--max-distractors", "1",
+             "--hard-negative-frac", "1", "--curriculum", "0", "--out", str(tmp_path)])
+    recipe = json.loads((tmp_path / "tiny-arm" / "config.json").read_text())["extra"]["recipe"]
+    assert (recipe["max_distractors"], recipe["hard_negative_frac"], recipe["curriculum"]) == (1, 1.0, 0.0)
+    assert recipe["steps_done"] == 3
+    assert json.loads((tmp_path / "results.json").read_text())["arm"]["steps_done"] == 3
+    assert (tmp_path / "training_curves.png").exists()

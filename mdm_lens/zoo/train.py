@@ -409,7 +409,8 @@ def plot_curves(out: Path) -> Path | None:
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a run without validation points has nothing to label
+            ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / "training_curves.png"
     fig.savefig(path, dpi=90)
@@ -425,17 +426,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=TrainConfig.lr)
     ap.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ASSETS)
+    ap.add_argument("--max-distractors", type=int, default=TrainConfig.max_distractors)
+    ap.add_argument("--hard-negative-frac", type=float, default=TrainConfig.hard_negative_frac,
+                    help="share of distractors that use the question's relation")
+    ap.add_argument("--curriculum", type=float, default=TrainConfig.curriculum,
+                    help="share of training over which max distractors ramps up from 0 (0 = off)")
+    ap.add_argument("--out", type=Path, default=ASSETS, help="folder for weights, logs and results "
+                    "(default: the shipped assets, which this overwrites)")
     ap.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    from mdm_lens.zoo.evaluate import evaluate
+    from mdm_lens.zoo.evaluate import full_evaluation, plot_evaluation
 
     results_path = args.out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     for o in (["mdm", "arm"] if args.which == "both" else [args.which]):
         tc = TrainConfig(objective=o, steps=args.steps, minutes=args.minutes, lr=args.lr,
-                         batch_size=args.batch_size, seed=args.seed)
+                         batch_size=args.batch_size, seed=args.seed, max_distractors=args.max_distractors,
+                         hard_negative_frac=args.hard_negative_frac, curriculum=args.curriculum)
         model, log = train(tc)
         folder = save_twin(model, args.out / NAMES[o].split("/")[-1])
         (args.out / f"training_log_{o}.json").write_text(json.dumps(log, separators=(",", ":")))
@@ -446,12 +454,14 @@ def main(argv: list[str] | None = None) -> None:
             reloaded = HookedMDM.from_pretrained(str(folder))  # score the shipped (fp16-stored) weights
             reloaded.cfg.extra.setdefault("gen_length", tc.gen_length)
             t = time.perf_counter()
-            entry["eval"] = evaluate(reloaded, distractor_sweep=(0, 8))
+            entry["eval"] = full_evaluation(reloaded)
             entry["eval_s"] = round(time.perf_counter() - t, 1)
         results[o] = entry
         results_path.write_text(json.dumps(results, indent=2))
         print(json.dumps({o: entry}, indent=2), flush=True)
     plot_curves(args.out)
+    if not args.no_eval:
+        plot_evaluation(results, args.out)
 
 
 if __name__ == "__main__":
