@@ -1,14 +1,15 @@
 """mdm_lens: TransformerLens-style interpretability for masked diffusion language models."""
 
 from mdm_lens.config import MDMConfig
-from mdm_lens.errors import (CheckpointError, CheckpointNotFoundError, ConfigError, HookNameError, InputError,
+from mdm_lens.errors import (ArgumentError, ArgumentTypeError, NonFiniteError, OutOfRangeError, CheckpointError, CheckpointNotFoundError, ConfigError, HookNameError, InputError,
                              MDMLensError, MemoryBudgetError, SamplerConfigError, UnknownModelError)
+from mdm_lens import validate
 from mdm_lens.model import HookedMDM
 from mdm_lens.diffusion import DenoisingState, GenerateOutput, Trajectory
 from mdm_lens.hooks import (KeyValueNorms, ReceivedAttention, TopKKeys, TrajectoryCache, at_steps,
                             received_attention, steps)
 
 __all__ = ["HookedMDM", "MDMConfig", "DenoisingState", "GenerateOutput", "Trajectory", "KeyValueNorms",
-           "ReceivedAttention", "TopKKeys", "TrajectoryCache", "at_steps", "received_attention", "steps", "MDMLensError", "ConfigError", "CheckpointError", "CheckpointNotFoundError",
+           "ReceivedAttention", "TopKKeys", "TrajectoryCache", "at_steps", "received_attention", "steps", "MDMLensError", "ArgumentError", "ArgumentTypeError", "OutOfRangeError", "NonFiniteError", "ConfigError", "CheckpointError", "CheckpointNotFoundError",
            "UnknownModelError", "HookNameError", "InputError", "SamplerConfigError", "MemoryBudgetError"]
 __version__ = "0.1.0"

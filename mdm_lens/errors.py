@@ -33,11 +33,33 @@ class HookNameError(MDMLensError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-class InputError(MDMLensError, ValueError):
+class ArgumentError(MDMLensError, ValueError):
+    """An argument of a public function is invalid. Raised by `mdm_lens.validate`, whose messages name the
+    argument, the value given and what is allowed; `argument`, `value` and `allowed` are also attributes."""
+
+    def __init__(self, message: str, *, argument: str | None = None, value: object = None,
+                 allowed: str | None = None) -> None:
+        super().__init__(message)
+        self.argument, self.value, self.allowed = argument, value, allowed
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of the wrong type (``steps=4.5``, ``record=ReceivedAttention()`` not in a list)."""
+
+
+class OutOfRangeError(ArgumentError, IndexError):
+    """An index (layer, head, step, position) outside its range; negative indices count from the end."""
+
+
+class NonFiniteError(ArgumentError):
+    """NaN or inf in a tensor or statistic where a probe needs finite numbers."""
+
+
+class InputError(ArgumentError):
     """Bad model input: shapes, dtypes, token ids out of range, padding with the mask id."""
 
 
-class SamplerConfigError(MDMLensError, ValueError):
+class SamplerConfigError(ArgumentError):
     """Sampler settings that cannot work together (checked before any compute)."""
 
 

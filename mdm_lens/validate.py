@@ -1,0 +1,220 @@
+"""The one place where public arguments are checked.
+
+Every public function validates its layers, heads, steps, positions, shapes, dtypes and values through these
+helpers, so that a wrong argument always raises a typed error (`mdm_lens.errors.ArgumentError` and its
+subclasses) whose message names the argument, the value given and what is allowed -- never a silent wrap-around
+(``layers=[7]`` on a 4-layer model is an error, not layer 3) and never a plausible wrong number.
+
+Negative indices mean what they mean in Python: ``-1`` is the last layer / step / position.
+
+    layer = validate.index(layer, model.cfg.n_layers, name="layer")          # -> 0 <= layer < n_layers
+    layers = validate.indices(layers, model.cfg.n_layers, name="layers")     # None -> all, int -> [int]
+    steps = validate.integer(steps, name="steps", min=1)
+    validate.tensor(pattern, name="pattern", ndim=4, dtype="float", finite=True)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Iterable, Sequence, TypeVar
+
+import torch
+from torch import Tensor
+
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, NonFiniteError, OutOfRangeError
+
+__all__ = ["index", "indices", "integer", "number", "boolean", "choice", "instances", "tensor", "finite",
+           "same_shape", "describe"]
+
+T = TypeVar("T")
+
+_DTYPE_KINDS = {
+    "float": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
+    "int": (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8),
+    "bool": (torch.bool,),
+}
+
+
+def describe(value: Any) -> str:
+    """A short repr for messages: tensors by shape and dtype, long sequences cut."""
+    if isinstance(value, Tensor):
+        return f"tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _fail(error: type[ArgumentError], name: str, value: Any, allowed: str, detail: str = "") -> ArgumentError:
+    message = f"{name}={describe(value)} is invalid: {allowed}" + (f" ({detail})" if detail else "") + "."
+    return error(message, argument=name, value=value, allowed=allowed)
+
+
+def _is_int(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, Tensor):
+        return value.ndim == 0 and not value.is_floating_point() and value.dtype != torch.bool
+    return isinstance(value, numbers.Integral)
+
+
+def integer(value: Any, *, name: str, min: int | None = None, max: int | None = None,
+            error: type[ArgumentError] = ArgumentError) -> int:
+    """An int (not a bool, not a float such as 4.5 or 4.0) within [min, max]."""
+    bounds = _bounds(min, max)
+    if not _is_int(value):
+        raise _fail(ArgumentTypeError, name, value, f"expected an int{bounds}")
+    value = int(value)
+    if (min is not None and value < min) or (max is not None and value > max):
+        raise _fail(error, name, value, f"expected an int{bounds}")
+    return value
+
+
+def _bounds(low: Any, high: Any, low_open: bool = False, high_open: bool = False) -> str:
+    if low is not None and high is not None:
+        return f" in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if low is not None:
+        return f" {'>' if low_open else '>='} {low}"
+    if high is not None:
+        return f" {'<' if high_open else '<='} {high}"
+    return ""
+
+
+def number(value: Any, *, name: str, min: float | None = None, max: float | None = None, min_open: bool = False,
+           max_open: bool = False, error: type[ArgumentError] = ArgumentError) -> float:
+    """A finite real number (int or float, not a bool) within the given (open or closed) bounds."""
+    bounds = _bounds(min, max, min_open, max_open)
+    if isinstance(value, Tensor) and value.ndim == 0 and value.dtype != torch.bool:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(ArgumentTypeError, name, value, f"expected a number{bounds}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise _fail(error, name, value, f"expected a finite number{bounds}")
+    too_low = min is not None and (value <= min if min_open else value < min)
+    too_high = max is not None and (value >= max if max_open else value > max)
+    if too_low or too_high:
+        raise _fail(error, name, value, f"expected a number{bounds}")
+    return value
+
+
+def boolean(value: Any, *, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(ArgumentTypeError, name, value, "expected True or False")
+    return value
+
+
+def choice(value: Any, allowed: Iterable[T], *, name: str, error: type[ArgumentError] = ArgumentError) -> T:
+    """One of `allowed` (compared with ==); the message lists them all."""
+    allowed = list(allowed)
+    for option in allowed:
+        if type(value) is type(option) and value == option:
+            return option
+    raise _fail(error, name, value, "expected one of " + ", ".join(repr(a) for a in allowed))
+
+
+def index(value: Any, size: int, *, name: str, what: str = "index",
+          error: type[ArgumentError] = OutOfRangeError) -> int:
+    """An int index into `size` items, negative counting from the end; returns it in [0, size)."""
+    if not _is_int(value):
+        raise _fail(ArgumentTypeError, name, value, f"expected an int {what} in [-{size}, {size - 1}]")
+    value = int(value)
+    if size <= 0:
+        raise _fail(error, name, value, f"there is no {what} to index (0 available)")
+    if not -size <= value < size:
+        raise _fail(error, name, value, f"expected a {what} in [-{size}, {size - 1}]",
+                    f"there are {size}; negative values count from the end")
+    return value % size
+
+
+def indices(value: Any, size: int, *, name: str, what: str = "index", allow_empty: bool = False,
+            unique: bool = True, error: type[ArgumentError] = OutOfRangeError) -> list[int]:
+    """None (all), an int, a range, a slice, a 1-d int tensor or a sequence of ints -> a list in [0, size).
+
+    Duplicates are an error when `unique` (``layers=[1, -3]`` on 4 layers names layer 1 twice)."""
+    if value is None:
+        return list(range(size))
+    if isinstance(value, slice):
+        return list(range(size))[value] or _empty(name, value, what, size, allow_empty, error)
+    if _is_int(value):
+        return [index(value, size, name=name, what=what, error=error)]
+    if isinstance(value, Tensor):
+        if value.ndim != 1 or value.is_floating_point() or value.dtype == torch.bool:
+            raise _fail(ArgumentTypeError, name, value, f"expected a 1-d integer tensor of {what}s")
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, range)):
+        raise _fail(ArgumentTypeError, name, value, f"expected None, an int or a sequence of int {what}s")
+    out = [index(v, size, name=f"{name}[{i}]", what=what, error=error) for i, v in enumerate(value)]
+    if not out:
+        return _empty(name, value, what, size, allow_empty, error)
+    if unique and len(set(out)) != len(out):
+        raise _fail(error, name, value, f"expected distinct {what}s", "a negative index names the same one")
+    return out
+
+
+def _empty(name: str, value: Any, what: str, size: int, allow_empty: bool, error: type[ArgumentError]) -> list[int]:
+    if allow_empty:
+        return []
+    raise _fail(error, name, value, f"expected at least one {what} out of {size}")
+
+
+def instances(value: Any, types: type | tuple[type, ...], *, name: str, allow_single: bool = False) -> list[Any]:
+    """A list/tuple whose items are all of `types`. A lone item is an error unless `allow_single`
+    (``record=ReceivedAttention()`` instead of ``record=[ReceivedAttention()]``)."""
+    names = types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
+    if isinstance(value, types) and not isinstance(value, (list, tuple)):
+        if allow_single:
+            return [value]
+        raise _fail(ArgumentTypeError, name, value, f"expected a list of {names}", f"write {name}=[...]")
+    if not isinstance(value, (list, tuple)):
+        raise _fail(ArgumentTypeError, name, value, f"expected a list of {names}")
+    for i, item in enumerate(value):
+        if not isinstance(item, types):
+            raise _fail(ArgumentTypeError, f"{name}[{i}]", item, f"expected a {names}")
+    return list(value)
+
+
+def tensor(value: Any, *, name: str, ndim: int | Sequence[int] | None = None,
+           shape: Sequence[int | None] | None = None, dtype: str | Sequence[str] | None = None,
+           finite: bool = False, nonempty: bool = True) -> Tensor:
+    """A torch tensor of the given rank, shape (None = any size on that axis) and dtype kind
+    ("float", "int", "bool"); `finite` refuses NaN/inf; `nonempty` refuses a tensor with no elements."""
+    if not isinstance(value, Tensor):
+        raise _fail(ArgumentTypeError, name, value, "expected a torch.Tensor")
+    if ndim is not None:
+        ranks = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if value.ndim not in ranks:
+            raise _fail(ArgumentError, name, value, f"expected {' or '.join(map(str, ranks))} dimensions")
+    if shape is not None:
+        want = tuple(shape)
+        ok = len(want) == value.ndim and all(w is None or w == s for w, s in zip(want, value.shape))
+        if not ok:
+            pretty = "[" + ", ".join("*" if w is None else str(w) for w in want) + "]"
+            raise _fail(ArgumentError, name, value, f"expected shape {pretty}")
+    if dtype is not None:
+        kinds = (dtype,) if isinstance(dtype, str) else tuple(dtype)
+        if not any(value.dtype in _DTYPE_KINDS[k] for k in kinds):
+            raise _fail(ArgumentTypeError, name, value, f"expected a {' or '.join(kinds)} tensor")
+    if nonempty and value.numel() == 0:
+        raise _fail(ArgumentError, name, value, "expected a non-empty tensor")
+    if finite:
+        _finite(value, name=name)
+    return value
+
+
+def finite(value: Tensor, *, name: str, nan_policy: str = "raise") -> Tensor:
+    """Refuse NaN/inf (``nan_policy="raise"``), or pass them on unchanged (``"propagate"``)."""
+    choice(nan_policy, ("raise", "propagate"), name="nan_policy")
+    if nan_policy == "raise" and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        n_nan, n_inf = int(torch.isnan(value).sum()), int(torch.isinf(value).sum())
+        raise _fail(NonFiniteError, name, value, "expected finite values",
+                    f"{n_nan} NaN and {n_inf} inf of {value.numel()}")
+    return value
+
+
+_finite = finite  # `tensor` has an argument named `finite`
+
+
+def same_shape(a: Tensor, b: Tensor, *, names: tuple[str, str]) -> None:
+    if tuple(a.shape) != tuple(b.shape):
+        raise ArgumentError(f"{names[0]} has shape {tuple(a.shape)} but {names[1]} has shape {tuple(b.shape)}; "
+                            "they must match.", argument=names[1], value=b, allowed=f"shape {tuple(a.shape)}")
