@@ -1,0 +1,147 @@
+"""Mutation testing: plant each curated bug in a scratch copy of the repo, run the suite, report what survives.
+
+    python -m tests.mutants                 # every mutant, 2 workers
+    python -m tests.mutants --list          # the catalogue
+    python -m tests.mutants --only dream-entropy-sign llada-cfg-direction
+    python -m tests.mutants --jobs 1 --timeout 300 --json out.json
+
+A mutant is *caught* when the suite fails on it (pytest exit 1, or a time-out: an infinite loop is a
+failure too) and *survives* when the suite passes. A mutant whose snippet no longer occurs exactly once is
+*stale* and makes the run fail, so the catalogue cannot silently rot (tests/test_mutants_catalogue.py checks
+this in CI without running the suite). Not part of CI's default run: it takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tests.mutants.catalogue import MUTANTS, Mutant
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def check_catalogue(root: Path = ROOT) -> list[str]:
+    """Problems with the catalogue: unknown files, snippets that are missing or occur more than once, no-ops."""
+    problems, seen = [], set()
+    for m in MUTANTS:
+        if m.id in seen:
+            problems.append(f"{m.id}: duplicate id")
+        seen.add(m.id)
+        path = root / m.file
+        if not path.is_file():
+            problems.append(f"{m.id}: no file {m.file}")
+            continue
+        count = path.read_text().count(m.find)
+        if count != 1:
+            problems.append(f"{m.id}: snippet occurs {count} times in {m.file} (must be exactly once)")
+        if m.find == m.replace:
+            problems.append(f"{m.id}: replacement equals the original")
+    return problems
+
+
+def _copy_repo(dest: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in files:
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def run_one(m: Mutant | None, workdir: Path, timeout: float, pytest_args: list[str]) -> dict:
+    """Run the suite on `workdir` with `m` planted (None: the unmutated baseline)."""
+    m = m or Mutant("baseline", "-", "README.md", "", "", "the unmutated tree")
+    path = workdir / m.file
+    original = path.read_text()
+    if m.find:
+        path.write_text(original.replace(m.find, m.replace, 1))
+    env = dict(os.environ, PYTHONPATH=str(workdir), MPLBACKEND="Agg", HF_HUB_OFFLINE="1",
+               PYTHONDONTWRITEBYTECODE="1")
+    start = time.time()
+    try:
+        # the catalogue check fails by construction on a mutated tree: leave it out
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                               "--ignore=tests/test_mutants_catalogue.py", *(m.tests or ("tests",)), *pytest_args],
+                              cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+        code, tail = proc.returncode, (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+    except subprocess.TimeoutExpired:
+        code, tail = -1, ["time-out"]
+    finally:
+        path.write_text(original)
+    status = "survived" if code == 0 else "caught" if code in (1, -1) else f"error (exit {code})"
+    return dict(id=m.id, area=m.area, file=m.file, status=status, seconds=round(time.time() - start, 1),
+                tail=tail, note=m.note)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.mutants", description=__doc__.splitlines()[0])
+    ap.add_argument("--list", action="store_true", help="print the catalogue and exit")
+    ap.add_argument("--only", nargs="*", default=None, help="mutant ids to run")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args, pytest_args = ap.parse_known_args(argv)
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.id:34s} {m.area:10s} {m.file}: {m.note}")
+        return 0
+    problems = check_catalogue()
+    if problems:
+        print("stale catalogue:\n  " + "\n  ".join(problems))
+        return 2
+    chosen = MUTANTS if not args.only else [m for m in MUTANTS if m.id in set(args.only)]
+    unknown = set(args.only or ()) - {m.id for m in MUTANTS}
+    if unknown:
+        print(f"unknown mutant ids: {sorted(unknown)}")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="mdm-mutants-") as tmp:
+        dirs = []
+        for j in range(max(1, args.jobs)):
+            d = Path(tmp) / f"w{j}"
+            d.mkdir()
+            _copy_repo(d)
+            dirs.append(d)
+        free = list(dirs)
+        base = run_one(None, dirs[0], args.timeout, pytest_args)
+        if base["status"] != "survived":  # the suite must pass before a failure can mean "caught"
+            print(f"the unmutated suite does not pass: {base['tail']}")
+            return 2
+        print(f"  baseline  {base['seconds']:6.1f}s  (suite passes unmutated)", flush=True)
+
+        def task(m: Mutant) -> dict:
+            d = free.pop()
+            try:
+                r = run_one(m, d, args.timeout, pytest_args)
+            finally:
+                free.append(d)
+            print(f"  {r['status']:9s} {r['seconds']:6.1f}s  {m.id}", flush=True)
+            return r
+
+        with ThreadPoolExecutor(max_workers=len(dirs)) as pool:
+            results = list(pool.map(task, chosen))
+    caught = sum(r["status"] == "caught" for r in results)
+    survivors = [r for r in results if r["status"] == "survived"]
+    errors = [r for r in results if r["status"].startswith("error")]
+    score = caught / max(1, len(results))
+    print(f"\n{caught} of {len(results)} mutants caught ({100 * score:.1f}%)")
+    for r in survivors:
+        print(f"  SURVIVED {r['id']} ({r['file']}): {r['note']}")
+    for r in errors:
+        print(f"  ERROR    {r['id']}: {r['status']} {r['tail']}")
+    if args.json:
+        args.json.write_text(json.dumps(dict(score=score, results=results), indent=1))
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
