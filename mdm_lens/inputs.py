@@ -43,6 +43,9 @@ def token_ids(tokens: Any, cfg: MDMConfig, device: torch.device | str) -> Int[Te
             raise InputTypeError(f"tokens={_describe(tokens)} is invalid: expected an integer tensor [batch, pos] "
                                  f"or a (nested) list of ints ({e}).", argument="tokens", value=tokens,
                                  allowed="an integer tensor [batch, pos]") from e
+    if tokens.numel() == 0:
+        raise InputError(f"tokens={_describe(tokens)} is empty: expected at least one sequence of at least one "
+                         "token.", argument="tokens", value=tokens, allowed="a non-empty [batch, pos] tensor")
     if tokens.dtype not in _INT_DTYPES:
         raise InputTypeError(f"tokens={_describe(tokens)} is invalid: expected integer token ids (int64 or int32), "
                              f"not {tokens.dtype}.", argument="tokens", value=tokens, allowed="an integer tensor")
@@ -51,9 +54,6 @@ def token_ids(tokens: Any, cfg: MDMConfig, device: torch.device | str) -> Int[Te
     if tokens.ndim != 2:
         raise InputError(f"tokens={_describe(tokens)} is invalid: expected shape [batch, pos] or [pos].",
                          argument="tokens", value=tokens, allowed="[batch, pos]")
-    if tokens.numel() == 0:
-        raise InputError(f"tokens={_describe(tokens)} is empty: expected at least one sequence of at least one "
-                         "token.", argument="tokens", value=tokens, allowed="a non-empty [batch, pos] tensor")
     if tokens.shape[1] > cfg.n_ctx:
         raise InputError(f"sequence of {tokens.shape[1]} tokens exceeds the context of {cfg.n_ctx}; "
                          "truncate the input or shorten gen_length.", argument="tokens", value=tokens,

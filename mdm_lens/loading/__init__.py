@@ -268,7 +268,11 @@ def _load_tokenizer(folder: Path) -> Any:
     if (folder / "tokenizer.json").exists():
         from tokenizers import Tokenizer
 
-        return Tokenizer.from_file(str(folder / "tokenizer.json"))
+        try:
+            return Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+            raise CheckpointError(f"{folder / 'tokenizer.json'} could not be read ({e}); fetch it again, or pass "
+                                  "load_tokenizer=False to load the weights without it.") from e
     return None
 
 
