@@ -65,3 +65,7 @@ class SamplerConfigError(ArgumentError):
 
 class MemoryBudgetError(MDMLensError, MemoryError):
     """A requested cache would exceed the memory budget."""
+
+
+class InputTypeError(InputError, ArgumentTypeError):
+    """Model input of the wrong type (text where token ids are expected, float token ids, a non-tensor mask)."""

@@ -6,7 +6,9 @@ Llama / Qwen2) built on TransformerLens' `HookedRootModule`, so `run_with_hooks`
 from __future__ import annotations
 
 import difflib
-from typing import Any, Callable, Literal, Sequence, Union
+import math
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Literal, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -15,10 +17,10 @@ from torch import Tensor, nn
 from transformer_lens import ActivationCache, HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
-from mdm_lens import masks, tokenization
+from mdm_lens import inputs, masks, tokenization, validate
 from mdm_lens.components import Block, RMSNorm, rotary_cos_sin
 from mdm_lens.config import MDMConfig
-from mdm_lens.errors import HookNameError, InputError
+from mdm_lens.errors import ArgumentTypeError, HookNameError, InputError, InputTypeError
 
 ReturnType = Literal["logits", "aligned", "both", None]
 NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
@@ -50,6 +52,48 @@ class Unembed(nn.Module):
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
         return F.linear(x, self.weight)
+
+
+def _hook_list(hooks: Any, name: str) -> list[tuple[Any, Callable]]:
+    """TL's `[(name_or_filter, fn), ...]`; a lone pair (a common slip) is an error, not a silent char-split."""
+    if not isinstance(hooks, (list, tuple)):
+        raise ArgumentTypeError(f"{name}={validate.describe(hooks)} is invalid: expected a list of (hook name, "
+                                f"function) pairs.", argument=name, value=hooks, allowed="a list of pairs")
+    if len(hooks) == 2 and isinstance(hooks[0], str) and callable(hooks[1]):
+        raise ArgumentTypeError(f"{name}={validate.describe(hooks)} is one pair, not a list of pairs: write "
+                                f"{name}=[(name, fn)].", argument=name, value=hooks, allowed="a list of pairs")
+    out = []
+    for i, pair in enumerate(hooks):
+        ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and (isinstance(pair[0], str) or callable(pair[0])) \
+            and callable(pair[1])
+        if not ok:
+            raise ArgumentTypeError(f"{name}[{i}]={validate.describe(pair)} is invalid: expected a pair (hook name or "
+                                    "filter function, hook function).", argument=f"{name}[{i}]", value=pair,
+                                    allowed="a (str | callable, callable) pair")
+        out.append((pair[0], pair[1]))
+    return out
+
+
+def scaled_rotary_cos_sin(positions: Int[Tensor, "batch pos"], d_head: int, theta: float, scaling: dict[str, Any]
+                          ) -> tuple[Tensor, Tensor]:
+    """Rotary tables for `rope_scaling` "linear" (frequencies / factor) and "llama3" (Llama-3.1's
+    wavelength-dependent interpolation); both keep the attention scale at 1, as transformers does."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, device=positions.device, dtype=torch.float32) / d_head))
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        inv_freq = inv_freq / factor
+    else:  # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        slowed = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * slowed / factor + smooth * slowed
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        inv_freq = torch.where(medium, blended, slowed)
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+    return emb.cos(), emb.sin()
 
 
 def shift_logits(raw: Float[Tensor, "batch pos d_vocab"]) -> Float[Tensor, "batch pos d_vocab"]:
@@ -109,37 +153,14 @@ class HookedMDM(HookedRootModule):
         return load_pretrained(cls, name_or_path, dtype=dtype, device=device, **kwargs)
 
     def set_use_attn_result(self, use_attn_result: bool) -> None:
-        """TL's switch for `blocks.{l}.attn.hook_result` ([batch, pos, head, d_model])."""
-        self.cfg.use_attn_result = use_attn_result
+        """TL's switch for `blocks.{l}.attn.hook_result` ([batch, pos, head, d_model]); hooking that name while
+        it is off is an error (the hook would never fire)."""
+        self.cfg.use_attn_result = validate.boolean(use_attn_result, name="use_attn_result")
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
     # --- inputs -------------------------------------------------------------------------------------
-    def _check_tokens(self, tokens: Tensor, attention_mask: Tensor | None) -> Tensor:
-        if isinstance(tokens, (str, list)) and (isinstance(tokens, str) or isinstance(tokens[0], str)):
-            raise InputError("forward takes token ids; use `model.to_tokens(text)` first (or `model(model.to_tokens(text))`).")
-        tokens = torch.as_tensor(tokens)
-        if tokens.ndim == 1:
-            tokens = tokens[None]
-        if tokens.ndim != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise InputError(f"tokens must be an integer tensor [batch, pos], got {tuple(tokens.shape)} {tokens.dtype}.")
-        if tokens.shape[1] > self.cfg.n_ctx:
-            raise InputError(f"sequence of {tokens.shape[1]} tokens exceeds the context of {self.cfg.n_ctx}; "
-                             "truncate the input or shorten gen_length.")
-        lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < 0 or hi >= self.cfg.d_vocab:
-            raise InputError(f"token ids must lie in [0, {self.cfg.d_vocab}), got range [{lo}, {hi}].")
-        if attention_mask is not None:
-            if attention_mask.shape != tokens.shape:
-                raise InputError(f"attention_mask shape {tuple(attention_mask.shape)} must equal tokens shape "
-                                 f"{tuple(tokens.shape)} (1 = real token, 0 = padding).")
-            mask_id = self.cfg.mask_token_id
-            if mask_id is not None and bool(((attention_mask == 0) & (tokens == mask_id)).any()):
-                raise InputError(f"padding uses the mask token id {mask_id}: the model would read pads as positions "
-                                 "to denoise. Pad with the pad/EOS id instead (LLaDA asserts the same).")
-        return tokens.to(self.embed.W_E.device)
-
     def positions(self, tokens: Tensor, attention_mask: Tensor | None) -> Int[Tensor, "batch pos"]:
         """Rotary positions: raw 0..T-1 (LLaDA, HF default) or Dream's count of real tokens under padding."""
         b, t = tokens.shape
@@ -152,7 +173,12 @@ class HookedMDM(HookedRootModule):
         key = (positions.shape[1], positions.device)
         if arange and key in self._rope_cache:
             return self._rope_cache[key]
-        cos, sin = rotary_cos_sin(positions[:1] if arange else positions, self.cfg.d_head, self.cfg.rope_theta)
+        rows = positions[:1] if arange else positions
+        scaling = self.cfg.extra.get("rope_scaling")
+        if scaling:
+            cos, sin = scaled_rotary_cos_sin(rows, self.cfg.d_head, self.cfg.rope_theta, scaling)
+        else:
+            cos, sin = rotary_cos_sin(rows, self.cfg.d_head, self.cfg.rope_theta)
         if arange:
             self._rope_cache[key] = (cos, sin)
         return cos, sin
@@ -165,13 +191,7 @@ class HookedMDM(HookedRootModule):
         if attention_mask is not None and not bool(attention_mask.all()):
             attention_mask = attention_mask.to(tokens.device)
             pad = masks.pair_mask(attention_mask) if self.cfg.padding_mask == "pair" else masks.key_padding(attention_mask)
-        if attn_mask is not None:
-            attn_mask = attn_mask.to(tokens.device)
-            if attn_mask.ndim == 2:
-                attn_mask = attn_mask[None, None]
-            if attn_mask.dtype != torch.bool or attn_mask.shape[-2:] != (tokens.shape[1], tokens.shape[1]):
-                raise InputError(f"attn_mask must be bool [..., {tokens.shape[1]}, {tokens.shape[1]}] "
-                                 f"(True = may attend), got {tuple(attn_mask.shape)} {attn_mask.dtype}.")
+        attn_mask = inputs.explicit_mask(attn_mask, tokens)
         if pad is None and attn_mask is None:
             return None, causal
         combined = masks.combine(pad, attn_mask, masks.causal(tokens.shape[1], tokens.device) if causal else None)
@@ -190,21 +210,27 @@ class HookedMDM(HookedRootModule):
         """Run the model.
 
         Args:
-            tokens: token ids `[batch, pos]`.
-            attention_mask: HF-style `[batch, pos]`, 1 = real token, 0 = padding (hidden as keys).
+            tokens: token ids `[batch, pos]` (or `[pos]`), integer dtype, in `[0, d_vocab)`.
+            attention_mask: HF-style `[batch, pos]`, 1 = real token, 0 = padding (hidden as keys; Dream
+                also hides pad queries). Right padding gives each real position the logits it has alone;
+                left padding follows the family's reference (LLaDA keeps absolute positions, Dream counts
+                real tokens). A row of zeros is an error; leading pad ids without a mask get a warning.
             attn_mask: an explicit boolean visibility mask `[query, key]` or `[batch|1, 1, query, key]`
                 (e.g. `masks.block_causal`), ANDed with padding and, for causal models, the causal mask.
-            position_ids: rotary positions; default from `cfg.position_policy`.
+            position_ids: rotary positions `[batch|1, pos]`; default from `cfg.position_policy`.
             return_type: "logits" (raw: logit i from hidden state i, TL convention), "aligned" (logit i
                 predicts token i; differs from raw only for `cfg.logit_shift` models such as Dream),
                 "both" (a tuple raw, aligned) or None.
         """
-        tokens = self._check_tokens(tokens, attention_mask)
+        return_type = validate.choice(return_type, ("logits", "aligned", "both", None), name="return_type",
+                                      error=InputError)
+        tokens = inputs.token_ids(tokens, self.cfg, self.embed.W_E.device)
+        attention_mask = inputs.attention_mask(attention_mask, tokens, self.cfg)
         if position_ids is None:
             positions = self.positions(tokens, attention_mask)
             arange = attention_mask is None or self.cfg.position_policy == "arange" or bool(attention_mask.all())
         else:
-            positions, arange = torch.as_tensor(position_ids, device=tokens.device).expand_as(tokens), False
+            positions, arange = inputs.position_ids(position_ids, tokens), False
         cos, sin = self._rotary(positions, arange)
         mask, causal = self.build_mask(tokens, attention_mask, attn_mask)
         resid = self.hook_embed(self.embed(tokens))
@@ -216,11 +242,7 @@ class HookedMDM(HookedRootModule):
         if return_type == "logits":
             return raw
         aligned = shift_logits(raw) if self.cfg.logit_shift else raw
-        if return_type == "aligned":
-            return aligned
-        if return_type == "both":
-            return raw, aligned
-        raise InputError(f"return_type must be 'logits', 'aligned', 'both' or None, got {return_type!r}.")
+        return aligned if return_type == "aligned" else (raw, aligned)
 
     def generate(self, prompt: Any, **kwargs: Any) -> Any:
         """Run the real sampler step by step (LLaDA, Dream or autoregressive); see `mdm_lens.diffusion.generate`."""
@@ -231,7 +253,7 @@ class HookedMDM(HookedRootModule):
     def aligned_logits(self, raw: Tensor) -> Tensor:
         return shift_logits(raw) if self.cfg.logit_shift else raw
 
-    # --- hooks: TL machinery, with a typed error for names that do not exist --------------------------
+    # --- hooks: TL machinery, with typed errors for names that do not exist or never fire -------------
     def check_hook_name(self, name: str) -> None:
         if name not in self.hook_dict:
             close = difflib.get_close_matches(name, list(self.hook_dict), n=3, cutoff=0.6)
@@ -240,27 +262,73 @@ class HookedMDM(HookedRootModule):
                 f"no hook point named {name!r}.{hint} List them with `list(model.hook_dict)`; names follow "
                 "TransformerLens, e.g. 'blocks.0.attn.hook_pattern'."
             )
+        if name.endswith("attn.hook_result") and not self.cfg.use_attn_result:
+            raise HookNameError(
+                f"{name!r} never fires while per-head results are off (they cost batch·pos·head·d_model memory, so "
+                "they are opt-in, as in TransformerLens): call `model.set_use_attn_result(True)` first."
+            )
 
     def add_hook(self, name, hook, dir="fwd", is_permanent=False, level=None, prepend=False) -> None:  # type: ignore[override]
         if isinstance(name, str):
             self.check_hook_name(name)
+        elif not callable(name):
+            raise ArgumentTypeError(f"hook name {validate.describe(name)} is invalid: expected a hook name (str) or a "
+                                    "filter function on names.", argument="name", value=name,
+                                    allowed="a str or a callable")
         super().add_hook(name, hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
 
     def _enable_hook_with_name(self, name: str, hook: Callable, dir) -> None:  # type: ignore[override]
         self.check_hook_name(name)
         super()._enable_hook_with_name(name, hook, dir)
 
-    def _check_names_filter(self, names_filter: NamesFilter) -> None:
+    @contextmanager
+    def hooks(self, fwd_hooks: Any = [], bwd_hooks: Any = [], reset_hooks_end: bool = True,  # noqa: B006 (TL's signature)
+              clear_contexts: bool = False) -> Iterator["HookedMDM"]:
+        """TL's `hooks()` context manager, with the hook lists checked before any hook is added."""
+        fwd_hooks = _hook_list(fwd_hooks, "fwd_hooks")
+        bwd_hooks = _hook_list(bwd_hooks, "bwd_hooks")
+        validate.boolean(reset_hooks_end, name="reset_hooks_end")
+        validate.boolean(clear_contexts, name="clear_contexts")
+        for name, _ in fwd_hooks + bwd_hooks:
+            if isinstance(name, str):
+                self.check_hook_name(name)
+        with super().hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts) as model:
+            yield model
+
+    def _check_names_filter(self, names_filter: NamesFilter) -> NamesFilter:
+        if names_filter is None or callable(names_filter):
+            return names_filter
         if isinstance(names_filter, str):
             self.check_hook_name(names_filter)
-        elif isinstance(names_filter, (list, tuple)):
+            return names_filter
+        if isinstance(names_filter, (list, tuple)) and all(isinstance(n, str) for n in names_filter):
             for n in names_filter:
                 self.check_hook_name(n)
+            return list(names_filter)
+        raise ArgumentTypeError(f"names_filter={validate.describe(names_filter)} is invalid: expected None, a hook "
+                                "name, a list of hook names, or a function name -> bool.", argument="names_filter",
+                                value=names_filter, allowed="None, str, list of str or callable")
+
+    def get_caching_hooks(self, names_filter: NamesFilter = None, *args: Any, **kwargs: Any) -> Any:
+        """TL's caching hooks; a filter that is not an explicit list (None, a predicate) skips `hook_result`
+        while it is off, as TL's cache simply lacks it (explicit names were checked and raise)."""
+        if not self.cfg.use_attn_result and (names_filter is None or callable(names_filter)):
+            base = names_filter
+
+            def names_filter(name: str) -> bool:  # noqa: F811
+                return not name.endswith("attn.hook_result") and (base is None or bool(base(name)))
+        return super().get_caching_hooks(names_filter, *args, **kwargs)
 
     def run_with_cache(self, *model_args: Any, names_filter: NamesFilter = None, remove_batch_dim: bool = False,
                        return_cache_object: bool = True, **kwargs: Any) -> tuple[Any, ActivationCache]:
         """TL's `run_with_cache`, returning TL's `ActivationCache` (hook names are checked first)."""
-        self._check_names_filter(names_filter)
+        names_filter = self._check_names_filter(names_filter)
+        validate.boolean(remove_batch_dim, name="remove_batch_dim")
+        validate.boolean(return_cache_object, name="return_cache_object")
+        if remove_batch_dim and model_args and isinstance(model_args[0], Tensor) and model_args[0].ndim == 2 \
+                and model_args[0].shape[0] != 1:
+            raise InputError(f"remove_batch_dim=True needs a batch of one; tokens have batch {model_args[0].shape[0]}.",
+                             argument="remove_batch_dim", value=True, allowed="False for batches larger than 1")
         out, cache_dict = super().run_with_cache(*model_args, names_filter=names_filter,
                                                  remove_batch_dim=remove_batch_dim, **kwargs)
         if return_cache_object:
@@ -307,55 +375,29 @@ class HookedMDM(HookedRootModule):
         (Qwen2's value bias reaches the residual through `hook_z`, hence through the heads' results)."""
         return torch.zeros(self.cfg.d_model, dtype=self.W_E.dtype, device=self.W_E.device)
 
-    # --- text helpers (TL names) ----------------------------------------------------------------------
+    # --- text helpers (TL names; the work is in mdm_lens.tokenization) --------------------------------
     def to_tokens(self, text: str | Sequence[str], prepend_bos: bool | None = None,
                   padding_side: Literal["left", "right"] = "left", return_attention_mask: bool = False) -> Any:
         """Tokenize one text or a batch; batches are padded (left by default) with the pad id, never the mask id."""
-        tok = tokenization.require(self.tokenizer)
-        texts = [text] if isinstance(text, str) else list(text)
-        bos = self.cfg.bos_token_id
-        add_bos = (self.cfg.extra.get("prepend_bos", False) if prepend_bos is None else prepend_bos) and bos is not None
-        rows = [([bos] if add_bos else []) + tokenization.encode(tok, t) for t in texts]
-        pad = self.cfg.pad_token_id if self.cfg.pad_token_id is not None else self.cfg.eos_token_id
-        if pad is None:
-            pad = 0
-        if pad == self.cfg.mask_token_id:
-            raise InputError(f"the pad id equals the mask id {pad}; set cfg.pad_token_id to another token.")
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        am = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            sl = slice(width - len(r), width) if padding_side == "left" else slice(0, len(r))
-            ids[i, sl] = torch.tensor(r, dtype=torch.long)
-            am[i, sl] = 1
-        ids = ids.to(self.W_E.device)
-        return (ids, am.to(self.W_E.device)) if return_attention_mask else ids
+        return tokenization.to_tokens(self, text, prepend_bos, padding_side, return_attention_mask)
 
-    def to_string(self, tokens: Tensor | Sequence[int]) -> str | list[str]:
-        tok = tokenization.require(self.tokenizer)
-        t = torch.as_tensor(tokens)
-        if t.ndim == 2:
-            return [tokenization.decode(tok, row.tolist()) for row in t]
-        return tokenization.decode(tok, t.tolist())
+    def to_string(self, tokens: Tensor | Sequence[int] | int) -> str | list[str]:
+        """Decode `[batch, pos]` to a list of strings, `[pos]` or a 0-d tensor / int to one string (as TL)."""
+        return tokenization.to_string(self, tokens)
 
     def to_str_tokens(self, tokens: Tensor | Sequence[int] | str) -> list[str]:
         """One string per token; mask tokens are shown as `[MASK]` whatever the vocabulary calls them."""
-        tok = tokenization.require(self.tokenizer)
-        if isinstance(tokens, str):
-            tokens = self.to_tokens(tokens)[0]
-        t = torch.as_tensor(tokens)
-        if t.ndim == 2:
-            if t.shape[0] != 1:
-                raise InputError("to_str_tokens takes one sequence; index the batch first.")
-            t = t[0]
-        mask_id = self.cfg.mask_token_id
-        return ["[MASK]" if int(i) == mask_id else tokenization.id_to_token(tok, int(i)) for i in t]
+        return tokenization.to_str_tokens(self, tokens)
 
     def to_single_token(self, string: str) -> int:
         tok = tokenization.require(self.tokenizer)
+        if not isinstance(string, str):
+            raise InputTypeError(f"string={validate.describe(string)} is invalid: expected a str.", argument="string",
+                                 value=string, allowed="a str")
         ids = tokenization.encode(tok, string)
         if len(ids) != 1:
-            raise InputError(f"{string!r} is {len(ids)} tokens, not one.")
+            raise InputError(f"{string!r} is {len(ids)} tokens, not one.", argument="string", value=string,
+                             allowed="a string that is exactly one token")
         return ids[0]
 
     def __repr__(self) -> str:  # nn.Module's repr of 32 blocks is not what anyone wants to read

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from mdm_lens.errors import InputError
+import torch
+from torch import Tensor
+
+from mdm_lens import validate
+from mdm_lens.errors import InputError, InputTypeError
 
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -38,3 +42,86 @@ def require(tokenizer: Any) -> Any:
             "attach one with `model.set_tokenizer(tok)` (a `tokenizers.Tokenizer` or a transformers tokenizer)."
         )
     return tokenizer
+
+
+def to_tokens(model: Any, text: Any, prepend_bos: bool | None, padding_side: str,
+              return_attention_mask: bool) -> Any:
+    """`HookedMDM.to_tokens`: ids `[batch, pos]` (and the 0/1 mask), padded with the pad id, never the mask id."""
+    tok = require(model.tokenizer)
+    if isinstance(text, str):
+        texts = [text]
+    elif isinstance(text, (list, tuple)) and text and all(isinstance(t, str) for t in text):
+        texts = list(text)
+    else:
+        raise InputTypeError(f"text={validate.describe(text)} is invalid: expected a str or a non-empty list of str.",
+                             argument="text", value=text, allowed="a str or a non-empty list of str")
+    if prepend_bos is not None:
+        validate.boolean(prepend_bos, name="prepend_bos")
+    padding_side = validate.choice(padding_side, ("left", "right"), name="padding_side", error=InputError)
+    validate.boolean(return_attention_mask, name="return_attention_mask")
+    cfg = model.cfg
+    bos = cfg.bos_token_id
+    add_bos = (cfg.extra.get("prepend_bos", False) if prepend_bos is None else prepend_bos) and bos is not None
+    rows = [([bos] if add_bos else []) + encode(tok, t) for t in texts]
+    empty = [i for i, r in enumerate(rows) if not r]
+    if empty:
+        raise InputError(f"text {empty[0]} ({texts[empty[0]]!r}) tokenizes to no tokens; a model input needs at least "
+                         "one.", argument="text", value=text, allowed="texts of at least one token")
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
+    if pad is None:
+        pad = 0
+    if pad == cfg.mask_token_id:
+        raise InputError(f"the pad id equals the mask id {pad}; set cfg.pad_token_id to another token.")
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    am = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        sl = slice(width - len(r), width) if padding_side == "left" else slice(0, len(r))
+        ids[i, sl] = torch.tensor(r, dtype=torch.long)
+        am[i, sl] = 1
+    device = model.W_E.device
+    return (ids.to(device), am.to(device)) if return_attention_mask else ids.to(device)
+
+
+def _id_tensor(tokens: Any) -> Tensor:
+    if isinstance(tokens, str):
+        raise InputTypeError("expected token ids, got a str; decode ids, or use to_tokens for text.",
+                             argument="tokens", value=tokens, allowed="token ids")
+    try:
+        t = torch.as_tensor(tokens)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise InputTypeError(f"tokens={validate.describe(tokens)} is invalid: expected token ids ({e}).",
+                             argument="tokens", value=tokens, allowed="token ids") from e
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise InputTypeError(f"tokens={validate.describe(t)} is invalid: expected integer token ids.",
+                             argument="tokens", value=tokens, allowed="an integer tensor or list of ints")
+    return t
+
+
+def to_string(model: Any, tokens: Any) -> str | list[str]:
+    """TL's rule: a 2-d input gives one string per row; a 1-d or 0-d one (or an int) gives one string."""
+    tok = require(model.tokenizer)
+    t = _id_tensor(tokens)
+    if t.ndim == 2:
+        return [decode(tok, row.tolist()) for row in t]
+    if t.ndim > 2:
+        raise InputError(f"to_string takes [batch, pos], [pos] or a single id, got shape {tuple(t.shape)}.",
+                         argument="tokens", value=tokens, allowed="at most 2 dimensions")
+    return decode(tok, t.reshape(-1).tolist())
+
+
+def to_str_tokens(model: Any, tokens: Any) -> list[str]:
+    tok = require(model.tokenizer)
+    if isinstance(tokens, str):
+        tokens = model.to_tokens(tokens)[0]
+    t = _id_tensor(tokens)
+    if t.ndim == 2:
+        if t.shape[0] != 1:
+            raise InputError("to_str_tokens takes one sequence; index the batch first.", argument="tokens",
+                             value=tokens, allowed="one sequence")
+        t = t[0]
+    if t.ndim > 1:
+        raise InputError(f"to_str_tokens takes [pos] or [1, pos], got shape {tuple(t.shape)}.", argument="tokens",
+                         value=tokens, allowed="one sequence")
+    mask_id = model.cfg.mask_token_id
+    return ["[MASK]" if int(i) == mask_id else id_to_token(tok, int(i)) for i in t.reshape(-1)]

@@ -23,30 +23,46 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.08 * torch.randn(p.shape, generator=g))
 
 
-def hf_reference(family: str, n_kv_heads: int = 2, seed: int = 0) -> torch.nn.Module:
-    """A transformers model with random weights; bidirectional for the diffusion families."""
+def hf_reference(family: str, n_kv_heads: int = 2, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A transformers model with random weights; bidirectional for the diffusion families.
+
+    `overrides` replace LlamaConfig / Qwen2Config arguments (e.g. `tie_word_embeddings=True`, `head_dim=8`,
+    `rope_theta=1e4`, `rms_norm_eps=0.5`, `rope_scaling={...}`, `vocab_size=100`); `family="llada_qkv_bias"`
+    is not needed: a LLaDA with q/k/v biases is the non-causal Qwen2 (see `write_llada`)."""
     causal = family in ("llama", "qwen2")
     if family in ("llada", "llama"):
-        cfg = LlamaConfig(**TINY, num_key_value_heads=n_kv_heads, rope_theta=500000.0, rms_norm_eps=1e-5,
-                          tie_word_embeddings=False, attention_bias=False, is_causal=causal)
+        kw = dict(TINY, num_key_value_heads=n_kv_heads, rope_theta=500000.0, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, attention_bias=False, is_causal=causal)
+        kw.update(overrides)
+        cfg = LlamaConfig(**kw)
         cfg._attn_implementation = "eager"
         model = LlamaForCausalLM(cfg)
     else:
-        cfg = Qwen2Config(**TINY, num_key_value_heads=n_kv_heads, rope_theta=1e6, rms_norm_eps=1e-6,
-                          tie_word_embeddings=False, use_sliding_window=False, is_causal=causal)
+        kw = dict(TINY, num_key_value_heads=n_kv_heads, rope_theta=1e6, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, use_sliding_window=False, is_causal=causal)
+        kw.update(overrides)
+        cfg = Qwen2Config(**kw)
         cfg._attn_implementation = "eager"
         model = Qwen2ForCausalLM(cfg)
     _randomize(model, seed)
     return model.eval()
 
 
-def write_llada(ref: LlamaForCausalLM, folder: Path, *, sharded: bool = False) -> Path:
-    """LLaDA key names and config keys (architectures.md §2.1-2.2), from the Llama reference's weights."""
+def write_llada(ref: LlamaForCausalLM, folder: Path, *, sharded: bool = False, config_overrides: dict | None = None,
+                drop_keys: tuple[str, ...] = ()) -> Path:
+    """LLaDA key names and config keys (architectures.md §2.1-2.2), from the Llama reference's weights.
+
+    A tied reference writes no `ff_out` and `weight_tying: true`; a reference with q/k/v biases (a
+    non-causal Qwen2) writes `q_proj.bias`… and `include_qkv_bias: true`. `config_overrides` then replace
+    config.json keys and `drop_keys` delete them (to exercise the reference defaults)."""
     c = ref.config
     sd = ref.state_dict()
+    tied = bool(c.tie_word_embeddings)
+    biased = "model.layers.0.self_attn.q_proj.bias" in sd
     out = {"model.transformer.wte.weight": sd["model.embed_tokens.weight"],
-           "model.transformer.ln_f.weight": sd["model.norm.weight"],
-           "model.transformer.ff_out.weight": sd["lm_head.weight"]}
+           "model.transformer.ln_f.weight": sd["model.norm.weight"]}
+    if not tied:
+        out["model.transformer.ff_out.weight"] = sd["lm_head.weight"]
     for i in range(c.num_hidden_layers):
         s, d = f"model.layers.{i}.", f"model.transformer.blocks.{i}."
         for src, dst in [("input_layernorm", "attn_norm"), ("self_attn.q_proj", "q_proj"),
@@ -54,33 +70,53 @@ def write_llada(ref: LlamaForCausalLM, folder: Path, *, sharded: bool = False) -
                          ("self_attn.o_proj", "attn_out"), ("post_attention_layernorm", "ff_norm"),
                          ("mlp.gate_proj", "ff_proj"), ("mlp.up_proj", "up_proj"), ("mlp.down_proj", "ff_out")]:
             out[d + dst + ".weight"] = sd[s + src + ".weight"]
+        if biased:
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                out[d + proj + ".bias"] = sd[s + "self_attn." + proj + ".bias"]
     config = {
         "architectures": ["LLaDAModelLM"], "model_type": "llada",
         "auto_map": {"AutoModel": "modeling_llada.LLaDAModelLM"},
         "d_model": c.hidden_size, "n_heads": c.num_attention_heads, "n_kv_heads": c.num_key_value_heads,
         "n_layers": c.num_hidden_layers, "mlp_hidden_size": c.intermediate_size, "mlp_ratio": 4,
         "vocab_size": c.vocab_size, "embedding_size": c.vocab_size, "max_sequence_length": 256,
-        "rope": True, "rope_full_precision": True, "rope_theta": 500000.0, "alibi": False,
-        "layer_norm_type": "rms", "rms_norm_eps": 1e-5, "layer_norm_with_affine": True,
+        "rope": True, "rope_full_precision": True, "rope_theta": _theta(c), "alibi": False,
+        "layer_norm_type": "rms", "rms_norm_eps": c.rms_norm_eps, "layer_norm_with_affine": True,
         "bias_for_layer_norm": False, "attention_layer_norm": False, "include_bias": False,
-        "include_qkv_bias": False, "weight_tying": False, "scale_logits": False, "input_emb_norm": False,
+        "include_qkv_bias": biased, "weight_tying": tied, "scale_logits": False, "input_emb_norm": False,
         "activation_type": "silu", "block_type": "llama", "block_group_size": 1, "multi_query_attention": None,
         "mask_token_id": 95, "eos_token_id": 1, "pad_token_id": 1, "use_cache": False,
     }
+    config.update(config_overrides or {})
+    for key in drop_keys:
+        config.pop(key, None)
     return _write(folder, config, out, sharded)
 
 
-def write_dream(ref: Qwen2ForCausalLM, folder: Path, *, sharded: bool = False) -> Path:
-    """Dream = the Qwen2 module tree with a `DreamModel` config (architectures.md §4)."""
+def _theta(c) -> float:
+    params = getattr(c, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(c, "rope_theta", None) or 10000.0))
+
+
+def write_dream(ref: Qwen2ForCausalLM, folder: Path, *, sharded: bool = False, config_overrides: dict | None = None,
+                drop_keys: tuple[str, ...] = ()) -> Path:
+    """Dream = the Qwen2 module tree with a `DreamModel` config (architectures.md §4); `config_overrides`
+    and `drop_keys` edit config.json as in `write_llada`."""
     c = ref.config
     config = {"architectures": ["DreamModel"], "model_type": "Dream",
               "auto_map": {"AutoModel": "modeling_dream.DreamModel"},
               "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
               "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
-              "num_key_value_heads": c.num_key_value_heads, "vocab_size": c.vocab_size, "rms_norm_eps": 1e-6,
-              "rope_theta": 1e6, "rope_scaling": None, "max_position_embeddings": 256, "hidden_act": "silu",
-              "tie_word_embeddings": False, "use_sliding_window": False, "mask_token_id": 95, "pad_token_id": 1}
-    return _write(folder, config, ref.state_dict(), sharded)
+              "num_key_value_heads": c.num_key_value_heads, "vocab_size": c.vocab_size,
+              "rms_norm_eps": c.rms_norm_eps, "rope_theta": _theta(c), "rope_scaling": None,
+              "max_position_embeddings": 256, "hidden_act": "silu", "tie_word_embeddings": bool(c.tie_word_embeddings),
+              "use_sliding_window": False, "mask_token_id": 95, "pad_token_id": 1}
+    config.update(config_overrides or {})
+    for key in drop_keys:
+        config.pop(key, None)
+    state = ref.state_dict()
+    if c.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    return _write(folder, config, state, sharded)
 
 
 def write_hf(ref: torch.nn.Module, folder: Path, *, sharded: bool = False) -> Path:

@@ -18,20 +18,39 @@ import torch
 from safetensors.torch import save_file
 
 from mdm_lens.config import MDMConfig
-from mdm_lens.errors import CheckpointError, CheckpointNotFoundError, ConfigError, UnknownModelError
+from mdm_lens import validate
+from mdm_lens.errors import (ArgumentError, ArgumentTypeError, CheckpointError, CheckpointNotFoundError, ConfigError,
+                             UnknownModelError)
 from mdm_lens.loading.hf import config_from_hf, hf_family, hf_plan
 from mdm_lens.loading.llada import config_from_llada, is_llada, llada_plan
 from mdm_lens.loading.plan import Plan
 from mdm_lens.loading.readers import CheckpointReader
 from mdm_lens.loading.registry import FAMILY_DEFAULTS, KNOWN_MODELS, KnownModel, lookup
+from mdm_lens.loading.special import apply_special_tokens
 
 ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo" / "assets"
+ZOO_ORG = "mdm-lens"
 _ALLOW = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+
+
+def _did_you_mean(text: str) -> str:
+    close = difflib.get_close_matches(text.lower(), [k.lower() for k in KNOWN_MODELS], n=1, cutoff=0.6)
+    if not close and "/" not in text:  # "tiny-mdm" for "mdm-lens/tiny-mdm": compare with the part after the org
+        tails = {k.split("/")[-1].lower(): k for k in KNOWN_MODELS}
+        close = [tails[c].lower() for c in difflib.get_close_matches(text.lower(), list(tails), n=1, cutoff=0.6)]
+    if not close:
+        return ""
+    name = next(k for k in KNOWN_MODELS if k.lower() == close[0])
+    return f" Did you mean {name}?"
 
 
 def resolve(name_or_path: str | os.PathLike, allow_download: bool = False) -> tuple[Path, KnownModel | None]:
     """The local folder holding the checkpoint, and its registry entry if it is a known model."""
     text = str(name_or_path)
+    if not text.strip():
+        raise ArgumentError("name_or_path='' is invalid: expected a checkpoint folder, a hub id (org/name) or a "
+                            f"zoo name ({', '.join(k for k, v in KNOWN_MODELS.items() if v.zoo)}).",
+                            argument="name_or_path", value=name_or_path, allowed="a folder, hub id or zoo name")
     known = lookup(text)
     if known is not None and known.zoo:
         folder = ZOO_DIR / known.name.split("/")[-1]
@@ -42,13 +61,22 @@ def resolve(name_or_path: str | os.PathLike, allow_download: bool = False) -> tu
     path = Path(text).expanduser()
     if path.is_dir():
         return path, known
+    if text.lower().startswith(ZOO_ORG + "/"):  # our own org never lives on the hub: a typo of a zoo name
+        zoo = ", ".join(k for k, v in KNOWN_MODELS.items() if v.zoo)
+        raise UnknownModelError(f"unknown zoo model {text!r}.{_did_you_mean(text) or ''} The shipped models are: "
+                                f"{zoo}.")
     if text.startswith((".", "/", "~")) or os.sep in text.strip("/").replace("/", "", 1):
         raise CheckpointNotFoundError(f"no folder at {path}. Pass an existing checkpoint folder or a hub id.")
     if "/" not in text:
-        close = difflib.get_close_matches(text, list(KNOWN_MODELS), n=3, cutoff=0.3)
-        raise UnknownModelError(f"unknown model {text!r}: not a folder and not a hub id (org/name). Known models: "
-                                f"{', '.join(KNOWN_MODELS)}." + (f" Did you mean {close[0]}?" if close else ""))
-    return _from_hf_cache(text, allow_download), known
+        raise UnknownModelError(f"unknown model {text!r}: not a folder and not a hub id (org/name).{_did_you_mean(text)}"
+                                f" Known models: {', '.join(KNOWN_MODELS)}.")
+    try:
+        return _from_hf_cache(text, allow_download), known
+    except CheckpointNotFoundError as e:
+        hint = "" if known is not None else _did_you_mean(text)
+        if hint:
+            raise CheckpointNotFoundError(f"{e}{hint}") from e
+        raise
 
 
 def _from_hf_cache(repo_id: str, allow_download: bool) -> Path:
@@ -77,32 +105,39 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
         raise CheckpointNotFoundError(f"{folder} has no config.json; it is not a checkpoint folder.")
     try:
         raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON: {e}.") from e
-    if raw.get("model_type") == "mdm_lens":
-        cfg = MDMConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"})
-        return cfg, "mdm_lens"
-    if is_llada(raw):
-        cfg, family = config_from_llada(raw, name), "llada"
-    else:
-        family = hf_family(raw)
-        if family is None:
-            raise ConfigError(f"{path}: architectures={raw.get('architectures')} model_type={raw.get('model_type')!r} "
-                              "is not a supported family (LLaDAModelLM, DreamModel, LlamaForCausalLM, "
-                              "Qwen2ForCausalLM).")
-        cfg = config_from_hf(raw, family, name)
-    _apply_special_tokens(cfg, known, family)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} holds a {type(raw).__name__}, not a JSON object of settings.")
+    try:
+        if raw.get("model_type") == "mdm_lens":
+            cfg, family = MDMConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"}), "mdm_lens"
+        elif is_llada(raw):
+            cfg, family = config_from_llada(raw, name), "llada"
+        else:
+            family = hf_family(raw)
+            if family is None:
+                raise ConfigError(f"{path}: architectures={raw.get('architectures')} model_type="
+                                  f"{raw.get('model_type')!r} is not a supported family (LLaDAModelLM, DreamModel, "
+                                  "LlamaForCausalLM, Qwen2ForCausalLM).")
+            cfg = config_from_hf(raw, family, name)
+    except (TypeError, KeyError) as e:  # a value of the wrong JSON type (e.g. "n_heads": "32")
+        raise ConfigError(f"{path} has a setting of the wrong type or form ({type(e).__name__}: {e}).") from e
+    _apply_registry_facts(cfg, known, family)
+    apply_special_tokens(cfg, folder, raw, family, known)
     return cfg, family
 
 
-def _apply_special_tokens(cfg: MDMConfig, known: KnownModel | None, family: str) -> None:
+def _apply_registry_facts(cfg: MDMConfig, known: KnownModel | None, family: str) -> None:
+    """Mask/bos/pad ids config.json lacks: the registry entry, else the family's reference constants; an id
+    outside this checkpoint's vocabulary is not used (the constants belong to the released vocabularies)."""
     facts = dict(FAMILY_DEFAULTS.get(family, {}))
     if known is not None:
         facts.update(mask_token_id=known.mask_token_id, bos_token_id=known.bos_token_id,
-                     eos_token_id=known.eos_token_id, pad_token_id=known.pad_token_id)
+                     pad_token_id=known.pad_token_id)
         cfg.extra["special_tokens"] = dict(known.special)
     for key, value in facts.items():
-        if getattr(cfg, key) is None and value is not None:
+        if getattr(cfg, key) is None and value is not None and 0 <= value < cfg.d_vocab:
             setattr(cfg, key, value)
     cfg.extra.setdefault("prepend_bos", family == "llama")
 
@@ -118,7 +153,7 @@ def native_plan(cfg: MDMConfig, keys: list[str]) -> Plan:
 
 
 def build_state_dict(plan: Plan, reader: CheckpointReader, expected: dict[str, tuple[int, ...]],
-                     dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
+                     dtype: torch.dtype, device: str | torch.device, tied_hint: str = "") -> dict[str, torch.Tensor]:
     """Check every source tensor is present with the right shape, then assemble (cat) and cast."""
     keys = set(reader.keys())
     wanted = {src for sources in plan.values() for src in sources}
@@ -129,6 +164,7 @@ def build_state_dict(plan: Plan, reader: CheckpointReader, expected: dict[str, t
             f"checkpoint at {reader.folder} does not match its config: {len(missing)} missing tensor(s) "
             f"{missing[:8]}{' …' if len(missing) > 8 else ''}; {len(extra)} unexpected tensor(s) "
             f"{extra[:8]}{' …' if len(extra) > 8 else ''}. Check that config.json belongs to these weights."
+            + (tied_hint if any(_is_unembed(k) for k in missing + extra) else "")
         )
     out = {}
     for target, sources in plan.items():
@@ -141,15 +177,64 @@ def build_state_dict(plan: Plan, reader: CheckpointReader, expected: dict[str, t
                 f"implies {expected[target]}. config.json and the weights disagree (d_model, heads, kv heads, d_mlp "
                 "or vocab size)."
             )
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = [s for s, p in zip(sources, parts) if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+            raise CheckpointError(f"tensor(s) {bad} in {reader.folder} hold NaN or inf values: the checkpoint is "
+                                  "corrupt (or was saved after a diverged update); fetch it again.")
         out[target] = tensor.to(device=device, dtype=dtype)
     return out
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
+
+
+def parse_dtype(dtype: Any) -> torch.dtype:
+    """A floating torch dtype, or its name ("float32", "bfloat16", "bf16", …)."""
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ArgumentError(f"dtype={dtype} is invalid: expected a floating dtype (float32, bfloat16, float16, "
+                                "float64).", argument="dtype", value=dtype, allowed="a floating torch dtype")
+        return dtype
+    if isinstance(dtype, str):
+        key = dtype.strip().lower().removeprefix("torch.")
+        if key in _DTYPES:
+            return _DTYPES[key]
+        return validate.choice(dtype, list(_DTYPES), name="dtype")  # raises, listing the names
+    raise ArgumentTypeError(f"dtype={validate.describe(dtype)} is invalid: expected a torch.dtype or one of "
+                            f"{', '.join(map(repr, _DTYPES))}.", argument="dtype", value=dtype,
+                            allowed="a torch.dtype or a dtype name")
+
+
+def parse_device(device: Any) -> torch.device:
+    if not isinstance(device, (str, torch.device)) or isinstance(device, bool):
+        raise ArgumentTypeError(f"device={validate.describe(device)} is invalid: expected a str such as 'cpu' or "
+                                "'cuda:0', or a torch.device.", argument="device", value=device,
+                                allowed="a str or torch.device")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ArgumentError(f"device={device!r} is invalid: expected a torch device string such as 'cpu', 'cuda' "
+                            f"or 'cuda:0' ({e}).", argument="device", value=device, allowed="a torch device") from e
+
+
+def _is_unembed(key: str) -> bool:
+    return key in ("lm_head.weight", "model.transformer.ff_out.weight", "transformer.ff_out.weight",
+                   "unembed.weight")
 
 
 def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32,
                     device: str | torch.device = "cpu", allow_download: bool = False,
                     load_tokenizer: bool = True) -> Any:
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ArgumentTypeError(f"name_or_path={validate.describe(name_or_path)} is invalid: expected a str or a "
+                                "path (a checkpoint folder, a hub id or a zoo name).", argument="name_or_path",
+                                value=name_or_path, allowed="a str or os.PathLike")
+    dtype = parse_dtype(dtype)
+    device = parse_device(device)
+    allow_download = validate.boolean(allow_download, name="allow_download")
+    load_tokenizer = validate.boolean(load_tokenizer, name="load_tokenizer")
     folder, known = resolve(name_or_path, allow_download=allow_download)
     name = known.name if known else str(name_or_path)
     cfg, family = read_config(folder, name, known)
@@ -160,7 +245,7 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
     with torch.device("meta"):
         model = cls(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    state = build_state_dict(plan, reader, expected, dtype, device)
+    state = build_state_dict(plan, reader, expected, dtype, device, tied_hint=_tying_hint(cfg, family, folder))
     if cfg.tie_word_embeddings:
         state["unembed.weight"] = state["embed.W_E"]
     model.load_state_dict(state, strict=True, assign=True)
@@ -171,12 +256,23 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
     return model.eval()
 
 
+def _tying_hint(cfg: MDMConfig, family: str, folder: Path) -> str:
+    key = {"llada": "weight_tying"}.get(family, "tie_word_embeddings")
+    state = "tied" if cfg.tie_word_embeddings else "untied"
+    return (f" The config says the unembedding is {state} ({key}={cfg.tie_word_embeddings}; an absent key takes the "
+            f"reference default); if the weights disagree, set {key} in {folder / 'config.json'}.")
+
+
 def _load_tokenizer(folder: Path) -> Any:
     """A tokenizer from the folder's files, without remote code; None when the folder has none."""
     if (folder / "tokenizer.json").exists():
         from tokenizers import Tokenizer
 
-        return Tokenizer.from_file(str(folder / "tokenizer.json"))
+        try:
+            return Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+            raise CheckpointError(f"{folder / 'tokenizer.json'} could not be read ({e}); fetch it again, or pass "
+                                  "load_tokenizer=False to load the weights without it.") from e
     return None
 
 

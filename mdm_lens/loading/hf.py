@@ -1,7 +1,13 @@
-"""Llama, Qwen2 and Dream (which is the Qwen2 module tree) → HookedMDM. Spec: architectures.md §4, §11."""
+"""Llama, Qwen2 and Dream (which is the Qwen2 module tree) → HookedMDM. Spec: architectures.md §4, §11.
+
+A key absent from `config.json` takes the default of that family's reference config class (`LlamaConfig`,
+`Qwen2Config` in transformers, `DreamConfig` in Dream's `configuration_dream.py`), and options the
+reference model ignores are ignored here too (Dream hard-codes q/k/v biases and `head_dim =
+hidden_size // num_attention_heads`, whatever the config says)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from mdm_lens.config import MDMConfig
@@ -11,6 +17,24 @@ from mdm_lens.loading.plan import Plan, block_plan
 FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "DreamModel": "dream"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "dream": "dream"}
 
+_COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0,
+           "rope_scaling": None, "head_dim": None}
+REFERENCE_DEFAULTS: dict[str, dict[str, Any]] = {
+    # transformers' LlamaConfig (num_key_value_heads None -> num_attention_heads)
+    "llama": {**_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+              "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False},
+    # transformers' Qwen2Config (q/k/v biases are hard-coded in Qwen2Attention)
+    "qwen2": {**_COMMON, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+              "max_position_embeddings": 32768, "use_sliding_window": False},
+    # Dream's DreamConfig (configuration_dream.py): note rope_theta 10000 and 32 kv heads when absent
+    "dream": {**_COMMON, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+              "max_position_embeddings": 32768, "use_sliding_window": False, "mask_token_id": 151666,
+              "pad_token_id": 151643},
+}
+
 
 def hf_family(config: dict[str, Any]) -> str | None:
     for arch in config.get("architectures") or []:
@@ -19,41 +43,101 @@ def hf_family(config: dict[str, Any]) -> str | None:
     return MODEL_TYPES.get(str(config.get("model_type", "")).lower())
 
 
-def _rope_theta(config: dict[str, Any], default: float) -> float:
-    params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise ConfigError(f"rope type {kind!r} (rope scaling) is not implemented; only plain rotary embeddings "
-                          "(Llama-3-8B, Qwen2.5-7B, Dream-v0) are supported.")
-    return float(params.get("rope_theta", config.get("rope_theta", default)))
+def _get(config: dict[str, Any], family: str, key: str) -> Any:
+    return config[key] if key in config else REFERENCE_DEFAULTS[family].get(key)
+
+
+def rope_settings(config: dict[str, Any], family: str) -> tuple[float, dict[str, Any] | None]:
+    """`(theta, scaling)`: transformers 5 writes `rope_parameters`, older files `rope_theta` + `rope_scaling`.
+
+    Only plain rotary embeddings and the two scalings whose effect is exact and position-independent in
+    form (`linear`, `llama3`) are implemented; any other `rope_type` is refused rather than run wrong."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = dict(_get(config, family, "rope_scaling") or {})
+    merged = {**scaling, **params}
+    kind = merged.get("rope_type") or merged.get("type") or "default"
+    theta = float(params.get("rope_theta", _get(config, family, "rope_theta")))
+    if kind == "default":
+        return theta, None
+    if kind not in ("linear", "llama3"):
+        raise ConfigError(f"rope type {kind!r} (rope scaling {merged}) is not implemented; mdm_lens supports plain "
+                          "rotary embeddings and the 'linear' and 'llama3' scalings. It refuses rather than run "
+                          "different positions than the reference.")
+    if family == "dream" or (family == "qwen2" and kind == "llama3"):
+        raise ConfigError(f"rope type {kind!r} is not one a {family} checkpoint uses; refusing to guess.")
+    need = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor",
+                                                  "original_max_position_embeddings")
+    missing = [k for k in need if k not in merged]
+    if missing:
+        raise ConfigError(f"rope scaling {merged} lacks {missing}.")
+    return theta, {"rope_type": kind, **{k: float(merged[k]) for k in need}}
+
+
+def _n_kv_heads(config: dict[str, Any], family: str, n_heads: int) -> int:
+    if "num_key_value_heads" in config and config["num_key_value_heads"] is None:
+        return n_heads  # explicit null: every reference maps it to multi-head attention
+    n_kv = _get(config, family, "num_key_value_heads")
+    n_kv = n_heads if n_kv is None else n_kv
+    if n_heads % n_kv:
+        origin = "" if "num_key_value_heads" in config else " (absent from config.json: the reference default)"
+        raise ConfigError(f"num_key_value_heads={n_kv}{origin} does not divide num_attention_heads={n_heads}.")
+    return n_kv
+
+
+def _head_dim(config: dict[str, Any], family: str, d_model: int, n_heads: int) -> int:
+    derived = d_model // n_heads
+    given = config.get("head_dim")
+    if family == "dream":  # DreamAttention: head_dim = hidden_size // num_heads, and it raises if inexact
+        if derived * n_heads != d_model:
+            raise ConfigError(f"Dream needs hidden_size={d_model} divisible by num_attention_heads={n_heads}.")
+        if given not in (None, derived):
+            warnings.warn(f"Dream config has head_dim={given}, which the reference ignores (it uses hidden_size // "
+                          f"num_attention_heads = {derived}); so does mdm_lens.", stacklevel=3)
+        return derived
+    return given or derived  # LlamaAttention / Qwen2Attention: `head_dim` when set, else hidden // heads
+
+
+def _check_options(config: dict[str, Any], family: str) -> None:
+    act = _get(config, family, "hidden_act")
+    if act != "silu":
+        raise ConfigError(f"hidden_act={act!r}; only SiLU-gated MLPs are supported.")
+    if family == "llama":
+        for key, what in (("mlp_bias", "gate/up/down"), ("attention_bias", "q/k/v *and* o_proj")):
+            if _get(config, family, key):
+                raise ConfigError(f"Llama {key}=true puts biases on {what}; mdm_lens has q/k/v biases only, so it "
+                                  "refuses this checkpoint rather than drop a bias.")
+    if _get(config, family, "use_sliding_window"):
+        if family == "qwen2":
+            raise ConfigError("Qwen2 sliding-window attention is not implemented; set use_sliding_window=false.")
+        # Dream always runs DreamSdpaAttention, which ignores the window (the reference only warns)
+        warnings.warn("Dream config has use_sliding_window=true; the reference's SDPA attention ignores it, and so "
+                      "does mdm_lens (full attention).", stacklevel=3)
+
+
+def _eos(value: Any) -> int | None:
+    return value[0] if isinstance(value, list) and value else (value if isinstance(value, int) else None)
 
 
 def config_from_hf(config: dict[str, Any], family: str, name: str) -> MDMConfig:
-    if config.get("mlp_bias"):
-        raise ConfigError("mlp_bias=true is not supported (no released Llama/Qwen2/Dream checkpoint uses it).")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act={config['hidden_act']!r}; only SiLU-gated MLPs are supported.")
-    if family == "qwen2" and config.get("use_sliding_window"):
-        raise ConfigError("Qwen2 sliding-window attention is not implemented; set use_sliding_window=false.")
-    n_heads = config["num_attention_heads"]
-    d_model = config["hidden_size"]
+    _check_options(config, family)
+    n_heads, d_model = _get(config, family, "num_attention_heads"), _get(config, family, "hidden_size")
     dream = family == "dream"
-    qkv_bias = True if family in ("qwen2", "dream") else bool(config.get("attention_bias", False))
-    default_theta = 1e6 if family in ("qwen2", "dream") else 10000.0
+    # Qwen2Attention and DreamAttention hard-code q/k/v biases; Llama follows attention_bias (checked above)
+    qkv_bias = family in ("qwen2", "dream")
+    theta, scaling = rope_settings(config, family)
+    extra: dict[str, Any] = {"rope_scaling": scaling} if scaling else {}
     return MDMConfig(
-        d_model=d_model, n_layers=config["num_hidden_layers"], n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads") or n_heads, d_head=config.get("head_dim") or d_model // n_heads,
-        d_mlp=config["intermediate_size"], d_vocab=config["vocab_size"],
-        n_ctx=config.get("max_position_embeddings", 4096), rope_theta=_rope_theta(config, default_theta),
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)), qkv_bias=qkv_bias,
+        d_model=d_model, n_layers=_get(config, family, "num_hidden_layers"), n_heads=n_heads,
+        n_kv_heads=_n_kv_heads(config, family, n_heads), d_head=_head_dim(config, family, d_model, n_heads),
+        d_mlp=_get(config, family, "intermediate_size"), d_vocab=_get(config, family, "vocab_size"),
+        n_ctx=_get(config, family, "max_position_embeddings"), rope_theta=theta,
+        norm_eps=float(_get(config, family, "rms_norm_eps")), qkv_bias=qkv_bias,
         attention="bidirectional" if dream else "causal", logit_shift=dream, rope_full_precision=False,
         position_policy="cumsum" if dream else "arange", padding_mask="pair" if dream else "key",
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        mask_token_id=config.get("mask_token_id") if dream else None, bos_token_id=config.get("bos_token_id"),
-        eos_token_id=config.get("eos_token_id") if not isinstance(config.get("eos_token_id"), list)
-        else config["eos_token_id"][0],
-        pad_token_id=config.get("pad_token_id"), family=family, model_name=name,
+        tie_word_embeddings=bool(_get(config, family, "tie_word_embeddings")),
+        mask_token_id=_get(config, family, "mask_token_id") if dream else None,
+        bos_token_id=_eos(config.get("bos_token_id")), eos_token_id=None,
+        pad_token_id=_eos(_get(config, family, "pad_token_id")), family=family, model_name=name, extra=extra,
     )
 
 

@@ -4,7 +4,9 @@ PyTorch `.bin` files with `torch.load(weights_only=True)` — never anything tha
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -54,7 +56,7 @@ class CheckpointReader:
 
     def _file_keys(self, f: Path) -> list[str]:
         if f.suffix == ".safetensors":
-            with safe_open(str(f), framework="pt", device="cpu") as h:
+            with _open(f) as h:
                 return list(h.keys())
         return list(self._bin(f).keys())
 
@@ -73,13 +75,34 @@ class CheckpointReader:
     def shape(self, key: str) -> tuple[int, ...]:
         f = self._where[key]
         if f.suffix == ".safetensors":
-            with safe_open(str(f), framework="pt", device="cpu") as h:
+            with _open(f) as h:
                 return tuple(h.get_slice(key).get_shape())
         return tuple(self._bin(f)[key].shape)
 
     def get(self, key: str) -> torch.Tensor:
         f = self._where[key]
         if f.suffix == ".safetensors":
-            with safe_open(str(f), framework="pt", device="cpu") as h:
-                return h.get_tensor(key)
+            with _open(f) as h:
+                try:
+                    return h.get_tensor(key)
+                except Exception as e:  # SafetensorError has no public base class to catch
+                    raise _corrupt(f, e, key) from e
         return self._bin(f)[key]
+
+
+@contextmanager
+def _open(f: Path) -> Iterator[Any]:
+    """`safe_open`, with an unreadable (truncated, corrupt, not-safetensors) file reported by name."""
+    try:
+        handle = safe_open(str(f), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises SafetensorError (an Exception subclass) or OSError
+        raise _corrupt(f, e) from e
+    with handle as h:
+        yield h
+
+
+def _corrupt(f: Path, error: Exception, key: str | None = None) -> CheckpointError:
+    size = f.stat().st_size if f.exists() else 0
+    what = f" (while reading tensor {key!r})" if key else ""
+    return CheckpointError(f"{f} is not a readable safetensors file{what}: {error} [{size} bytes on disk]. The file is "
+                           "truncated or corrupt (an interrupted download?); delete it and fetch it again.")

@@ -59,10 +59,11 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in [
                notes="shipped tiny autoregressive twin (see mdm_lens/zoo)"),
 ]}
 
-# Family defaults when a checkpoint is loaded from a folder that is not in the registry.
+# Family defaults for ids config.json lacks, when the folder is not in the registry (EOS and end-of-turn
+# ids are read from the checkpoint's own files first: see loading/special.py).
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llada": dict(mask_token_id=126336, bos_token_id=126080, eos_token_id=126081, pad_token_id=126081),
-    "dream": dict(mask_token_id=151666, bos_token_id=None, eos_token_id=151643, pad_token_id=151643),
+    "llada": dict(mask_token_id=126336, bos_token_id=126080, pad_token_id=126081),
+    "dream": dict(mask_token_id=151666, bos_token_id=None, pad_token_id=151643),
     "llama": dict(mask_token_id=None),
     "qwen2": dict(mask_token_id=None),
 }
