@@ -288,3 +288,16 @@ def test_pattern_rows_select_equals_rows():
         torch.testing.assert_close(torch.cat([c for _, c in rows.chunks(3)], 2), whole, atol=1e-6, rtol=1e-6)
         if causal:
             assert (whole.triu(1) == 0).all()
+
+
+def test_benchmark_runs_at_a_smoke_size(tmp_path):
+    from benchmarks import bench_chunked
+
+    out = tmp_path / "chunked.md"
+    bench_chunked.main(["--seqs", "24,40", "--chunk", "16", "--repeats", "1", "--threads", "1", "--inline",
+                        "--out", str(out)])
+    lines = [l for l in out.read_text().splitlines() if l.startswith("| 24 ") or l.startswith("| 40 ")]
+    assert [l.split("|")[2].strip() for l in lines] == ["full", "chunk=16", "chunk=16 sdpa", "auto"] * 2
+    assert lines[5].split("|")[3].strip() == "16"  # T=40, chunk=16: 16-row chunks
+    for l in lines:
+        assert float(l.split("|")[10]) <= 1e-6  # the statistic equals the full path's
