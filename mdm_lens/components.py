@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from mdm_lens.config import MDMConfig
+from mdm_lens.pattern_rows import PatternRows, RowConsumer, chunk_rows, masked_scores, softmax_rows
 
 
 class RMSNorm(nn.Module):
@@ -69,8 +70,10 @@ def apply_rotary(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Te
 class Attention(nn.Module):
     """Grouped-query attention with rotary embeddings.
 
-    Two numerically equivalent paths: SDPA (fast, used when nothing hooks the scores or the pattern)
-    and the explicit path that materialises `hook_attn_scores` and `hook_pattern`.
+    Three numerically equivalent paths: SDPA (fast, used when nothing hooks the scores or the pattern),
+    the explicit path that materialises `hook_attn_scores` and `hook_pattern`, and the query-chunked
+    path that feeds pattern rows to attached row consumers (`mdm_lens.pattern_rows`: received
+    attention, top-k keys…) without ever holding the whole `[batch, head, T, T]` pattern.
     """
 
     def __init__(self, cfg: MDMConfig):
@@ -83,6 +86,9 @@ class Attention(nn.Module):
         self.qkv_bias = nn.Parameter(torch.zeros((h + 2 * g) * e, dtype=cfg.dtype)) if cfg.qkv_bias else None
         self.o_weight = nn.Parameter(torch.empty(d, h * e, dtype=cfg.dtype))
         self.force_explicit = False  # set True to always take the explicit path (tests, benchmarks)
+        self.query_chunk: int | None = None  # rows per chunk for row consumers; None = from ROW_CHUNK_BYTES
+        self.row_mode = "explicit"  # z on the chunked path: "explicit" (from the chunks) or "sdpa"
+        self._row_consumers: list[RowConsumer] = []
         for name in ("hook_q", "hook_k", "hook_v", "hook_rot_q", "hook_rot_k", "hook_attn_scores",
                      "hook_pattern", "hook_z", "hook_result"):
             setattr(self, name, HookPoint())
@@ -149,6 +155,10 @@ class Attention(nn.Module):
     def needs_explicit(self) -> bool:
         return self.force_explicit or self.hook_attn_scores.has_hooks() or self.hook_pattern.has_hooks()
 
+    def add_row_consumer(self, consumer: RowConsumer) -> None:
+        """Feed `consumer` this forward's pattern rows (called by `pattern_rows.row_hook` from hook_rot_k)."""
+        self._row_consumers.append(consumer)
+
     def forward(
         self,
         x: Float[Tensor, "batch pos d_model"],
@@ -159,6 +169,7 @@ class Attention(nn.Module):
     ) -> Float[Tensor, "batch pos d_model"]:
         b, p, _ = x.shape
         h, g, e = self.n_heads, self.n_kv_heads, self.d_head
+        self._row_consumers = []  # consumers attach themselves from hook_rot_k, for this forward only
         # Three GEMMs on row slices of the fused weight (views, no copy) rather than one fused GEMM: at
         # T = 256 the fused [d, 3d] GEMM was ~10% slower on CPU, and its strided V slowed SDPA by ~8%.
         weights = self._split(self.qkv_weight)
@@ -171,8 +182,11 @@ class Attention(nn.Module):
         q = self.hook_rot_q(apply_rotary(q, cos, sin, full))
         k = self.hook_rot_k(apply_rotary(k, cos, sin, full))
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [batch, head, pos, d_head]
+        consumers, self._row_consumers = self._row_consumers, []
         if self.needs_explicit():
-            z = self._explicit(qh, kh, vh, mask, is_causal)
+            z = self._explicit(qh, kh, vh, mask, is_causal, consumers)
+        elif consumers:
+            z = self._chunked(qh, kh, vh, mask, is_causal, consumers)
         else:
             z = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal and mask is None,
                                                enable_gqa=g != h)
@@ -182,26 +196,50 @@ class Attention(nn.Module):
             return result.sum(dim=2)
         return F.linear(z.reshape(b, p, h * e), self.o_weight)
 
-    def _explicit(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+    def _explicit(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+                  consumers: list[RowConsumer] = ()) -> Tensor:
         b, h, p, e = q.shape
         g, r = self.n_kv_heads, self.repeat_kv_heads
-        # Scale q (T·d_head values) rather than the scores (T²). GQA: fold each group's r query heads
-        # into the query axis, so K and V are read once per group instead of being repeated r times
-        # (head j uses kv head j // r, the order of HF's repeat_kv).
-        qg = (q * (1.0 / math.sqrt(e))).reshape(b, g, r * p, e)
-        scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, h, p, k.shape[-2])
-        if is_causal and mask is None:  # the diagonal stays visible, so no row can be emptied
-            future = torch.ones(p, k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
-            scores = scores.masked_fill(future, float("-inf"))
-        elif mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        scores = self.hook_attn_scores(scores)  # [batch, head, query, key]
-        pattern = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        if mask is not None:  # a fully-masked query row (pad rows under Dream's pair mask) is NaN; it must not leak
-            pattern = torch.nan_to_num(pattern, nan=0.0)
-        pattern = self.hook_pattern(pattern.to(q.dtype))
+        # Scale q (T·d_head values) rather than the scores (T²); see masked_scores for the GQA fold.
+        q_scaled = q * (1.0 / math.sqrt(e))
+        causal = torch.arange(p, device=q.device) if is_causal and mask is None else None
+        scores = self.hook_attn_scores(masked_scores(q_scaled, k, mask, causal))  # [batch, head, query, key]
+        pattern = self.hook_pattern(softmax_rows(scores, mask is not None, q.dtype))
+        if consumers:  # TL semantics: the consumers see the (possibly hooked) full pattern as one chunk
+            _feed(consumers, PatternRows(q_scaled, k, mask, is_causal, q.dtype, pattern=pattern))
         z = torch.matmul(pattern.reshape(b, g, r * p, -1), v)  # [batch, kv_head, r·query, d_head]
         return z.view(b, h, p, e)
+
+    def _chunked(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+                 consumers: list[RowConsumer]) -> Tensor:
+        """Pattern rows a query chunk at a time for the consumers; z from the same chunks (or SDPA)."""
+        b, h, p, e = q.shape
+        g, r = self.n_kv_heads, self.repeat_kv_heads
+        rows = PatternRows(q * (1.0 / math.sqrt(e)), k, mask, is_causal, q.dtype)
+        size = self.query_chunk or chunk_rows(b, h, p, k.shape[-2])
+        explicit_z = self.row_mode == "explicit"
+        z = q.new_empty(b, h, p, e) if explicit_z else None
+        for c in consumers:
+            c.start(rows)
+        for start, chunk in rows.chunks(size):
+            for c in consumers:
+                c.consume(chunk, start)
+            if explicit_z:
+                n = chunk.shape[2]
+                z[:, :, start:start + n] = torch.matmul(chunk.reshape(b, g, r * n, -1), v).view(b, h, n, e)
+        for c in consumers:
+            c.finish()
+        if explicit_z:
+            return z
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
+                                              enable_gqa=g != h)
+
+
+def _feed(consumers: list[RowConsumer], rows: PatternRows) -> None:
+    for c in consumers:
+        c.start(rows)
+        c.consume(rows.pattern, 0)
+        c.finish()
 
 
 class GatedMLP(nn.Module):

@@ -22,7 +22,8 @@ _SUFFIX_SHAPES = {
 
 ALTERNATIVES = {
     "bhpp": "record a reducer instead, e.g. `record=[ReceivedAttention()]` ([step, batch, layer, head, key]) or "
-            "`TopKKeys(k=4)`; or cache fewer layers/steps",
+            "`TopKKeys(k=4)`, which read the pattern a query chunk at a time and never hold it; or cache fewer "
+            "layers/steps",
 }
 
 
@@ -65,3 +66,17 @@ def check_budget(cfg: MDMConfig, names: list[str], n_steps: int, batch: int, pos
             "`TrajectoryCache(..., budget_bytes=…)` or MDM_LENS_CACHE_BUDGET_GB if you really have the memory."
         )
     return need
+
+
+def pattern_transient_bytes(cfg: MDMConfig, batch: int, pos: int, query_chunk: int | None, dtype_bytes: int = 4,
+                            masked: bool = False) -> int:
+    """Upper bound on the bytes of pattern buffers one attention layer holds at once while reducers read it.
+
+    Full path (`query_chunk=None`), per `[batch, head, T, T]`: the scores in the model dtype, the fp32
+    softmax, and with a mask the masked copy of the scores and the NaN-cleaned softmax, plus the model-dtype
+    pattern when that is not fp32. Chunked path: the same buffers for `query_chunk` rows, `[batch, head,
+    chunk, T]`: linear in T for a fixed chunk (what `hook_pattern` caches are refused for)."""
+    rows = pos if query_chunk is None else min(query_chunk, pos)
+    one = batch * cfg.n_heads * rows * pos
+    per = (dtype_bytes + 4) * (1 + int(masked)) + (dtype_bytes if dtype_bytes != 4 else 0)
+    return one * per

@@ -1,6 +1,12 @@
 """Streaming reducers: per-step summaries computed *inside* the hooks, so a whole trajectory is
 recorded without keeping `steps × layers × heads × T²` attention floats.
 
+The pattern reducers (`ReceivedAttention`, `TopKKeys`) attach row consumers (`mdm_lens.pattern_rows`)
+instead of hooking `hook_pattern`: the attention then computes the pattern a query chunk at a time and
+never holds a whole `[batch, head, T, T]` (unless another hook asks for the pattern, when they read the
+full hooked pattern as before). `received_by_layer` is the same statistic for one plain forward
+(what absorption needs).
+
 Every reducer produces `[step, batch, layer, ...]` tensors (steps = the steps it was active at,
 listed in `meta["steps"]`). Positions are indexed on the *final* sequence, so ARM runs, whose
 sequence grows, are zero-padded on the right.
@@ -14,9 +20,11 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from mdm_lens import validate
 from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens.errors import InputError
 from mdm_lens.hooks.steps import ALL_STEPS, Steps
+from mdm_lens.pattern_rows import ColumnSums, PatternRows, RowConsumer, RowTopK, chunk_rows, row_hook
 
 QuerySet = Literal["all", "prompt", "masked", "generated", "committed"]
 QUERY_SETS = ("all", "prompt", "masked", "generated", "committed")
@@ -89,7 +97,9 @@ class ReceivedAttention(Reducer):
     `kind="cumulative"`: α_j = Σ_{i∈Q} A_ij (Rulli / sink-aware pruning).
     Query set Q: "all" (non-pad rows), "prompt", "masked" (still masked at this step), "generated"
     (the canvas), or "committed" (the rows committed at this step, as the paper's extractor records
-    them; these rows are held until the commit is known: layers × batch × heads × T × T transiently).
+    them; each layer's q, k and mask are held until the commit is known, then only the committed rows
+    are recomputed: linear memory, not layers × batch × heads × T × T).
+    The pattern is read a query chunk at a time (see the module docstring).
     """
 
     name = "received_attention"
@@ -106,34 +116,36 @@ class ReceivedAttention(Reducer):
             self.name = name
 
     def hooks(self, model: Any, state: DenoisingState) -> list[tuple[str, Any]]:
-        self._current: dict[int, Tensor] = {}
-        self._pending: dict[int, Tensor] = {}
+        self._consumers: dict[int, RowConsumer] = {}
+        for layer in self.layers:
+            if self.query == "committed":  # the rows are known only after the commit: keep the layer's q, k
+                self._consumers[layer] = _KeepRows()
+            else:
+                self._consumers[layer] = ColumnSums(
+                    lambda rows: query_weights(state, self.query, rows.n_keys), kind=self.kind)
+        return [row_hook(model, l, c) for l, c in self._consumers.items()]
 
-        def make(layer: int):
-            def hook(pattern: Float[Tensor, "batch head query key"], hook: Any) -> None:
-                p = pattern.shape[-1]
-                if self.query == "committed":
-                    self._pending[layer] = pattern.detach()
-                else:
-                    rows = query_weights(state, self.query, p).to(pattern.dtype)
-                    self._current[layer] = self._reduce(pattern.detach(), rows)
-            return hook
-
-        return [(f"blocks.{l}.attn.hook_pattern", make(l)) for l in self.layers]
-
-    def _reduce(self, pattern: Tensor, rows: Tensor) -> Tensor:
-        summed = torch.einsum("bhqk,bq->bhk", pattern.float(), rows.float())
-        if self.kind == "mass":
-            summed = summed / rows.sum(-1).clamp(min=1)[:, None, None]
-        return summed
+    def _committed(self, rows: PatternRows, state: DenoisingState) -> Tensor:
+        """The committed rows' statistic, recomputing only those rows (in bounded chunks)."""
+        weights = state.committed[:, : rows.n_keys].to(rows.device)
+        sums = ColumnSums(lambda _: weights, kind=self.kind)
+        sums.start(rows)
+        index = weights.any(0).nonzero().flatten()
+        size = chunk_rows(rows.batch, rows.n_heads, rows.n_queries, rows.n_keys)
+        for part in index.split(size):
+            sums.add(rows.select(part), weights[:, part])
+        sums.finish()
+        return sums.result
 
     def end_step(self, state: DenoisingState) -> None:
-        if self.query == "committed":
-            for layer, pattern in self._pending.items():
-                rows = state.committed[:, : pattern.shape[-1]]
-                self._current[layer] = self._reduce(pattern, rows)
-            self._pending = {}
-        stacked = torch.stack([self._current[l] for l in self.layers], dim=1)  # [batch, layer, head, key]
+        current = {}
+        for layer, c in self._consumers.items():
+            if isinstance(c, _KeepRows):
+                current[layer] = self._committed(_ran(c.rows, layer), state)
+            else:
+                current[layer] = _ran(c.result, layer)
+        self._consumers = {}
+        stacked = torch.stack([current[l] for l in self.layers], dim=1)  # [batch, layer, head, key]
         self._rows.append({self.name: self._pad(stacked, dim=-1).cpu()})
         self.steps_seen.append(state.step)
 
@@ -189,20 +201,14 @@ class TopKKeys(Reducer):
         self.k = k
 
     def hooks(self, model: Any, state: DenoisingState) -> list[tuple[str, Any]]:
-        self._current: dict[int, tuple[Tensor, Tensor]] = {}
-
-        def make(layer: int):
-            def hook(pattern: Tensor, hook: Any) -> None:
-                k = min(self.k, pattern.shape[-1])
-                vals, idx = pattern.detach().float().topk(k, dim=-1)
-                self._current[layer] = (vals, idx)
-            return hook
-
-        return [(f"blocks.{l}.attn.hook_pattern", make(l)) for l in self.layers]
+        self._consumers = {layer: RowTopK(self.k) for layer in self.layers}
+        return [row_hook(model, l, c) for l, c in self._consumers.items()]
 
     def end_step(self, state: DenoisingState) -> None:
-        vals = torch.stack([self._current[l][0] for l in self.layers], dim=1)  # [b, layer, head, q, k]
-        idx = torch.stack([self._current[l][1] for l in self.layers], dim=1)
+        tops = [self._consumers[l] for l in self.layers]
+        self._consumers = {}
+        vals = torch.stack([_ran(t.values, l) for t, l in zip(tops, self.layers)], dim=1)  # [b, layer, head, q, k]
+        idx = torch.stack([t.indices for t in tops], dim=1)
         if vals.shape[-1] < self.k:  # a prefix shorter than k (ARM): pad the k axis
             extra = self.k - vals.shape[-1]
             vals = torch.cat([vals, vals.new_zeros(*vals.shape[:-1], extra)], -1)
@@ -216,6 +222,63 @@ class TopKKeys(Reducer):
         return {**super().meta, "k": self.k, "axes": ("step", "batch", "layer", "head", "query", "k")}
 
 
+class _KeepRows(RowConsumer):
+    """Keeps the layer's `PatternRows` (q, k and mask: linear memory) for a statistic computed later."""
+
+    rows: PatternRows | None = None
+
+    def start(self, rows: PatternRows) -> None:
+        self.rows = rows
+
+    def consume(self, pattern: Tensor, start: int) -> None:
+        pass
+
+
+def _ran(value: Any, layer: int) -> Any:
+    if value is None:  # a bug in a sampler, not a user error: the step's forward did not reach the layer
+        raise RuntimeError(f"layer {layer}'s attention ran no forward with this step's reducer attached.")
+    return value
+
+
 def received_attention(**kwargs: Any) -> ReceivedAttention:
     """Factory spelled as in the design sketch: `record=[received_attention(query="masked")]`."""
     return ReceivedAttention(**kwargs)
+
+
+ForwardKind = Literal["mass", "cumulative", "visibility"]
+
+
+@torch.no_grad()
+def received_by_layer(model: Any, tokens: Tensor, attention_mask: Tensor | None = None, *,
+                      attn_mask: Tensor | None = None, layers: Any = None, query_mask: Tensor | None = None,
+                      kind: ForwardKind = "mass") -> Float[Tensor, "batch layer head key"]:
+    """Received attention of one plain forward, per layer and head, in float64, never holding a pattern.
+
+    Equals `probes.floating.received_attention(A, query_mask, key_visible=attention_mask, kind, causal)`
+    on the full patterns `A` of the same forward (what absorption reduces), to float64 rounding.
+    Query set: `query_mask [batch, pos]`, default the non-pad rows. `kind`: "mass" (÷|Q|), "cumulative"
+    (column sums) or "visibility" (÷ the number of queries in Q that can see each key; causal models)."""
+    tokens = validate.tensor(tokens, name="tokens", ndim=2, dtype="int")
+    b, T = tokens.shape
+    kind = validate.choice(kind, ("mass", "cumulative", "visibility"), name="kind")
+    layer_list = validate.indices(layers, model.cfg.n_layers, name="layers", what="layer")
+    key_visible = torch.ones(b, T, dtype=torch.bool, device=tokens.device)
+    if attention_mask is not None:
+        key_visible = validate.tensor(attention_mask, name="attention_mask", shape=(b, T)).to(tokens.device).bool()
+    rows = key_visible
+    if query_mask is not None:
+        rows = validate.tensor(query_mask, name="query_mask", shape=(b, T), dtype="bool").to(tokens.device)
+    sums = {l: ColumnSums(lambda _: rows, kind="cumulative", dtype=torch.float64) for l in layer_list}
+    model.run_with_hooks(tokens, attention_mask=attention_mask, attn_mask=attn_mask, return_type=None,
+                         fwd_hooks=[row_hook(model, l, c) for l, c in sums.items()])
+    col = torch.stack([_ran(sums[l].result, l) for l in layer_list], dim=1)  # [batch, layer, head, key]
+    w = rows.to(torch.float64)
+    if kind == "cumulative":
+        return col
+    if kind == "mass":
+        return col / w.sum(-1).clamp(min=1)[:, None, None, None]
+    # |Q_j|: queries of Q that see key j (all of them, or those at or after j for a causal model)
+    causal = model.cfg.attention == "causal"
+    seen = w.flip(-1).cumsum(-1).flip(-1) if causal else w.sum(-1, keepdim=True).expand(b, T)
+    seen = (seen * key_visible)[:, None, None, :]
+    return torch.where(seen > 0, col / seen.clamp(min=1), torch.zeros_like(col))
