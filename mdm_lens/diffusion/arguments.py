@@ -237,6 +237,9 @@ def prompt_tokens(model: Any, prompt: Any, attention_mask: Any) -> tuple[Tensor,
                              "your own.", argument="attention_mask", value=attention_mask, allowed="None")
         ids, am = model.to_tokens(prompt, return_attention_mask=True)
     else:
+        if isinstance(prompt, (list, tuple)) and len(prompt) == 0:
+            raise InputError("prompt=[] is empty; give at least one token.", argument="prompt", value=prompt,
+                             allowed="a non-empty text or token ids")
         if isinstance(prompt, (list, tuple)) and not isinstance(prompt, Tensor):
             try:
                 prompt = torch.as_tensor(prompt)
