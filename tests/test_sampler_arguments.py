@@ -30,7 +30,7 @@ def tiny(kind="llada", **extra):
 
 
 PROMPT = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
-FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def run(kind="llada", prompt=PROMPT, **kw):

@@ -131,14 +131,14 @@ def test_dream_default_is_the_reference_legacy_generation_defaults():
     """Unset: temperature 1.0, top_p 1.0, top_k 50, as diffusion_generate runs without a generation_config. On a
     64-token vocabulary with nearly flat logits, the top-50 filter means tokens 50..63 are never drawn."""
     model = rigged("dream", vocab=64, mask=63)
-    flat = {p: -0.01 * torch.arange(64.0) for p in range(P, P + 12)}
+    flat = {p: -0.01 * torch.arange(64.0) for p in range(P, P + 10)}
     hooks = [rig(model, static(flat, vocab=64))]
-    outs = [model.generate(PROMPT, steps=12, gen_length=12, fwd_hooks=hooks, seed=s) for s in range(3)]
+    outs = [model.generate(PROMPT, steps=5, gen_length=10, fwd_hooks=hooks, seed=s) for s in range(3)]
     assert outs[0].settings["temperature"] == 1.0 and outs[0].settings["top_k"] == 50
     assert outs[0].settings["top_p"] == 1.0 and outs[0].settings["alg"] == "origin"
     assert all(int(o.generated.max()) < 50 for o in outs)
     assert len({tuple(o.generated[0].tolist()) for o in outs}) > 1  # it samples
-    off = [model.generate(PROMPT, steps=12, gen_length=12, fwd_hooks=hooks, seed=s, top_k=None) for s in range(3)]
+    off = [model.generate(PROMPT, steps=5, gen_length=10, fwd_hooks=hooks, seed=s, top_k=None) for s in range(3)]
     assert off[0].settings["top_k"] is None and any(int(o.generated.max()) >= 50 for o in off)
 
 
