@@ -13,3 +13,7 @@ __all__ = ["HookedMDM", "MDMConfig", "DenoisingState", "GenerateOutput", "Trajec
            "ReceivedAttention", "TopKKeys", "TrajectoryCache", "at_steps", "received_attention", "steps", "MDMLensError", "ArgumentError", "ArgumentTypeError", "OutOfRangeError", "NonFiniteError", "ConfigError", "CheckpointError", "CheckpointNotFoundError",
            "UnknownModelError", "HookNameError", "InputError", "SamplerConfigError", "MemoryBudgetError"]
 __version__ = "0.1.0"
+
+from mdm_lens.diffusion import IdleStepsWarning  # noqa: E402
+
+__all__ += ["IdleStepsWarning"]

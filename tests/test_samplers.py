@@ -145,7 +145,7 @@ def test_dream_origin_and_sampling_are_seeded():
 def test_dream_logit_shift_reads_the_previous_position():
     """The prediction for canvas position p comes from hidden state p-1: the rig on position p-1 decides it."""
     model = model_for("dream")
-    out = model.generate(PROMPT, steps=6, gen_length=6, alg="maskgit_plus", fwd_hooks=_rig(model))
+    out = model.generate(PROMPT, steps=6, gen_length=6, alg="maskgit_plus", temperature=0, fwd_hooks=_rig(model))
     assert out.tokens[0, 5:].tolist() == [((p - 1) % 30) + 2 for p in range(5, 11)]
 
 
@@ -225,8 +225,8 @@ def test_hook_names_are_checked_before_compute():
     (dict(steps=8, gen_length=60), "exceeds the context"),
     (dict(steps=8, gen_length=8, remasking="lowest"), "remasking"),
     (dict(steps=8, gen_length=8, sampler="arm"), "causal model"),
-    (dict(steps=8, gen_length=8, sampler="dream", alg="greedy"), "alg must be"),
-    (dict(steps=8, gen_length=8, hook_steps=[9]), "outside a run of 8"),
+    (dict(steps=8, gen_length=8, sampler="dream", alg="greedy"), "alg=.greedy. is invalid"),
+    (dict(steps=8, gen_length=8, hook_steps=[9]), "step of a run of 8 steps"),
 ])
 def test_inconsistent_settings_fail_before_compute(kwargs, match):
     model = model_for()

@@ -13,25 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mdm_lens.diffusion.arguments import DREAM_ALGORITHMS as ALGORITHMS  # noqa: F401
 from mdm_lens.diffusion.output import TrajectoryRecorder
 from mdm_lens.diffusion.schedules import dream_timesteps, dream_transfer_count
 from mdm_lens.diffusion.state import DenoisingState
-from mdm_lens.errors import SamplerConfigError
-
-ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
-
-
-def check_settings(steps: int, gen_length: int, alg: str, eps: float, temperature: float,
-                   top_p: float | None, top_k: int | None) -> None:
-    if steps <= 0 or gen_length <= 0:
-        raise SamplerConfigError(f"steps and max_new_tokens must be positive (got {steps}, {gen_length}).")
-    if alg not in ALGORITHMS:
-        raise SamplerConfigError(f"alg must be one of {ALGORITHMS}, got {alg!r}.")
-    if not 0 < eps < 1:
-        raise SamplerConfigError(f"eps must lie in (0, 1), got {eps}.")
-    if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k <= 0):
-        raise SamplerConfigError(f"need temperature ≥ 0, top_p in (0, 1], top_k > 0 "
-                                 f"(got {temperature}, {top_p}, {top_k}).")
 
 
 def top_p_logits(logits: Tensor, top_p: float) -> Tensor:

@@ -16,9 +16,11 @@ import torch
 from torch import Tensor
 
 from mdm_lens import tokenization
-from mdm_lens.diffusion import arm, dream, llada
+from mdm_lens import validate
+from mdm_lens.diffusion import arguments, arm, dream, llada
+from mdm_lens.diffusion.arguments import DEFAULT, SAMPLERS
 from mdm_lens.diffusion.output import GenerateOutput
-from mdm_lens.errors import InputError, SamplerConfigError
+from mdm_lens.errors import ArgumentTypeError, InputError, SamplerConfigError
 from mdm_lens.hooks.runner import StepRunner
 
 SamplerName = Literal["auto", "llada", "dream", "arm"]
@@ -28,21 +30,6 @@ def default_sampler(model: Any) -> str:
     if model.cfg.attention == "causal":
         return "arm"
     return "dream" if model.cfg.logit_shift else "llada"
-
-
-def _prompt_tokens(model: Any, prompt: Any, attention_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], str)):
-        ids, am = model.to_tokens(prompt, return_attention_mask=True)
-        return ids, am
-    ids = torch.as_tensor(prompt, device=model.W_E.device)
-    if ids.ndim == 1:
-        ids = ids[None]
-    if ids.ndim != 2 or ids.dtype not in (torch.int64, torch.int32):
-        raise InputError(f"prompt must be text or token ids [batch, pos], got {tuple(ids.shape)} {ids.dtype}.")
-    am = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask).to(ids.device)
-    if am.shape != ids.shape:
-        raise InputError(f"attention_mask {tuple(am.shape)} must match the prompt {tuple(ids.shape)}.")
-    return ids.long(), am.long()
 
 
 def _progress(progress: bool | None, total: int, desc: str) -> Any:
@@ -61,22 +48,22 @@ def generate(
     *,
     sampler: SamplerName = "auto",
     steps: int | None = None,
-    gen_length: int = 32,
-    block_length: int | None = None,
-    temperature: float = 0.0,
+    gen_length: int | None = None,
+    block_length: int | None = DEFAULT,
+    temperature: float = DEFAULT,
     # LLaDA
-    cfg_scale: float = 0.0,
-    remasking: str = "low_confidence",
-    logits_eos_inf: bool = False,
-    confidence_eos_eot_inf: bool = False,
+    cfg_scale: float = DEFAULT,
+    remasking: str = DEFAULT,
+    logits_eos_inf: bool = DEFAULT,
+    confidence_eos_eot_inf: bool = DEFAULT,
     # Dream
-    alg: str = "origin",
-    alg_temp: float | None = None,
-    eps: float = 1e-3,
-    top_p: float | None = None,
-    top_k: int | None = None,
+    alg: str = DEFAULT,
+    alg_temp: float | None = DEFAULT,
+    eps: float = DEFAULT,
+    top_p: float | None = DEFAULT,
+    top_k: int | None = DEFAULT,
     # ARM
-    stop_at_eos: bool = False,
+    stop_at_eos: bool = DEFAULT,
     # observation
     attention_mask: Tensor | None = None,
     fwd_hooks: Sequence[Any] = (),
@@ -88,77 +75,71 @@ def generate(
 ) -> GenerateOutput:
     """Run a sampler step by step with hooks, reducers and a trajectory cache.
 
+    Unset (`DEFAULT`) settings take the chosen sampler's reference default, and `out.settings` lists every
+    setting the run used (see `mdm_lens.diffusion.arguments`): LLaDA temperature 0; Dream, as its
+    `diffusion_generate` runs without a generation_config, temperature 1.0 with top_k=50 and top_p=1.0 (pass
+    `top_k=None` to switch the filter off); ARM greedy. An option of another sampler (e.g. `alg=` on LLaDA) is an
+    error, not silently ignored. Every argument is checked before any compute (typed errors of `mdm_lens.errors`).
+
     Args:
-        prompt: text (needs a tokenizer) or token ids `[batch, pos]` (left-padded, with `attention_mask`).
+        prompt: text (needs a tokenizer) or token ids `[batch, pos]`, left-padded with `attention_mask` (a
+            right-padded batch is refused: the canvas is appended after the prompt).
         sampler: "llada", "dream" (`cfg.logit_shift` models), "arm" (causal twins) or "auto".
-        steps: denoising steps (default gen_length; ARM: always gen_length).
-        gen_length: tokens to generate (Dream's max_new_tokens).
+        steps: denoising steps (default gen_length; ARM: always gen_length). More steps than tokens runs as in the
+            reference but warns (`IdleStepsWarning`), naming the steps that commit nothing.
+        gen_length: tokens to generate (Dream's max_new_tokens); default the canvas length a zoo twin was trained
+            on (`cfg.extra["gen_length"]`), else 32.
         block_length: LLaDA semi-autoregressive block length (default gen_length: one block).
-        fwd_hooks: TL `(name, fn)` pairs (names may be globs or filters) or `at_steps(fn, [...], name=...)`.
+        fwd_hooks: a list of TL `(name, fn)` pairs (names may be globs or filters) or `at_steps(fn, [...], name=...)`.
         hook_steps: the steps at which plain `fwd_hooks` fire (default every step), e.g. `[0, -1]` or `steps(every=4)`.
-        record: streaming reducers, e.g. `[ReceivedAttention(), KeyValueNorms()]`.
+        record: a list of streaming reducers, e.g. `[ReceivedAttention(), KeyValueNorms()]`.
         cache: a `TrajectoryCache`, a `"name" @ steps(...)` request, or hook names (every step).
         seed: seeds the sampler's own randomness (Gumbel noise, random remasking, sampling).
+
+    `out.replay(model, step, fwd_hooks=...)` re-runs one step's forward pass outside the loop with the same
+    `model.state` and the same step-bound hooks.
     """
     sampler = default_sampler(model) if sampler == "auto" else sampler
-    if sampler not in ("llada", "dream", "arm"):
-        raise SamplerConfigError(f"sampler must be 'llada', 'dream', 'arm' or 'auto', got {sampler!r}.")
+    sampler = validate.choice(sampler, SAMPLERS, name="sampler", error=SamplerConfigError)
     if sampler != "arm" and model.cfg.attention == "causal":
-        raise SamplerConfigError(f"{model.cfg.model_name} is causal: use sampler='arm' (or 'auto').")
+        raise SamplerConfigError(f"{model.cfg.model_name} is causal: use sampler='arm' (or 'auto').",
+                                 argument="sampler", value=sampler, allowed="'arm' or 'auto'")
     if sampler == "arm" and model.cfg.attention != "causal":
         raise SamplerConfigError("sampler='arm' decodes left to right and needs a causal model; "
-                                 "this model is bidirectional (use 'llada' or 'dream').")
+                                 "this model is bidirectional (use 'llada' or 'dream').", argument="sampler",
+                                 value=sampler, allowed="'llada', 'dream' or 'auto'")
     mask_id = model.cfg.mask_token_id
     if sampler != "arm" and mask_id is None:
         raise SamplerConfigError("this model has no mask token (cfg.mask_token_id is None); set it to diffuse.")
-    steps = gen_length if steps is None else steps
-    block_length = gen_length if block_length is None else block_length
-    if sampler == "llada":
-        llada.check_settings(steps, gen_length, block_length, remasking, cfg_scale, temperature)
-    elif sampler == "dream":
-        dream.check_settings(steps, gen_length, alg, eps, temperature, top_p, top_k)
-    else:
-        if steps != gen_length:
-            raise SamplerConfigError(f"an ARM takes one step per token: steps must equal gen_length={gen_length}.")
-        if gen_length <= 0:
-            raise SamplerConfigError("gen_length must be positive.")
-    ids, am = _prompt_tokens(model, prompt, attention_mask)
+    given = dict(steps=steps, gen_length=gen_length, block_length=block_length, temperature=temperature,
+                 cfg_scale=cfg_scale, remasking=remasking, logits_eos_inf=logits_eos_inf,
+                 confidence_eos_eot_inf=confidence_eos_eot_inf, alg=alg, alg_temp=alg_temp, eps=eps, top_p=top_p,
+                 top_k=top_k, stop_at_eos=stop_at_eos)
+    resolved = arguments.resolve(model, sampler, given)
+    steps, gen_length, v = resolved.steps, resolved.gen_length, resolved.values
+    _check_observation(fwd_hooks, record, cache, seed, progress)
+    ids, am = arguments.prompt_tokens(model, prompt, attention_mask)
     batch, prompt_length = ids.shape
     total = prompt_length + gen_length
     if total > model.cfg.n_ctx:
         raise SamplerConfigError(f"prompt ({prompt_length}) + gen_length ({gen_length}) = {total} exceeds the "
-                                 f"context of {model.cfg.n_ctx}; shorten one of them.")
+                                 f"context of {model.cfg.n_ctx}; shorten one of them.", argument="gen_length",
+                                 value=gen_length, allowed=f"<= {model.cfg.n_ctx - prompt_length}")
     if mask_id is not None and sampler != "arm" and bool((ids == mask_id).any()):
         raise InputError(f"the prompt contains the mask token {mask_id}; LLaDA/Dream treat prompt masks as "
-                         "positions to fill. Remove it or use a canvas made by generate.")
+                         "positions to fill. Remove it or use a canvas made by generate.", argument="prompt",
+                         value=ids, allowed=f"token ids other than {mask_id}")
     runner = StepRunner(model, fwd_hooks=fwd_hooks, hook_steps=hook_steps, record=record, cache=cache)
     runner.begin(batch, total, steps)  # names, steps and memory are checked here, before any compute
+    arguments.warn_idle(sampler, steps, gen_length, v)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     bar = _progress(progress, steps, f"{sampler} sampling")
-    settings: dict[str, Any] = dict(steps=steps, gen_length=gen_length, temperature=temperature, seed=seed)
+    settings: dict[str, Any] = dict(steps=steps, gen_length=gen_length, **v, seed=seed)
+    if sampler != "arm":
+        settings["mask_id"] = mask_id
     try:
         with torch.no_grad():
-            if sampler == "arm":
-                settings.update(top_p=top_p, top_k=top_k)
-                x, am, recorder = arm.arm_sample(runner, ids, am, gen_length=gen_length, temperature=temperature,
-                                                 top_p=top_p, top_k=top_k, eos_id=model.cfg.eos_token_id,
-                                                 stop_at_eos=stop_at_eos, generator=generator, progress=bar)
-            else:
-                x = torch.cat([ids, ids.new_full((batch, gen_length), mask_id)], dim=1)
-                am = torch.cat([am, am.new_ones((batch, gen_length))], dim=1)
-                if sampler == "llada":
-                    settings.update(block_length=block_length, remasking=remasking, cfg_scale=cfg_scale)
-                    eot = model.cfg.extra.get("special_tokens", {}).get("<|eot_id|>")
-                    x, recorder = llada.llada_sample(
-                        runner, x, am, prompt_length, steps=steps, gen_length=gen_length, block_length=block_length,
-                        temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, mask_id=mask_id,
-                        logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf,
-                        eos_id=model.cfg.eos_token_id, eot_id=eot, generator=generator, progress=bar)
-                else:
-                    settings.update(alg=alg, alg_temp=alg_temp, eps=eps, top_p=top_p, top_k=top_k)
-                    x, recorder = dream.dream_sample(runner, x, am, prompt_length, steps=steps, mask_id=mask_id,
-                                                     eps=eps, alg=alg, alg_temp=alg_temp, temperature=temperature,
-                                                     top_p=top_p, top_k=top_k, generator=generator, progress=bar)
+            x, am, recorder = _run(runner, sampler, ids, am, model, steps, gen_length, v, generator, bar)
     finally:
         if bar is not None:
             bar.close()
@@ -169,3 +150,50 @@ def generate(
     return GenerateOutput(tokens=x, prompt_length=prompt_length, attention_mask=am, trajectory=recorder.finish(),
                           sampler=sampler, settings=settings, causal=sampler == "arm", records=records,
                           record_meta=meta, cache=runner.cache, model_name=model.cfg.model_name, texts=texts)
+
+
+def _run(runner: StepRunner, sampler: str, ids: Tensor, am: Tensor, model: Any, steps: int, gen_length: int,
+         v: dict[str, Any], generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, Any]:
+    if sampler == "arm":
+        return arm.arm_sample(runner, ids, am, gen_length=gen_length, temperature=v["temperature"], top_p=v["top_p"],
+                              top_k=v["top_k"], eos_id=model.cfg.eos_token_id, stop_at_eos=v["stop_at_eos"],
+                              generator=generator, progress=bar)
+    batch, prompt_length = ids.shape
+    mask_id = model.cfg.mask_token_id
+    x = torch.cat([ids, ids.new_full((batch, gen_length), mask_id)], dim=1)
+    am = torch.cat([am, am.new_ones((batch, gen_length))], dim=1)
+    if sampler == "llada":
+        x, recorder = llada.llada_sample(
+            runner, x, am, prompt_length, steps=steps, gen_length=gen_length, block_length=v["block_length"],
+            temperature=v["temperature"], cfg_scale=v["cfg_scale"], remasking=v["remasking"], mask_id=mask_id,
+            logits_eos_inf=v["logits_eos_inf"], confidence_eos_eot_inf=v["confidence_eos_eot_inf"],
+            eos_id=v["eos_id"], eot_id=v["eot_id"], generator=generator, progress=bar)
+    else:
+        x, recorder = dream.dream_sample(runner, x, am, prompt_length, steps=steps, mask_id=mask_id, eps=v["eps"],
+                                         alg=v["alg"], alg_temp=v["alg_temp"], temperature=v["temperature"],
+                                         top_p=v["top_p"], top_k=v["top_k"], generator=generator, progress=bar)
+    return x, am, recorder
+
+
+def _check_observation(fwd_hooks: Any, record: Any, cache: Any, seed: Any, progress: Any) -> None:
+    """Types of the observation arguments (their names and steps are checked by the StepRunner)."""
+    from mdm_lens.hooks.reducers import Reducer
+    from mdm_lens.hooks.steps import CacheRequest, StepHook
+    from mdm_lens.hooks.trajectory import TrajectoryCache
+
+    lone_pair = isinstance(fwd_hooks, tuple) and len(fwd_hooks) == 2 and isinstance(fwd_hooks[0], str)
+    if lone_pair or isinstance(fwd_hooks, StepHook) or not isinstance(fwd_hooks, (list, tuple)):
+        raise ArgumentTypeError(f"fwd_hooks={validate.describe(fwd_hooks)} must be a list of (name, fn) pairs or "
+                                "at_steps(...) hooks; write fwd_hooks=[...].", argument="fwd_hooks", value=fwd_hooks,
+                                allowed="a list of (name, fn) pairs or StepHooks")
+    validate.instances(list(record) if isinstance(record, tuple) else record, Reducer, name="record")
+    ok_cache = cache is None or callable(cache) or isinstance(cache, (str, TrajectoryCache, CacheRequest)) or (
+        isinstance(cache, (list, tuple)) and cache and all(isinstance(c, str) for c in cache))
+    if not ok_cache:
+        raise ArgumentTypeError(f"cache={validate.describe(cache)} must be a TrajectoryCache, a 'name' @ steps(...) "
+                                "request, a hook name or a list of hook names.", argument="cache", value=cache,
+                                allowed="TrajectoryCache, CacheRequest, str or list of str")
+    if seed is not None:
+        validate.integer(seed, name="seed", min=0)
+    if progress is not None:
+        validate.boolean(progress, name="progress")

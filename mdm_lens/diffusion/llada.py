@@ -15,7 +15,6 @@ from torch import Tensor
 from mdm_lens.diffusion.output import TrajectoryRecorder
 from mdm_lens.diffusion.schedules import llada_transfer_counts
 from mdm_lens.diffusion.state import DenoisingState
-from mdm_lens.errors import SamplerConfigError
 
 
 def add_gumbel_noise(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
@@ -26,24 +25,6 @@ def add_gumbel_noise(logits: Tensor, temperature: float, generator: torch.Genera
     logits = logits.to(torch.float64)
     u = torch.rand(logits.shape, generator=generator, dtype=torch.float64, device="cpu").to(logits.device)
     return logits.exp() / (-torch.log(u)) ** temperature
-
-
-def check_settings(steps: int, gen_length: int, block_length: int, remasking: str, cfg_scale: float,
-                   temperature: float) -> None:
-    if gen_length <= 0 or steps <= 0 or block_length <= 0:
-        raise SamplerConfigError(f"steps, gen_length and block_length must be positive "
-                                 f"(got {steps}, {gen_length}, {block_length}).")
-    if gen_length % block_length:
-        raise SamplerConfigError(f"gen_length={gen_length} is not a multiple of block_length={block_length}; "
-                                 "LLaDA decodes whole blocks. Use block_length=gen_length for no blocks.")
-    n_blocks = gen_length // block_length
-    if steps % n_blocks:
-        raise SamplerConfigError(f"steps={steps} must be divisible by the number of blocks {n_blocks} "
-                                 f"(gen_length/block_length); e.g. steps={n_blocks * max(1, steps // n_blocks)}.")
-    if remasking not in ("low_confidence", "random"):
-        raise SamplerConfigError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}.")
-    if cfg_scale < 0 or temperature < 0:
-        raise SamplerConfigError(f"cfg_scale and temperature must be ≥ 0 (got {cfg_scale}, {temperature}).")
 
 
 def llada_sample(runner: Any, x: Tensor, attention_mask: Tensor, prompt_length: int, *, steps: int,
@@ -66,18 +47,24 @@ def llada_sample(runner: Any, x: Tensor, attention_mask: Tensor, prompt_length: 
             state = DenoisingState(step, steps, b, n_blocks, x.clone(), mask_index, prompt_index, key_visible, blk)
             logits = runner.forward(state, x, attention_mask=attention_mask)
             if cfg_scale > 0:
-                un_x = x.masked_fill(prompt_index, mask_id)
+                # The reference masks pads too; pads are hidden keys and never committed, so keeping their pad id
+                # changes no used logit and keeps the model's "pad is not the mask id" input check meaningful.
+                un_x = x.masked_fill(prompt_index & key_visible, mask_id)
                 uncond = DenoisingState(step, steps, b, n_blocks, un_x, un_x == mask_id, prompt_index, key_visible,
                                         blk, phase="uncond")
                 un_logits = runner.forward(uncond, un_x, attention_mask=attention_mask)
                 logits = un_logits + (cfg_scale + 1) * (logits - un_logits)
-            if logits_eos_inf and eos_id is not None:
+            if logits_eos_inf:
                 logits[..., eos_id] = float("-inf")
-            x0 = torch.argmax(add_gumbel_noise(logits, temperature, generator), dim=-1)
-            if confidence_eos_eot_inf:  # reference quirk: applied after sampling, so an EoT pick gets confidence 0
-                for tid in (eot_id, eos_id):
-                    if tid is not None:
-                        logits[..., tid] = float("-inf")
+            noisy = add_gumbel_noise(logits, temperature, generator)
+            x0 = torch.argmax(noisy, dim=-1)
+            if confidence_eos_eot_inf:
+                # The reference line `logits_with_noise[..., EOS] = logits[..., EoT] = -inf`, after sampling. At
+                # temperature 0 the noised tensor *is* the logits, so EOS and EoT confidences both drop to 0; at
+                # temperature > 0 the EOS write lands in the noise copy and only EoT's confidence changes.
+                if eos_id is not None:  # known whenever it matters (temperature 0): checked before the run
+                    noisy[..., eos_id] = float("-inf")
+                logits[..., eot_id] = float("-inf")
             if remasking == "low_confidence":
                 p = F.softmax(logits, dim=-1)  # in the logits' dtype, as the reference
                 x0_p = torch.gather(p, -1, x0[..., None]).squeeze(-1)

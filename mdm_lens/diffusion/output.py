@@ -10,12 +10,18 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from mdm_lens import validate
+
 
 @dataclass
 class Trajectory:
-    """Per-step facts of a run. Positions index the final sequence `[batch, pos]`."""
+    """Per-step facts of a run. Positions index the final sequence `[batch, pos]`.
 
-    x_steps: Int[Tensor, "step batch pos"]  # model input at each step (ARM: -1 where not yet generated)
+    `x_steps[s]` is the canvas *before* step s: the model input of step s, before that step's commits (so
+    `x_steps[0]` is the prompt followed by masks, and the final tokens are `GenerateOutput.tokens`, not in
+    `x_steps`). ARM runs: the prefix of step s, padded with -1 where not yet generated."""
+
+    x_steps: Int[Tensor, "step batch pos"]  # model input at each step, before its commits
     commit_step: Int[Tensor, "batch pos"]  # step that committed each position; -1 for prompt positions
     commit_confidence: Float[Tensor, "batch pos"]  # the sampler's confidence at commit (NaN: prompt/none)
     n_committed: Int[Tensor, "step batch"]
@@ -30,9 +36,23 @@ class Trajectory:
 
     def order(self, row: int = 0) -> list[int]:
         """Generated positions of one row in the order they were committed (ties by position)."""
+        row = validate.index(row, self.commit_step.shape[0], name="row", what="batch row")
         cs = self.commit_step[row]
         gen = (cs >= 0).nonzero().flatten().tolist()
         return sorted(gen, key=lambda p: (int(cs[p]), p))
+
+    def __repr__(self) -> str:
+        n_steps, batch, total = self.x_steps.shape
+        n_prompt = int((self.commit_step[0] == -1).sum())
+        per_step = self.n_committed[:, 0].tolist()
+        if len(per_step) > 16:
+            per_step = per_step[:8] + ["…"] + per_step[-4:]
+        order = self.order(0)
+        shown = order if len(order) <= 16 else order[:12] + ["…"]
+        n_blocks = int(self.block_of_step.max()) + 1 if n_steps else 0
+        return (f"Trajectory(steps={n_steps}, batch={batch}, positions={total} (prompt {n_prompt}), "
+                f"blocks={n_blocks}; row 0 commits per step {per_step}, commit order {shown}; "
+                "x_steps[s] = canvas before step s)")
 
 
 @dataclass
@@ -61,6 +81,22 @@ class GenerateOutput:
     @property
     def n_steps(self) -> int:
         return self.trajectory.n_steps
+
+    def state_at(self, step: int, phase: str = "cond") -> Any:
+        """The `DenoisingState` that `model.state` held during step `step`'s forward pass (see `replay`)."""
+        from mdm_lens.diffusion.replay import state_at
+
+        return state_at(self, step, phase)
+
+    def replay(self, model: Any, step: int, *, fwd_hooks: Any = (), hook_steps: Any = None,
+               phase: str = "cond") -> Float[Tensor, "batch pos d_vocab"]:
+        """Re-run step `step`'s forward pass outside `generate`: the same input canvas, the same `model.state`
+        and the same step-bound hooks (an `at_steps(fn, [3])` hook fires only when replaying step 3; plain
+        `fwd_hooks` follow `hook_steps`, default every step). Returns the position-aligned logits the sampler
+        read at that step. `phase="uncond"` replays LLaDA's classifier-free-guidance pass."""
+        from mdm_lens.diffusion.replay import replay
+
+        return replay(self, model, step, fwd_hooks=fwd_hooks, hook_steps=hook_steps, phase=phase)
 
     def __repr__(self) -> str:
         b, t = self.tokens.shape

@@ -9,10 +9,11 @@ from typing import Any, Callable, Sequence
 from torch import Tensor
 
 from mdm_lens.diffusion.state import DenoisingState
-from mdm_lens.errors import InputError
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentTypeError, InputError
 from mdm_lens.hooks.names import expand_names
 from mdm_lens.hooks.reducers import Reducer
-from mdm_lens.hooks.steps import ALL_STEPS, CacheRequest, StepHook, Steps, _Bound
+from mdm_lens.hooks.steps import ALL_STEPS, BoundHook, StepHook, Steps, steps
 from mdm_lens.hooks.trajectory import TrajectoryCache
 
 
@@ -21,9 +22,13 @@ def _as_steps(hook_steps: Any) -> Steps:
         return ALL_STEPS
     if isinstance(hook_steps, Steps):
         return hook_steps
-    if isinstance(hook_steps, (int, str)):
+    if isinstance(hook_steps, (int, str)) and not isinstance(hook_steps, bool):
         hook_steps = [hook_steps]
-    return Steps(tuple(hook_steps))
+    if not isinstance(hook_steps, (list, tuple, range)):
+        raise ArgumentTypeError(f"hook_steps={validate.describe(hook_steps)} must be None, a step, a list of steps "
+                                "or steps(...).", argument="hook_steps", value=hook_steps,
+                                allowed="None, int, 'first'/'last', a list of them, or steps(...)")
+    return steps(*hook_steps)
 
 
 class StepRunner:
@@ -35,20 +40,20 @@ class StepRunner:
         for h in fwd_hooks:
             if isinstance(h, StepHook):
                 self.user_hooks.append(h)
-            elif isinstance(h, tuple) and len(h) == 2:
+            elif isinstance(h, tuple) and len(h) == 2 and callable(h[1]):
                 name, fn = h
-                when = fn.when if isinstance(fn, _Bound) else default
-                fn = fn.fn if isinstance(fn, _Bound) else fn
+                when = fn.when if isinstance(fn, BoundHook) else default
+                fn = fn.fn if isinstance(fn, BoundHook) else fn
                 self.user_hooks.append(StepHook(name, fn, when))
             else:
-                raise InputError(f"fwd_hooks entries must be (name, fn) pairs or at_steps(...) hooks, got {h!r}.")
+                raise ArgumentTypeError(f"fwd_hooks entries must be (name, fn) pairs or at_steps(...) hooks, got "
+                                        f"{validate.describe(h)}.", argument="fwd_hooks", value=h,
+                                        allowed="(name, callable) or StepHook")
         for h in self.user_hooks:
             h.name = expand_names(model, h.name)
-        self.reducers = list(record)
-        for r in self.reducers:
-            if not isinstance(r, Reducer):
-                raise InputError(f"record= takes reducers (e.g. ReceivedAttention()), got {r!r}; "
-                                 "full activations go in cache=.")
+        # a lone reducer is refused (record=[ReceivedAttention()]); full activations go in cache=
+        self.reducers = validate.instances(list(record) if isinstance(record, tuple) else record, Reducer,
+                                           name="record")
         names = [r.name for r in self.reducers]
         if len(set(names)) != len(names):
             raise InputError(f"two reducers share a record name ({names}); give one a name=.")

@@ -14,9 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from mdm_lens.errors import SamplerConfigError
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentTypeError, SamplerConfigError
 
 StepSpec = int | str
+PHASES = ("cond", "uncond")
 
 
 @dataclass(frozen=True)
@@ -33,17 +35,10 @@ class Steps:
         if not self.indices:
             return None
         out = set()
-        for s in self.indices:
-            if s == "first":
-                s = 0
-            elif s == "last":
-                s = -1
-            if not isinstance(s, int):
-                raise SamplerConfigError(f"a step must be an int, 'first' or 'last', got {s!r}.")
-            i = s + n_steps if s < 0 else s
-            if not 0 <= i < n_steps:
-                raise SamplerConfigError(f"step {s} is outside a run of {n_steps} steps.")
-            out.add(i)
+        for j, s in enumerate(self.indices):
+            s = {"first": 0, "last": -1}.get(s, s) if isinstance(s, str) else s
+            out.add(validate.index(s, n_steps, name=f"steps[{j}]", what=f"step of a run of {n_steps} steps",
+                                   error=SamplerConfigError))
         return out
 
     def matches(self, step: int, n_steps: int, block: int = 0, phase: str = "cond") -> bool:
@@ -70,9 +65,25 @@ def steps(*indices: StepSpec, every: int | None = None, blocks: Iterable[int] | 
           phases: Sequence[str] = ("cond",)) -> Steps:
     """`steps(0, -1)`, `steps("first", "last")`, `steps(every=4)` (the last step is always included),
     `steps(blocks=[0])`; `phases=("cond", "uncond")` to also fire on the CFG unconditional pass."""
-    if every is not None and every <= 0:
-        raise SamplerConfigError(f"every must be a positive step interval, got {every}.")
-    return Steps(tuple(indices), every, tuple(blocks) if blocks is not None else None, tuple(phases))
+    for j, s in enumerate(indices):
+        if isinstance(s, str):
+            validate.choice(s, ("first", "last"), name=f"steps[{j}]", error=SamplerConfigError)
+        else:
+            validate.integer(s, name=f"steps[{j}]")
+    if every is not None:
+        every = validate.integer(every, name="every", min=1, error=SamplerConfigError)
+    if blocks is not None:
+        if isinstance(blocks, int) and not isinstance(blocks, bool):
+            blocks = [blocks]
+        blocks = [validate.integer(b, name=f"blocks[{j}]", min=0, error=SamplerConfigError)
+                  for j, b in enumerate(validate.instances(list(blocks), int, name="blocks"))]
+    if isinstance(phases, str):
+        phases = (phases,)
+    phases = tuple(validate.choice(p, PHASES, name="phases", error=SamplerConfigError) for p in phases)
+    if not phases:
+        raise SamplerConfigError("phases=() selects no forward pass; use ('cond',), ('uncond',) or both.",
+                                 argument="phases", value=phases, allowed="a non-empty subset of ('cond', 'uncond')")
+    return Steps(tuple(indices), every, tuple(blocks) if blocks is not None else None, phases)
 
 
 ALL_STEPS = Steps()
@@ -86,7 +97,8 @@ class CacheRequest:
 
 @dataclass
 class StepHook:
-    """A TL forward hook `(name, fn)` that exists only at the steps in `when`."""
+    """A TL forward hook `(name, fn)` that exists only at the steps in `when` (the same public attribute as a
+    reducer's and a TrajectoryCache's `.when`; `hook.when.resolve(n_steps)` gives the concrete step indices)."""
 
     name: Any
     fn: Callable
@@ -97,16 +109,30 @@ def at_steps(fn: Callable, step_list: Iterable[StepSpec] | Steps | None = None, 
              every: int | None = None, blocks: Iterable[int] | None = None) -> Any:
     """Bind a hook function to steps. With `name`, returns a `StepHook` to pass in `fwd_hooks`;
     without, returns a wrapper to pair with a name: `fwd_hooks=[(name, at_steps(fn, [0, -1]))]`."""
-    when = step_list if isinstance(step_list, Steps) else steps(*(step_list or ()), every=every, blocks=blocks)
+    if not callable(fn):
+        raise ArgumentTypeError(f"at_steps needs a hook function first, got {validate.describe(fn)}.",
+                                argument="fn", value=fn, allowed="a callable fn(tensor, hook)")
+    if isinstance(step_list, Steps):
+        when = step_list
+    elif isinstance(step_list, (int, str)):
+        when = steps(step_list, every=every, blocks=blocks)
+    else:
+        when = steps(*(step_list or ()), every=every, blocks=blocks)
     if name is not None:
         return StepHook(name, fn, when)
-    return _Bound(fn, when)
+    return BoundHook(fn, when)
 
 
 @dataclass
-class _Bound:
+class BoundHook:
+    """A hook function bound to steps, to pair with a name: `(name, at_steps(fn, [0, -1]))`. `.when` holds its
+    steps. Outside `generate` and `GenerateOutput.replay` (no denoising state) it fires on every forward pass."""
+
     fn: Callable
     when: Steps
 
-    def __call__(self, tensor: Any, hook: Any) -> Any:  # usable as a plain TL hook outside generate
+    def __call__(self, tensor: Any, hook: Any) -> Any:
         return self.fn(tensor, hook=hook)
+
+
+_Bound = BoundHook  # the former private name
