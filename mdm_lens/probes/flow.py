@@ -102,7 +102,7 @@ def _check_disjoint(regions: Sequence[Region], T: int) -> list[Region]:
     T = validate.integer(T, name="T", min=1)
     for r in regs:
         if not 0 <= r.start < r.end <= T:
-            raise ArgumentError(f"region {r} is empty or outside [0, {T}): expected 0 <= start < end <= {T}.",
+            raise ArgumentError(f"regions: {r} is empty or outside [0, {T}): expected 0 <= start < end <= {T}.",
                                 argument="regions", value=r, allowed=f"non-empty spans within [0, {T})")
     for a, b in zip(regs, regs[1:]):
         if b.start < a.end:
