@@ -115,7 +115,11 @@ def answer_accuracy(model: Any, items: Sequence[Any], fwd_hooks: Sequence[Any] =
 
 @dataclass
 class AblationResult(ResultMixin):
-    """Accuracy with no heads masked, the top-K heads masked, and K random heads masked (each draw)."""
+    """Accuracy with no heads masked, the top-K heads masked, and K random heads masked (each draw).
+
+    ``to_frame()`` columns: ``condition`` (``clean``, ``top``, ``random``), ``draw`` (random draw index),
+    ``k``, ``accuracy`` (fraction of items answered correctly), ``heads`` (the masked (layer, head) list).
+    """
 
     k: int
     method: str

@@ -291,7 +291,11 @@ def initial_absorption(received: Float[Tensor, "... step key"], key_visible: Boo
 
 @dataclass
 class LayerClassification(ResultMixin):
-    """Per-series labels (``LAYER_LABELS``) with the quantities that decided them."""
+    """Per-series labels (``LAYER_LABELS``) with the quantities that decided them.
+
+    ``to_frame()`` columns: ``metric`` (a field name), the leading dims, ``value`` (numbers), ``label``
+    (for ``labels``).
+    """
 
     labels: np.ndarray           # [...] str
     stability: Tensor

@@ -288,7 +288,12 @@ def rollout(attn: Float[Tensor, "... layer query key"], residual: float = 0.5) -
 
 @dataclass
 class FlowResult(ResultMixin):
-    """Pooled flow between regions (rows = source/query side, columns = destination/key side)."""
+    """Pooled flow between regions (rows = source/query side, columns = destination/key side).
+
+    ``to_frame()`` columns: ``metric`` (a field name), any leading dims, ``layer`` (for the ``*_by_layer`` and
+    ``layer_flow`` fields), ``src`` / ``dst`` (region names), ``value``, ``label``.  ``notes`` lists what
+    paper mode dropped.
+    """
 
     regions: list[Region]
     mode: str

@@ -140,7 +140,11 @@ def qk_label(norm_term: Tensor, angle_term: Tensor, share: float = 0.8) -> np.nd
 
 @dataclass
 class QKDecomposition(ResultMixin):
-    """Per (batch, head) decomposition Δ = N + G of the anchor's mean QK logit advantage, plus head means."""
+    """Per (batch, head) decomposition Δ = N + G of the anchor's mean QK logit advantage, plus head means.
+
+    ``to_frame()`` columns: ``metric`` (a field name), ``batch``, ``head`` (absent for the ``*_mean`` fields),
+    ``value`` (logits for the terms, ratios / z-scores / shares otherwise), ``label`` (for ``labels``).
+    """
 
     norm_term: Tensor            # [batch, head]  N
     angle_term: Tensor           # [batch, head]  G
@@ -260,7 +264,11 @@ def decompose(q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch pos 
 
 @dataclass
 class PaperQKMaps(ResultMixin):
-    """The three [batch, query, key] maps of the AF QK figure (NaN above the diagonal when causal)."""
+    """The three [batch, query, key] maps of the AF QK figure (NaN above the diagonal when causal).
+
+    ``to_frame()`` columns: ``metric`` (``qk``, ``cos``, ``norm_prod``), ``dim0`` (batch), ``query``, ``key``,
+    ``value``.
+    """
 
     qk: Tensor           # q_i·k_j, no 1/√d
     cos: Tensor          # cos θ_ij

@@ -158,7 +158,12 @@ def answer_correct(model: Any, generated: Sequence[int] | Tensor, answer: Any, d
 
 @dataclass
 class RetrievalScores(ResultMixin):
-    """Per-head scores (mean over counted samples; NaN if none counted)."""
+    """Per-head scores (mean over counted samples; NaN if none counted).
+
+    ``scores [layer, head]`` over ``layers``; ``per_sample [item, layer, head]`` (NaN for samples not counted:
+    a wrong answer under ``only_correct``, or no answer position); ``above_threshold`` sorted by score;
+    ``retrieval_heads`` = ``above_threshold`` except for ``evidence_focus``, which is never a retrieval score.
+    """
 
     method: str
     threshold: float

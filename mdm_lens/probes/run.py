@@ -67,6 +67,10 @@ class AbsorptionByLayer(ResultMixin):
     ``mode="paper"``: one variant, ``top1`` (MDM: AF Rule A, which always falls back to top-1) or
     ``pos0`` (ARM: column 0).  ``mode="default"``: ``pos0``, ``top1``, ``anchors`` for every model.
     ``std`` is the population std over the batch (numpy's default, as the reference's ``fill_between``).
+
+    ``to_frame()`` columns: ``metric`` (``mean``, ``std``, ``null_mean``, ``excess_mean``; pass
+    ``metrics=("per_sample", "n_anchors")`` for per-sample rows with a ``batch`` column), ``layer``,
+    ``variant``, ``value`` (percent), ``label``.  :meth:`table` is the wide view.
     """
 
     mode: str
@@ -169,7 +173,10 @@ class StepAnchors(ResultMixin):
     """Anchor sets S_s and received attention over steps, ``[batch, layer, (head,) step, key]``.
 
     The layer axis is dropped when a single ``layer`` was asked for.  ``received`` is NaN at keys that
-    are padding or do not exist yet at that step (ARM prefixes).
+    are padding or do not exist yet at that step (ARM prefixes); ``key_visible`` says which keys exist.
+    ``steps`` are the run's step indices of the step axis.  ``to_frame()`` columns: ``metric``
+    (``anchors`` 0/1, ``received`` mass), the leading dims (``batch``, ``layer``, ``head``), ``step`` (the
+    position on the step axis), ``key``, ``value``, ``label``.
     """
 
     anchors: Tensor
@@ -416,7 +423,11 @@ def regions_for_item(item: Any, answer_length: int = 0, offsets: Sequence[tuple[
 
 @dataclass
 class ItemFlows(ResultMixin):
-    """Per-item region flows (regions differ between items, so no common region axis)."""
+    """Per-item region flows (regions differ between items, so no common region axis).
+
+    ``gold_ratio`` / ``gold_ratio_density``: per item, answer-row flow to the gold doc over the mean to the
+    other docs (raw / density-normalised); ``correct``: substring match of the generated answer.
+    """
 
     results: list[F.FlowResult]
     gold_index: list[int | None]
