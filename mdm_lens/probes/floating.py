@@ -168,7 +168,7 @@ def received_attention(pattern: Float[Tensor, "... query key"],
 def _harmonic(n: Tensor) -> Tensor:
     """H_n = Σ_{k=1}^{n} 1/k for integer tensors (float64), H_0 = 0; exact summation."""
     n = n.long()
-    m = int(n.max().item()) if n.numel() else 0
+    m = max(int(n.max().item()), 0) if n.numel() else 0      # all-invisible rows have rank -1
     steps = torch.arange(1, m + 1, dtype=torch.float64, device=n.device)
     table = torch.cat([torch.zeros(1, dtype=torch.float64, device=n.device), torch.cumsum(1.0 / steps, 0)])
     return table[n.clamp_min(0)]
