@@ -21,7 +21,25 @@ import numpy as np
 import pandas as pd
 import torch
 
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentError, ArgumentTypeError
+
 __all__ = ["ResultMixin", "to_numpy"]
+
+
+def _names(value: Any, allowed: list[str] | None, name: str) -> list[str]:
+    """A list of str (``allowed``: each one of them); a lone str is refused (write [name])."""
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise ArgumentTypeError(f"{name}={value!r} is invalid: expected a list of str" +
+                                (f" from {allowed}" if allowed else "") + ".", argument=name, value=value,
+                                allowed="a list of str")
+    out = []
+    for i, v in enumerate(value):
+        if not isinstance(v, str):
+            raise ArgumentTypeError(f"{name}[{i}]={v!r} is invalid: expected a str.", argument=f"{name}[{i}]",
+                                    value=v, allowed="str")
+        out.append(v if allowed is None else validate.choice(v, allowed, name=f"{name}[{i}]"))
+    return out
 
 
 def to_numpy(x: Any) -> np.ndarray:
@@ -51,7 +69,9 @@ class ResultMixin:
         """Long-format DataFrame with one row per scalar of every reported field."""
         coords = self._coords()
         frames = []
-        names = list(self._dims) if metrics is None else list(metrics)
+        names = list(self._dims) if metrics is None else _names(metrics, list(self._dims), "metrics")
+        if lead_dims is not None:
+            _names(lead_dims, None, "lead_dims")
         for name in names:
             value = getattr(self, name)
             if value is None:
@@ -60,7 +80,7 @@ class ResultMixin:
             trailing = self._dims[name]
             n_lead = arr.ndim - len(trailing)
             if n_lead < 0:
-                raise ValueError(f"field {name!r} has fewer axes than its declared trailing dims {trailing}")
+                raise ArgumentError(f"field {name!r} has fewer axes than its declared trailing dims {trailing}")
             given = list(lead_dims or [])[:n_lead]
             lead = given + [f"dim{i}" for i in range(len(given), n_lead)]
             axes = lead + list(trailing)

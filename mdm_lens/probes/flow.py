@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Sequence
+from typing import Any, ClassVar, Literal, Sequence
 
 import torch
 from einops import einsum
 from jaxtyping import Float
 from torch import Tensor
 
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentError, ArgumentTypeError
+
+from . import _checks as C
 from ._results import ResultMixin
 
 __all__ = ["Region", "CharSpan", "REGION_KINDS", "AF_KINDS", "complete_regions", "regions_from_char_spans",
@@ -60,11 +64,20 @@ class Region:
     kind: RegionKind = "other"
 
     def __post_init__(self):
-        if self.kind not in REGION_KINDS:
-            raise ValueError(f"unknown region kind {self.kind!r}; expected one of {REGION_KINDS}")
+        _check_span(self)
 
     def __len__(self) -> int:
         return self.end - self.start
+
+
+def _check_span(span: Any) -> None:
+    what = type(span).__name__
+    if not isinstance(span.name, str):
+        raise ArgumentTypeError(f"{what}.name={span.name!r} is invalid: expected a str.", argument="name",
+                                value=span.name, allowed="a str")
+    validate.choice(span.kind, REGION_KINDS, name="kind")
+    start = validate.integer(span.start, name="start", min=0)
+    validate.integer(span.end, name="end", min=start)
 
 
 @dataclass(frozen=True)
@@ -76,15 +89,25 @@ class CharSpan:
     end: int
     kind: RegionKind = "other"
 
+    def __post_init__(self):
+        _check_span(self)
+
+
+def _regions(regions: Any, name: str = "regions") -> list[Region]:
+    return validate.instances(regions, Region, name=name)
+
 
 def _check_disjoint(regions: Sequence[Region], T: int) -> list[Region]:
-    regs = sorted(regions, key=lambda r: r.start)
+    regs = sorted(_regions(regions), key=lambda r: r.start)
+    T = validate.integer(T, name="T", min=1)
     for r in regs:
         if not 0 <= r.start < r.end <= T:
-            raise ValueError(f"region {r} is empty or outside [0, {T})")
+            raise ArgumentError(f"regions: {r} is empty or outside [0, {T}): expected 0 <= start < end <= {T}.",
+                                argument="regions", value=r, allowed=f"non-empty spans within [0, {T})")
     for a, b in zip(regs, regs[1:]):
         if b.start < a.end:
-            raise ValueError(f"regions overlap: {a} and {b}")
+            raise ArgumentError(f"regions overlap: {a} and {b}; expected disjoint spans.", argument="regions",
+                                value=[a, b], allowed="disjoint spans")
     return regs
 
 
@@ -122,6 +145,15 @@ def regions_from_char_spans(spans: Sequence[CharSpan], offsets: Sequence[tuple[i
     ``pad``, the rest ``other``; tokens overlapping no span are ``other``.  Consecutive tokens with
     the same assignment form one region; the result covers every token.
     """
+    spans = validate.instances(spans, CharSpan, name="spans")
+    offsets = _offsets(offsets)
+    bos_first_empty = validate.boolean(bos_first_empty, name="bos_first_empty")
+    if pad_mask is not None:
+        if isinstance(pad_mask, (str, bytes)) or len(pad_mask) != len(offsets):
+            raise ArgumentError(f"pad_mask has {len(pad_mask)} entries but there are {len(offsets)} tokens.",
+                                argument="pad_mask", value=pad_mask, allowed=f"{len(offsets)} bools")
+        pad_mask = [validate.boolean(bool(p) if isinstance(p, Tensor) else p, name=f"pad_mask[{i}]")
+                    for i, p in enumerate(pad_mask)]
     labels: list[tuple[str, str]] = []
     for t, (s, e) in enumerate(offsets):
         if pad_mask is not None and pad_mask[t]:
@@ -150,11 +182,33 @@ def regions_from_char_spans(spans: Sequence[CharSpan], offsets: Sequence[tuple[i
     return _unique_names(renamed)
 
 
+def _offsets(offsets: Any) -> list[tuple[int, int]]:
+    if isinstance(offsets, Tensor):
+        offsets = offsets.tolist()
+    if isinstance(offsets, (str, bytes)) or not isinstance(offsets, Sequence) or not offsets:
+        raise ArgumentTypeError(f"offsets={validate.describe(offsets)} is invalid: expected a non-empty list of "
+                                "(char_start, char_end) pairs, one per token.", argument="offsets", value=offsets,
+                                allowed="[(start, end), ...]")
+    out = []
+    for t, pair in enumerate(offsets):
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise ArgumentTypeError(f"offsets[{t}]={pair!r} is invalid: expected a (char_start, char_end) pair.",
+                                    argument=f"offsets[{t}]", value=pair, allowed="(start, end)")
+        s = validate.integer(pair[0], name=f"offsets[{t}][0]", min=0)
+        out.append((s, validate.integer(pair[1], name=f"offsets[{t}][1]", min=s)))
+    return out
+
+
 def paper_region_shift(regions: Sequence[Region], keep: Sequence[str] = ("bos", "answer", "pad")) -> list[Region]:
     """AF boundary reconstruction: the script re-tokenises ``"Query: ..."`` without specials and puts
     Query at [1, L_q) although the sequence is BOS + L_q tokens, so every boundary after BOS moves
     left by one (Answer comes from ``input_len`` and is not shifted).  Regions of kinds in ``keep``
     are unchanged; others become [max(start−1, bos_end), end−1); emptied regions disappear."""
+    regions = _regions(regions)
+    if isinstance(keep, str) or not isinstance(keep, Sequence):
+        raise ArgumentTypeError(f"keep={keep!r} is invalid: expected a list of region kinds.", argument="keep",
+                                value=keep, allowed=f"kinds from {REGION_KINDS}")
+    keep = [validate.choice(k, REGION_KINDS, name=f"keep[{i}]") for i, k in enumerate(keep)]
     bos_end = max((r.end for r in regions if r.kind == "bos"), default=0)
     out = []
     for r in regions:
@@ -172,7 +226,8 @@ def paper_region_shift(regions: Sequence[Region], keep: Sequence[str] = ("bos", 
 # ----------------------------------------------------------------------------------------------
 
 def assignment_matrix(regions: Sequence[Region], T: int, dtype=torch.float64, device=None) -> Float[Tensor, "token region"]:
-    """One-hot P[t, a] = 1 iff token t ∈ R_a."""
+    """One-hot P[t, a] = 1 iff token t ∈ R_a (regions within [0, T), disjoint, possibly not covering)."""
+    _check_disjoint(regions, T)
     P = torch.zeros(T, len(regions), dtype=dtype, device=device)
     for a, r in enumerate(regions):
         P[r.start:r.end, a] = 1
@@ -181,18 +236,30 @@ def assignment_matrix(regions: Sequence[Region], T: int, dtype=torch.float64, de
 
 def sum_pool(M: Float[Tensor, "... query key"], regions: Sequence[Region]) -> Float[Tensor, "... src dst"]:
     """AF pooling P_ab = Σ_{r∈R_a} Σ_{c∈R_b} M[r, c] (tokens outside the regions are ignored)."""
+    _matrix(M, "M")
     P = assignment_matrix(regions, M.shape[-1], M.dtype, M.device)
     return einsum(M, P, P, "... r c, r a, c b -> ... a b")
 
 
 def pool(M: Float[Tensor, "... query key"], regions: Sequence[Region]) -> Float[Tensor, "... src dst"]:
     """F_ab = mean_{r∈R_a} Σ_{c∈R_b} M[r, c]; for a partition and row-stochastic M, Σ_b F_ab = 1."""
+    _matrix(M, "M")
     sizes = torch.tensor([len(r) for r in regions], dtype=M.dtype, device=M.device)
     return sum_pool(M, regions) / sizes[:, None]
 
 
+def _matrix(M: Any, name: str, min_ndim: int = 2) -> None:
+    """A finite, non-negative, square float tensor (attention or a rollout)."""
+    C.float_tensor(M, name=name, min_ndim=min_ndim, square=True)
+    C.finite_where(M, None, name=name)
+    if bool((M < 0).any()):
+        raise ArgumentError(f"{name} has negative entries (min {float(M.min()):.3g}): expected attention weights "
+                            ">= 0.", argument=name, value=M, allowed="values >= 0")
+
+
 def rownorm(M: Float[Tensor, "... n n"]) -> Float[Tensor, "... n n"]:
     """Divide each row by its sum (zero rows stay zero)."""
+    _matrix(M, "M")
     s = M.sum(-1, keepdim=True)
     return M / torch.where(s > 0, s, torch.ones_like(s))
 
@@ -203,6 +270,8 @@ def rollout(attn: Float[Tensor, "... layer query key"], residual: float = 0.5) -
     ``attn`` is the head-mean attention per layer; entry l of the output is the rollout up to and
     including layer l (the last one is the full rollout).
     """
+    _matrix(attn, "attn", min_ndim=3)
+    residual = validate.number(residual, name="residual", min=0, max=1)
     A = attn.to(torch.float64)
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     out, R = [], None
@@ -219,7 +288,12 @@ def rollout(attn: Float[Tensor, "... layer query key"], residual: float = 0.5) -
 
 @dataclass
 class FlowResult(ResultMixin):
-    """Pooled flow between regions (rows = source/query side, columns = destination/key side)."""
+    """Pooled flow between regions (rows = source/query side, columns = destination/key side).
+
+    ``to_frame()`` columns: ``metric`` (a field name), any leading dims, ``layer`` (for the ``*_by_layer`` and
+    ``layer_flow`` fields), ``src`` / ``dst`` (region names), ``value``, ``label``.  ``notes`` lists what
+    paper mode dropped.
+    """
 
     regions: list[Region]
     mode: str
@@ -269,6 +343,14 @@ def flow(attn: Float[Tensor, "... layer query key"], regions: Sequence[Region], 
     either is missing).  Diagnostics: ``row_spread`` < collapse_tol → :class:`RolloutCollapseWarning`;
     causal with BOS share ≥ bos_tol → ``bos_absorbing`` and :class:`BOSAbsorbingWarning`.
     """
+    _matrix(attn, "attn", min_ndim=3)
+    regions = _regions(regions)
+    causal = validate.boolean(causal, name="causal")
+    mode = validate.choice(mode, ("default", "paper"), name="mode")
+    residual = validate.number(residual, name="residual", min=0, max=1)
+    collapse_tol = validate.number(collapse_tol, name="collapse_tol", min=0)
+    bos_tol = validate.number(bos_tol, name="bos_tol", min=0, max=1)
+    warn = validate.boolean(warn, name="warn")
     A = attn.to(torch.float64)
     T = A.shape[-1]
     notes: list[str] = []

@@ -21,12 +21,9 @@ come from ``TopKKeys(k=1)`` reducers (no T×T is stored).
 
 from __future__ import annotations
 
-import contextlib
-import random
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Literal, Sequence
+from typing import Any, ClassVar, Literal, Sequence
 
-import numpy as np
 import pandas as pd
 import torch
 from torch import Tensor
@@ -35,8 +32,11 @@ from mdm_lens.hooks import TopKKeys
 from mdm_lens.hooks.names import expand_names
 from mdm_lens.hooks.steps import _Bound
 
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, OutOfRangeError
+
 from ._results import ResultMixin, to_numpy
-from .run import _batch, layer_list, readout_shift
+from ._runtools import _batch, _nonempty, _optional_length, layer_list, readout_shift
 
 __all__ = ["RetrievalItem", "from_qa_item", "retrieval_scores", "RetrievalScores", "METHODS", "answer_correct",
            "head_mask_hooks", "mask_heads", "answer_accuracy", "ablation_accuracy", "AblationResult"]
@@ -60,18 +60,54 @@ class RetrievalItem:
     answer: str | Sequence[int] | Tensor
     gold_doc: tuple[int, int] | None = None
 
+    def __post_init__(self):
+        ids = self.prompt_ids
+        if isinstance(ids, (list, tuple)):
+            ids = self.prompt_ids = torch.tensor(ids, dtype=torch.long)
+        validate.tensor(ids, name="prompt_ids", ndim=1, dtype="int")
+        n = ids.shape[0]
+        if isinstance(self.evidence, tuple) and len(self.evidence) == 2 and all(isinstance(x, int) for x in self.evidence):
+            raise ArgumentTypeError(f"evidence={self.evidence!r} is invalid: expected a list of (start, end) spans; "
+                                    f"write evidence=[{self.evidence!r}].", argument="evidence", value=self.evidence,
+                                    allowed="[(start, end), ...]")
+        if isinstance(self.evidence, (str, bytes)) or not isinstance(self.evidence, Sequence):
+            raise ArgumentTypeError(f"evidence={self.evidence!r} is invalid: expected a list of (start, end) spans.",
+                                    argument="evidence", value=self.evidence, allowed="[(start, end), ...]")
+        self.evidence = [_span(e, n, f"evidence[{i}]") for i, e in enumerate(self.evidence)]
+        if self.gold_doc is not None:
+            self.gold_doc = _span(self.gold_doc, n, "gold_doc")
+        ans = self.answer
+        if isinstance(ans, str):
+            if not ans.strip():
+                raise ArgumentError("answer='' is invalid: expected a non-empty gold answer.", argument="answer",
+                                    value=ans, allowed="a non-empty str or token ids")
+        else:
+            t = torch.as_tensor(ans)
+            validate.tensor(t, name="answer", ndim=(0, 1), dtype="int")
+
     def needle_mask(self, length: int) -> Tensor:
+        length = validate.integer(length, name="length", min=int(self.prompt_ids.shape[0]))
         m = torch.zeros(length, dtype=torch.bool)
         for s, e in self.evidence:
             m[s:e] = True
         return m
 
     def doc_mask(self, length: int) -> Tensor:
+        length = validate.integer(length, name="length", min=int(self.prompt_ids.shape[0]))
         if self.gold_doc is None:
             return self.needle_mask(length)
         m = torch.zeros(length, dtype=torch.bool)
         m[self.gold_doc[0]:self.gold_doc[1]] = True
         return m
+
+
+def _span(span: Any, n: int, name: str) -> tuple[int, int]:
+    """A (start, end) token span with 0 <= start < end <= n (the prompt length)."""
+    if isinstance(span, (str, bytes)) or not isinstance(span, Sequence) or len(span) != 2:
+        raise ArgumentTypeError(f"{name}={span!r} is invalid: expected a (start, end) pair.", argument=name,
+                                value=span, allowed="(start, end)")
+    s = validate.integer(span[0], name=f"{name}[0]", min=0, max=n - 1, error=OutOfRangeError)
+    return s, validate.integer(span[1], name=f"{name}[1]", min=s + 1, max=n, error=OutOfRangeError)
 
 
 def from_qa_item(item: Any) -> RetrievalItem:
@@ -122,7 +158,12 @@ def answer_correct(model: Any, generated: Sequence[int] | Tensor, answer: Any, d
 
 @dataclass
 class RetrievalScores(ResultMixin):
-    """Per-head scores (mean over counted samples; NaN if none counted)."""
+    """Per-head scores (mean over counted samples; NaN if none counted).
+
+    ``scores [layer, head]`` over ``layers``; ``per_sample [item, layer, head]`` (NaN for samples not counted:
+    a wrong answer under ``only_correct``, or no answer position); ``above_threshold`` sorted by score;
+    ``retrieval_heads`` = ``above_threshold`` except for ``evidence_focus``, which is never a retrieval score.
+    """
 
     method: str
     threshold: float
@@ -138,7 +179,8 @@ class RetrievalScores(ResultMixin):
     _dims: ClassVar = {"scores": ("layer", "head"), "per_sample": ("item", "layer", "head")}
 
     def top(self, k: int) -> list[tuple[int, int]]:
-        """The k best heads (layer, head) by score, NaN last."""
+        """The k best heads (layer, head) by score, NaN last (1 <= k <= number of scored heads)."""
+        k = validate.integer(k, name="k", min=1, max=self.scores.numel())
         s = torch.nan_to_num(self.scores.to(torch.float64), nan=-1.0)
         order = torch.argsort(s.flatten(), descending=True, stable=True)[:k]
         return [(self.layers[int(i) // s.shape[1]], int(i) % s.shape[1]) for i in order]
@@ -247,12 +289,18 @@ def retrieval_scores(model: Any, items: Sequence[Any], method: Method = "copy@co
     ``cfg.extra["gen_length"]``); ``fwd_hooks`` are passed to the sampler (and to the final forward of
     ``copy@final``).  ``only_correct=False`` scores every sample.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    method = validate.choice(method, METHODS, name="method")
     if method == "wu" and model.cfg.attention != "causal":
-        raise ValueError("method='wu' is Wu et al.'s autoregressive protocol; use copy@commit for an MDM")
+        raise ArgumentError("method='wu' is Wu et al.'s autoregressive protocol; use copy@commit for an MDM.",
+                            argument="method", value=method, allowed="copy@commit | copy@any | copy@final | "
+                            "evidence_focus on an MDM")
+    items = _nonempty(items, "items")
     ls = layer_list(model, layers)
-    g = int(gen_length or model.cfg.extra.get("gen_length", 4))
+    threshold = validate.number(threshold, name="threshold", min=0, max=1)
+    only_correct = validate.boolean(only_correct, name="only_correct")
+    seed = validate.integer(seed, name="seed", min=0)
+    steps = _optional_length(steps, "steps")
+    g = _optional_length(gen_length, "gen_length") or int(model.cfg.extra.get("gen_length", 4))
     shift, H = readout_shift(model), model.cfg.n_heads
     per, correct = [], []
     for raw in items:
@@ -279,112 +327,7 @@ def retrieval_scores(model: Any, items: Sequence[Any], method: Method = "copy@co
                            notes=notes)
 
 
-# ----------------------------------------------------------------------------------------------
-# causal check: head masking and accuracy
-# ----------------------------------------------------------------------------------------------
-
-def _by_layer(heads: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for l, h in heads:
-        out.setdefault(int(l), []).append(int(h))
-    return out
-
-
-def head_mask_hooks(heads: Sequence[tuple[int, int]], method: Literal["zero", "uniform"] = "zero"
-                    ) -> list[tuple[str, Any]]:
-    """TL hooks that knock out heads (layer, head).
-
-    ``zero``: z^{l,h} := 0 on ``blocks.{l}.attn.hook_z`` (the head writes nothing).  ``uniform``: the
-    head's pre-softmax scores := 0 on every visible key (``hook_attn_scores``), i.e. uniform attention.
-    """
-    if method not in ("zero", "uniform"):
-        raise ValueError(f"method must be 'zero' or 'uniform', got {method!r}")
-    hooks = []
-    for l, hs in _by_layer(heads).items():
-        idx = torch.tensor(hs)
-        if method == "zero":
-            def fn(z: Tensor, hook: Any, idx=idx) -> Tensor:
-                z = z.clone()
-                z[:, :, idx.to(z.device)] = 0
-                return z
-            hooks.append((f"blocks.{l}.attn.hook_z", fn))
-        else:
-            def fn(s: Tensor, hook: Any, idx=idx) -> Tensor:
-                s = s.clone()
-                sub = s[:, idx.to(s.device)]
-                s[:, idx.to(s.device)] = torch.where(torch.isfinite(sub), torch.zeros_like(sub), sub)
-                return s
-            hooks.append((f"blocks.{l}.attn.hook_attn_scores", fn))
-    return hooks
-
-
-@contextlib.contextmanager
-def mask_heads(model: Any, heads: Sequence[tuple[int, int]], method: Literal["zero", "uniform"] = "zero"
-               ) -> Iterator[Any]:
-    """Context manager: the heads are knocked out (see :func:`head_mask_hooks`) for every forward inside,
-    ``model.generate`` included; the hooks are removed on exit (TL ``hooks()`` context)."""
-    with model.hooks(fwd_hooks=head_mask_hooks(heads, method)):
-        yield model
-
-
-@torch.no_grad()
-def answer_accuracy(model: Any, items: Sequence[Any], fwd_hooks: Sequence[Any] = (), gen_length: int | None = None,
-                    steps: int | None = None, seed: int = 0, decode: Any = None, **generate_kwargs: Any) -> float:
-    """Mean :func:`answer_correct` of each item generated alone with ``fwd_hooks``."""
-    g = int(gen_length or model.cfg.extra.get("gen_length", 4))
-    hits = []
-    for raw in items:
-        item = _as_item(raw)
-        out = model.generate(_batch(item.prompt_ids, model.W_E.device), steps=steps or g, gen_length=g,
-                             fwd_hooks=list(fwd_hooks), seed=seed, **generate_kwargs)
-        hits.append(answer_correct(model, out.tokens[0, out.prompt_length:].cpu(), item.answer, decode))
-    return float(np.mean(hits)) if hits else float("nan")
-
-
-@dataclass
-class AblationResult(ResultMixin):
-    """Accuracy with no heads masked, the top-K heads masked, and K random heads masked (each draw)."""
-
-    k: int
-    method: str
-    top_heads: list[tuple[int, int]]
-    random_heads: list[list[tuple[int, int]]]
-    accuracy_clean: float
-    accuracy_top: float
-    accuracy_random: list[float]
-
-    @property
-    def drop_top(self) -> float:
-        return self.accuracy_clean - self.accuracy_top
-
-    @property
-    def drop_random(self) -> float:
-        return self.accuracy_clean - float(np.mean(self.accuracy_random)) if self.accuracy_random else float("nan")
-
-    def to_frame(self, lead_dims=None, metrics=None) -> pd.DataFrame:
-        rows = [dict(condition="clean", draw=None, k=0, accuracy=self.accuracy_clean, heads=""),
-                dict(condition="top", draw=None, k=self.k, accuracy=self.accuracy_top, heads=str(self.top_heads))]
-        rows += [dict(condition="random", draw=i, k=self.k, accuracy=a, heads=str(h))
-                 for i, (a, h) in enumerate(zip(self.accuracy_random, self.random_heads))]
-        return pd.DataFrame(rows)
-
-
-def ablation_accuracy(model: Any, items: Sequence[Any], heads: RetrievalScores | Sequence[tuple[int, int]], k: int,
-                      control: Literal["random"] = "random", seed: int = 0, n_random: int = 3,
-                      method: Literal["zero", "uniform"] = "zero", **kwargs: Any) -> AblationResult:
-    """Causal check (Wu et al.; §3.7): accuracy after masking the top-``k`` heads vs ``k`` random heads.
-
-    ``heads``: a :class:`RetrievalScores` (its ``top(k)``) or a ranked list of (layer, head).  Random
-    heads are drawn (``seed``) among all heads outside the top-k, ``n_random`` times.  ``kwargs`` go to
-    :func:`answer_accuracy`.
-    """
-    if control != "random":
-        raise ValueError("only control='random' is implemented")
-    top = heads.top(k) if isinstance(heads, RetrievalScores) else [tuple(h) for h in heads][:k]
-    pool = [(l, h) for l in range(model.cfg.n_layers) for h in range(model.cfg.n_heads) if (l, h) not in top]
-    rng = random.Random(seed)
-    draws = [rng.sample(pool, min(k, len(pool))) for _ in range(n_random)]
-    acc = lambda hs: answer_accuracy(model, items, fwd_hooks=head_mask_hooks(hs, method), **kwargs)  # noqa: E731
-    return AblationResult(k=k, method=method, top_heads=top, random_heads=draws,
-                          accuracy_clean=answer_accuracy(model, items, **kwargs), accuracy_top=acc(top),
-                          accuracy_random=[acc(d) for d in draws])
+# The causal check (head masking, accuracy with the top-K vs K random heads masked) lives in ablation.py;
+# re-exported here, its historical home.
+from .ablation import (AblationResult, ablation_accuracy, answer_accuracy, head_mask_hooks,  # noqa: E402
+                       mask_heads)

@@ -26,74 +26,19 @@ from einops import rearrange
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentError, ArgumentTypeError
+
+from . import _checks as C
 from . import flow as F
+from ._runtools import (_attention_mask, _batch, _nonempty, _optional_length, _tokens, generate_final,  # noqa: F401
+                        is_causal, layer_list, readout_shift, step_canvas)
 from . import floating, qk
 from ._results import ResultMixin, to_numpy
 
 __all__ = ["final_attention", "absorption_by_layer", "AbsorptionByLayer", "anchors_over_steps", "StepAnchors",
            "drift_from_output", "qk_at_layer", "regions_for_item", "flow_for_items", "ItemFlows",
            "generate_final", "readout_shift", "step_canvas", "layer_list", "is_causal"]
-
-
-# ----------------------------------------------------------------------------------------------
-# small shared helpers
-# ----------------------------------------------------------------------------------------------
-
-def is_causal(model: Any) -> bool:
-    return model.cfg.attention == "causal"
-
-
-def readout_shift(model: Any) -> int:
-    """1 if the logits for position p come from hidden state p − 1 (``logit_shift`` MDMs, causal ARMs), else 0."""
-    return int(bool(model.cfg.logit_shift) or is_causal(model))
-
-
-def layer_list(model: Any, layers: int | Sequence[int] | None) -> list[int]:
-    """Concrete layer indices (None = all; negatives count from the end)."""
-    n = model.cfg.n_layers
-    if layers is None:
-        return list(range(n))
-    if isinstance(layers, int):
-        layers = [layers]
-    return [int(l) % n for l in layers]
-
-
-def _batch(tokens: Any, device: Any = None) -> Tensor:
-    t = torch.as_tensor(tokens)
-    t = t[None] if t.ndim == 1 else t
-    return t.long() if device is None else t.long().to(device)
-
-
-def step_canvas(out: Any, step: int) -> tuple[Tensor, Tensor]:
-    """The model input ``x_s`` and its attention mask at ``step`` of a run (ARM: the prefix ``prompt + s``)."""
-    s = step % out.n_steps
-    x = out.trajectory.x_steps[s].to(out.tokens.device)
-    if out.causal:
-        x = x[:, : out.prompt_length + s]
-    return x, out.attention_mask[:, : x.shape[1]]
-
-
-@torch.no_grad()
-def generate_final(model: Any, prompts: Sequence[Any], gen_length: int | None = None, steps: int | None = None,
-                   **generate_kwargs: Any) -> tuple[Tensor, Tensor, list[int]]:
-    """Generate each prompt alone (no left padding) and right-pad the final sequences with the pad id.
-
-    Returns ``(tokens [batch, T], attention_mask [batch, T], prompt_lengths)``; the layout the zoo twins
-    were trained on (pads hidden as keys; a causal model never sees right padding).
-    """
-    g = int(gen_length or model.cfg.extra.get("gen_length", 4))
-    rows = []
-    for p in prompts:
-        out = model.generate(_batch(p, model.W_E.device), steps=steps or g, gen_length=g, **generate_kwargs)
-        rows.append(out.tokens[0].cpu())
-    pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
-    width = max(len(r) for r in rows)
-    toks = torch.full((len(rows), width), pad, dtype=torch.long)
-    am = torch.zeros_like(toks)
-    for i, r in enumerate(rows):
-        toks[i, : len(r)], am[i, : len(r)] = r, 1
-    lengths = [len(torch.as_tensor(p).flatten()) for p in prompts]
-    return toks.to(model.W_E.device), am.to(model.W_E.device), lengths
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,9 +53,9 @@ def final_attention(model: Any, tokens: Int[Tensor, "batch pos"], attention_mask
     Reads ``blocks.{l}.attn.hook_pattern`` via ``run_with_cache(names_filter=...)``, which forces the
     explicit attention path.  Rows sum to 1 over the visible keys (pad rows under a pair mask are 0).
     """
-    tokens = _batch(tokens, model.W_E.device)
+    tokens = _tokens(tokens, device=model.W_E.device)
     names = [f"blocks.{l}.attn.hook_pattern" for l in layer_list(model, layers)]
-    am = None if attention_mask is None else _batch(attention_mask, model.W_E.device)
+    am = _attention_mask(attention_mask, tokens)
     _, cache = model.run_with_cache(tokens, attention_mask=am, names_filter=names, return_type=None)
     return torch.stack([cache[n] for n in names], dim=1)
 
@@ -122,6 +67,10 @@ class AbsorptionByLayer(ResultMixin):
     ``mode="paper"``: one variant, ``top1`` (MDM: AF Rule A, which always falls back to top-1) or
     ``pos0`` (ARM: column 0).  ``mode="default"``: ``pos0``, ``top1``, ``anchors`` for every model.
     ``std`` is the population std over the batch (numpy's default, as the reference's ``fill_between``).
+
+    ``to_frame()`` columns: ``metric`` (``mean``, ``std``, ``null_mean``, ``excess_mean``; pass
+    ``metrics=("per_sample", "n_anchors")`` for per-sample rows with a ``batch`` column), ``layer``,
+    ``variant``, ``value`` (percent), ``label``.  :meth:`table` is the wide view.
     """
 
     mode: str
@@ -148,7 +97,15 @@ class AbsorptionByLayer(ResultMixin):
         return super().to_frame(lead_dims=lead_dims, metrics=metrics)
 
     def table(self) -> pd.DataFrame:
-        """Wide summary: one row per layer, columns ``{variant}``, ``{variant}_std``, ``_null``, ``_excess``."""
+        """Wide summary: one row per layer (index ``layer``, the model's layer number) and, for each variant
+        in ``variants`` (default mode: ``pos0``, ``top1``, ``anchors`` → 12 columns; paper mode: one → 4):
+
+        - ``{v}``: mean over samples of Absorb_v (percent of the received mass on S_v);
+        - ``{v}_std``: population std over samples (0 for one sample);
+        - ``{v}_null``: mean uniform-attention null under the same visibility (100/n bidirectional,
+          100·H_n/n causal for pos0/top1; the uniform mass on S for anchors);
+        - ``{v}_excess``: mean of value − null (percentage points).
+        """
         df = self.to_frame()
         wide = df.pivot_table(index="layer", columns=["variant", "metric"], values="value")
         wide.columns = [v if m == "mean" else f"{v}_{m.replace('_mean', '')}" for v, m in wide.columns]
@@ -185,10 +142,13 @@ def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_
     with its uniform null (bidirectional 100/n; causal pos0/top1 100·H_n/n) and excess = value − null.
     ``head="each"`` (default mode only) computes per head and averages the percentages over heads.
     """
-    if mode not in ("default", "paper"):
-        raise ValueError(f"mode must be 'default' or 'paper', got {mode!r}")
-    attn = final_attention(model, tokens, attention_mask, layers).to(torch.float64)   # [b, l, h, q, k]
-    kv = None if attention_mask is None else _batch(attention_mask, attn.device).bool()
+    mode = validate.choice(mode, ("default", "paper"), name="mode")
+    rule = validate.choice(rule, floating.RULES, name="rule")
+    head = validate.choice(head, ("mean", "each"), name="head")
+    layer_ids = layer_list(model, layers)
+    attn = final_attention(model, tokens, attention_mask, layer_ids).to(torch.float64)   # [b, l, h, q, k]
+    kv = _attention_mask(attention_mask, _tokens(tokens, device=attn.device))
+    kv = None if kv is None else kv.bool()
     causal = is_causal(model)
     per_head = head == "each" and mode == "default"
     pattern = attn if per_head else attn.mean(2)
@@ -199,7 +159,7 @@ def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_
         vals, nulls, n_anc = vals.mean(2), nulls.mean(2), n_anc.mean(2)
     ex = vals - nulls
     std = lambda x: x.std(0, unbiased=False) if x.shape[0] > 1 else torch.zeros_like(x[0])  # noqa: E731
-    return AbsorptionByLayer(mode=mode, causal=causal, variants=names, layers=layer_list(model, layers),
+    return AbsorptionByLayer(mode=mode, causal=causal, variants=names, layers=layer_ids,
                              per_sample=vals, null=nulls, excess=ex, n_anchors=n_anc, mean=vals.mean(0),
                              std=std(vals), null_mean=nulls.mean(0), excess_mean=ex.mean(0))
 
@@ -213,7 +173,10 @@ class StepAnchors(ResultMixin):
     """Anchor sets S_s and received attention over steps, ``[batch, layer, (head,) step, key]``.
 
     The layer axis is dropped when a single ``layer`` was asked for.  ``received`` is NaN at keys that
-    are padding or do not exist yet at that step (ARM prefixes).
+    are padding or do not exist yet at that step (ARM prefixes); ``key_visible`` says which keys exist.
+    ``steps`` are the run's step indices of the step axis.  ``to_frame()`` columns: ``metric``
+    (``anchors`` 0/1, ``received`` mass), the leading dims (``batch``, ``layer``, ``head``), ``step`` (the
+    position on the step axis), ``key``, ``value``, ``label``.
     """
 
     anchors: Tensor
@@ -243,24 +206,48 @@ def _step_visibility(out: Any, steps: Sequence[int], n_keys: int) -> Bool[Tensor
     return vis
 
 
+def _record(out: Any, record: Any) -> Tensor:
+    names = list(getattr(out, "records", {}) or {})
+    validate.choice(record, names, name="record")
+    rec = out.records[record]
+    if not isinstance(rec, Tensor) or rec.ndim != 5:
+        raise ArgumentError(f"record={record!r} is not a [step, batch, layer, head, key] record (shape "
+                            f"{tuple(getattr(rec, 'shape', ()))}); record ReceivedAttention().", argument="record",
+                            value=record, allowed="a ReceivedAttention record")
+    return rec
+
+
+def _recorded_layer(layer: Any, rec_layers: list[int]) -> int:
+    """A model layer that was recorded; a negative value counts from the end of the *recorded* layers."""
+    if not validate._is_int(layer):
+        validate.index(layer, len(rec_layers), name="layer", what="layer")     # raises the typed error
+    layer = int(layer)
+    if layer < 0:
+        return rec_layers[validate.index(layer, len(rec_layers), name="layer", what="recorded layer")]
+    if layer not in rec_layers:
+        raise C.OutOfRangeError(f"layer={layer} is invalid: it was not recorded; recorded layers: {rec_layers}.",
+                                argument="layer", value=layer, allowed=f"one of {rec_layers}")
+    return layer
+
+
 def _series(out: Any, layer: int | None, head: Any, record: str) -> tuple[Tensor, Tensor, list[int], list[int], tuple]:
-    rec = out.records[record]                                              # [step, batch, layer, head, key]
+    rec = _record(out, record)                                             # [step, batch, layer, head, key]
     meta = out.record_meta.get(record, {})
     rec_layers = list(meta.get("layers", range(rec.shape[2])))
     steps = list(meta.get("steps", range(rec.shape[0])))
     if layer is not None:
-        want = rec_layers[layer] if layer < 0 else layer
-        if want not in rec_layers:
-            raise ValueError(f"layer {layer} was not recorded; recorded layers: {rec_layers}")
+        want = _recorded_layer(layer, rec_layers)
         rec, rec_layers = rec[:, :, [rec_layers.index(want)]], [want]
     r = rearrange(rec.to(torch.float64), "s b l h k -> b l h s k")
     lead = ("batch", "layer", "head")
+    if isinstance(head, str):
+        head = validate.choice(head, ("mean", "each"), name="head")
+    else:
+        head = validate.index(head, r.shape[2], name="head", what="head")
     if head == "mean":
         r, lead = r.mean(2), ("batch", "layer")
     elif isinstance(head, int):
         r, lead = r[:, :, head], ("batch", "layer")
-    elif head != "each":
-        raise ValueError(f"head must be 'mean', 'each' or an int, got {head!r}")
     vis = _step_visibility(out, steps, r.shape[-1])
     vis_b = vis.reshape(vis.shape[0], *([1] * (r.ndim - 3)), *vis.shape[1:])
     r = torch.where(vis_b, r, torch.full_like(r, torch.nan))
@@ -275,11 +262,15 @@ def anchors_over_steps(out: Any, layer: int | None = None, rule: str = "zscore",
 
     ``record`` names a ``[step, batch, layer, head, key]`` mass record.  ``head="mean"`` averages the
     per-head received attention (= received attention of the head-mean pattern), an int picks one head,
-    ``"each"`` keeps a head axis.  ``layer`` indexes the model's layers (−1 = last *recorded* layer).
+    ``"each"`` keeps a head axis (a negative int counts from the last head).  ``layer`` is a model layer
+    that was recorded (a negative value counts from the end of the *recorded* layers, so −1 = the last
+    recorded one); an unrecorded or out-of-range layer raises ``OutOfRangeError``.  ``detect_kwargs``
+    (``floor``, ``k``, ``kind``, ``nan_policy``) go to :func:`floating.detect_anchors`.
     """
+    rule = validate.choice(rule, floating.RULES, name="rule")
     r, vis, steps, layers, lead = _series(out, layer, head, record)
-    anchors = floating.detect_anchors(r, rule=rule, eps=eps, causal=out.causal, **detect_kwargs)
     vis_b = vis.reshape(vis.shape[0], *([1] * (r.ndim - 3)), *vis.shape[1:])
+    anchors = floating.detect_anchors(r, rule=rule, eps=eps, causal=out.causal, key_visible=vis_b, **detect_kwargs)
     return StepAnchors(anchors=anchors & vis_b, received=r, key_visible=vis, steps=steps, layers=layers,
                        rule=rule, head=head, causal=out.causal, lead_dims=lead)
 
@@ -296,25 +287,27 @@ def drift_from_output(out: Any, layer: int | None = None, rule: str = "zscore", 
     if sa.steps == list(range(out.n_steps)):
         cs = out.trajectory.commit_step[:, : sa.received.shape[-1]]
         commit = cs.reshape(cs.shape[0], *([1] * (sa.received.ndim - 3)), cs.shape[-1])
-    return floating.drift(sa.anchors, sa.received, commit_step=commit)
+    vis_b = sa.key_visible.reshape(sa.key_visible.shape[0], *([1] * (sa.received.ndim - 3)), *sa.key_visible.shape[1:])
+    return floating.drift(sa.anchors, sa.received, commit_step=commit, step_visible=vis_b)
 
 
 # ----------------------------------------------------------------------------------------------
 # §3.6 QK decomposition at one layer
 # ----------------------------------------------------------------------------------------------
 
+QUERY_SETS: tuple[str, ...] = ("all", "masked", "unmasked")
+
+
 def _query_mask(model: Any, tokens: Tensor, query: Any, key_visible: Tensor | None) -> Tensor | None:
     if isinstance(query, Tensor):
-        return _batch(query, tokens.device).bool()
+        qm = C.mask(_batch(query, tokens.device), name="query", size=tokens.shape[-1], against=tokens.shape)
+        return qm.expand(tokens.shape)
+    query = validate.choice(query, QUERY_SETS, name="query")
     base = torch.ones_like(tokens, dtype=torch.bool) if key_visible is None else key_visible
     if query == "all":
         return None if key_visible is None else base
     is_mask = tokens == model.cfg.mask_token_id
-    if query == "masked":
-        return base & is_mask
-    if query == "unmasked":
-        return base & ~is_mask
-    raise ValueError(f"query must be 'all', 'masked', 'unmasked' or a bool mask, got {query!r}")
+    return base & is_mask if query == "masked" else base & ~is_mask
 
 
 def _anchor_from_pattern(pattern: Tensor, query_mask: Tensor | None, key_visible: Tensor | None, causal: bool,
@@ -343,14 +336,24 @@ def qk_at_layer(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, anchor
     same layer over the query set: ``rule="top1"`` (most received key) or e.g. ``"zscore"`` (the most
     received zscore anchor, top-1 where there is none).  ``query``: "all", "masked", "unmasked" or a mask.
     """
-    tokens = _batch(tokens, model.W_E.device)
-    l = layer_list(model, layer)[0]
-    am = None if attention_mask is None else _batch(attention_mask, tokens.device)
+    tokens = _tokens(tokens, device=model.W_E.device)
+    l = validate.index(layer, model.cfg.n_layers, name="layer", what="layer")
+    share = validate.number(share, name="share", min=0.5, max=1)
+    rule = validate.choice(rule, ("top1",) + floating.RULES, name="rule")
+    am = _attention_mask(attention_mask, tokens)
     kv = None if am is None else am.bool()
+    if isinstance(anchor, str):
+        anchor = validate.choice(anchor, ("top1",) + floating.RULES, name="anchor")
+    elif anchor is not None and not isinstance(anchor, Tensor):
+        anchor = validate.index(anchor, tokens.shape[1], name="anchor", what="position")
+    qm_check = _query_mask(model, tokens, query, kv)                       # validate before the forward
+    if qm_check is not None and not bool(qm_check.any(-1).all()):
+        raise ArgumentError(f"query={query if isinstance(query, str) else 'mask'!r} selects no query position in "
+                            "some batch rows.", argument="query", value=query, allowed="a non-empty query set")
     pre = f"blocks.{l}.attn."
     names = [pre + n for n in ("hook_rot_q", "hook_rot_k", "hook_v", "hook_pattern")]
     _, cache = model.run_with_cache(tokens, attention_mask=am, names_filter=names, return_type=None)
-    qm = _query_mask(model, tokens, query, kv)
+    qm = qm_check
     causal = is_causal(model)
     if anchor is None or isinstance(anchor, str):
         anchor = _anchor_from_pattern(cache[pre + "hook_pattern"], qm, kv, causal, anchor or rule)
@@ -392,13 +395,23 @@ def regions_for_item(item: Any, answer_length: int = 0, offsets: Sequence[tuple[
     (``answer_span``, default the ``answer_length`` tokens after the prompt) and ``pad`` up to
     ``total_length``; any gap is an explicit ``other`` region (nothing is dropped).
     """
+    answer_length = validate.integer(answer_length, name="answer_length", min=0)
     if offsets is None:
         from mdm_lens.zoo import tokenizer as ZT
 
         _, offsets = ZT.encode_with_offsets(item.prompt)
     regs = F.regions_from_char_spans(_item_char_spans(item), offsets)
     n = len(offsets)
+    if answer_span is not None:
+        if not isinstance(answer_span, (tuple, list)) or len(answer_span) != 2:
+            raise ArgumentTypeError(f"answer_span={validate.describe(answer_span)} is invalid: expected a (start, end) "
+                                    "pair of token positions.", argument="answer_span", value=answer_span,
+                                    allowed="(start, end)")
+        a0 = validate.integer(answer_span[0], name="answer_span[0]", min=0)
+        validate.integer(answer_span[1], name="answer_span[1]", min=a0)
     a0, a1 = answer_span if answer_span is not None else (n, n + answer_length)
+    if total_length is not None:
+        validate.integer(total_length, name="total_length", min=max(a1, n))
     if a1 > a0:
         regs.append(F.Region("answer", a0, a1, "answer"))
     end = max(a1, n)
@@ -410,7 +423,11 @@ def regions_for_item(item: Any, answer_length: int = 0, offsets: Sequence[tuple[
 
 @dataclass
 class ItemFlows(ResultMixin):
-    """Per-item region flows (regions differ between items, so no common region axis)."""
+    """Per-item region flows (regions differ between items, so no common region axis).
+
+    ``gold_ratio`` / ``gold_ratio_density``: per item, answer-row flow to the gold doc over the mean to the
+    other docs (raw / density-normalised); ``correct``: substring match of the generated answer.
+    """
 
     results: list[F.FlowResult]
     gold_index: list[int | None]
@@ -447,7 +464,11 @@ def flow_for_items(model: Any, items: Sequence[Any], mode: Literal["default", "p
     from mdm_lens.zoo import data as D
     from mdm_lens.zoo import tokenizer as ZT
 
-    g = int(gen_length or model.cfg.extra.get("gen_length", 4))
+    items = _nonempty(items, "items")
+    mode = validate.choice(mode, ("default", "paper"), name="mode")
+    residual = validate.number(residual, name="residual", min=0, max=1)
+    g = _optional_length(gen_length, "gen_length") or int(model.cfg.extra.get("gen_length", 4))
+    steps = _optional_length(steps, "steps")
     results, answers, correct = [], [], []
     for item in items:
         ids, offsets = ZT.encode_with_offsets(item.prompt)

@@ -192,9 +192,8 @@ def test_ablation_of_the_planted_head_hurts_and_random_heads_do_not():
         flag["on"] = bool(result[:, :, 2].abs().sum() > 0)
 
     W = model.unembed.weight
-    items = [item(prompt(s), None) for s in range(3)]
+    items = [item(p, [int(p[NEEDLE])]) for p in (prompt(s) for s in range(3))]
     for it in items:
-        it.answer = [int(it.prompt_ids[NEEDLE])]
         with torch.no_grad():
             W[it.answer[0]] *= 100
 

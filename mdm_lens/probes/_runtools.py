@@ -1,0 +1,110 @@
+"""Small helpers shared by the run adapters (:mod:`run`, :mod:`retrieval`, :mod:`patching`): readout shift,
+layer lists, token / mask checks, the canvas of a step, and per-prompt generation. Re-exported by :mod:`run`."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentError, ArgumentTypeError
+
+from . import _checks as C
+
+# ----------------------------------------------------------------------------------------------
+# small shared helpers
+# ----------------------------------------------------------------------------------------------
+
+def is_causal(model: Any) -> bool:
+    return model.cfg.attention == "causal"
+
+
+def readout_shift(model: Any) -> int:
+    """1 if the logits for position p come from hidden state p − 1 (``logit_shift`` MDMs, causal ARMs), else 0."""
+    return int(bool(model.cfg.logit_shift) or is_causal(model))
+
+
+def layer_list(model: Any, layers: int | Sequence[int] | None, name: str = "layers") -> list[int]:
+    """Concrete layer indices (None = all; an int, a list, a range, a slice or a 1-d int tensor; negatives
+    count from the end as in Python). Out of range (``layers=[7]`` on 4 layers) or repeated layers raise
+    ``OutOfRangeError`` naming the argument, the value and the valid range -- never a wrap-around."""
+    return validate.indices(layers, model.cfg.n_layers, name=name, what="layer")
+
+
+def _tokens(tokens: Any, name: str = "tokens", device: Any = None) -> Tensor:
+    """[batch, pos] long tensor from a 1-d / 2-d integer tensor or nested int lists (non-empty)."""
+    t = tokens if isinstance(tokens, Tensor) else torch.as_tensor(tokens) if isinstance(tokens, (list, tuple)) else tokens
+    validate.tensor(t, name=name, ndim=(1, 2), dtype="int")
+    return _batch(t, device)
+
+
+def _attention_mask(mask: Any, tokens: Tensor) -> Tensor | None:
+    if mask is None:
+        return None
+    m = _tokens(mask, "attention_mask", tokens.device) if not (isinstance(mask, Tensor) and mask.dtype == torch.bool) \
+        else _batch(mask, tokens.device)
+    if tuple(m.shape) != tuple(tokens.shape):
+        raise ArgumentError(f"attention_mask has shape {tuple(m.shape)} but tokens have shape {tuple(tokens.shape)}; "
+                            "they must match.", argument="attention_mask", value=mask, allowed=f"shape {tuple(tokens.shape)}")
+    C.mask(m, name="attention_mask", size=tokens.shape[-1])
+    return m
+
+
+def _optional_length(v: Any, name: str) -> int | None:
+    return C.optional_int(v, name=name, min=1)
+
+
+def _nonempty(items: Any, name: str) -> list[Any]:
+    if isinstance(items, (str, bytes, Tensor)) or not isinstance(items, Sequence):
+        raise ArgumentTypeError(f"{name}={validate.describe(items)} is invalid: expected a list.", argument=name,
+                                value=items, allowed="a non-empty list")
+    if len(items) == 0:
+        raise ArgumentError(f"{name}=[] is invalid: expected at least one item.", argument=name, value=items,
+                            allowed="a non-empty list")
+    return list(items)
+
+
+def _batch(tokens: Any, device: Any = None) -> Tensor:
+    t = torch.as_tensor(tokens)
+    t = t[None] if t.ndim == 1 else t
+    return t.long() if device is None else t.long().to(device)
+
+
+def step_canvas(out: Any, step: int) -> tuple[Tensor, Tensor]:
+    """The model input ``x_s`` and its attention mask at ``step`` of a run (ARM: the prefix ``prompt + s``).
+
+    ``step`` in [-n_steps, n_steps) (negatives count from the end); out of range raises ``OutOfRangeError``."""
+    s = validate.index(step, out.n_steps, name="step", what="step")
+    x = out.trajectory.x_steps[s].to(out.tokens.device)
+    if out.causal:
+        x = x[:, : out.prompt_length + s]
+    return x, out.attention_mask[:, : x.shape[1]]
+
+
+@torch.no_grad()
+def generate_final(model: Any, prompts: Sequence[Any], gen_length: int | None = None, steps: int | None = None,
+                   **generate_kwargs: Any) -> tuple[Tensor, Tensor, list[int]]:
+    """Generate each prompt alone (no left padding) and right-pad the final sequences with the pad id.
+
+    Returns ``(tokens [batch, T], attention_mask [batch, T], prompt_lengths)``; the layout the zoo twins
+    were trained on (pads hidden as keys; a causal model never sees right padding).
+    """
+    prompts = [_tokens(p, f"prompts[{i}]")[0] for i, p in enumerate(_nonempty(prompts, "prompts"))]
+    g = _optional_length(gen_length, "gen_length") or int(model.cfg.extra.get("gen_length", 4))
+    steps = _optional_length(steps, "steps")
+    rows = []
+    for p in prompts:
+        out = model.generate(_batch(p, model.W_E.device), steps=steps or g, gen_length=g, **generate_kwargs)
+        rows.append(out.tokens[0].cpu())
+    pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
+    width = max(len(r) for r in rows)
+    toks = torch.full((len(rows), width), pad, dtype=torch.long)
+    am = torch.zeros_like(toks)
+    for i, r in enumerate(rows):
+        toks[i, : len(r)], am[i, : len(r)] = r, 1
+    lengths = [len(torch.as_tensor(p).flatten()) for p in prompts]
+    return toks.to(model.W_E.device), am.to(model.W_E.device), lengths
+
+
