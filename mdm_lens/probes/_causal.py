@@ -157,18 +157,32 @@ def clean_answer(model: Any, generated: Int[Tensor, "batch gen"], offset: int) -
     return rows
 
 
+def _encode_text(model: Any, text: str) -> list[int]:
+    """Text → ids with the model's tokenizer; without one, the zoo tokenizer only when the vocabularies
+    match (a random stand-in for a twin), else a typed error asking for ids."""
+    from mdm_lens import tokenization
+    from mdm_lens.zoo import tokenizer as ZT
+
+    if getattr(model, "tokenizer", None) is not None:
+        return tokenization.encode(model.tokenizer, text)
+    if model.cfg.d_vocab == ZT.vocab_size():
+        return list(ZT.encode(text))
+    raise ArgumentError(f"answer={text!r} is text but the model has no tokenizer; pass token ids instead.",
+                        argument="answer", value=text, allowed="token ids (or set a tokenizer)")
+
+
+def prompt_batch(ids: Any, name: str, device: Any) -> Tensor:
+    """Prompt ids ``[pos]`` or ``[batch, pos]`` as a long ``[batch, pos]`` tensor; float ids are refused
+    (they would be truncated silently)."""
+    t = validate.tensor(torch.as_tensor(ids), name=name, ndim=(1, 2), dtype="int")
+    return (t[None] if t.ndim == 1 else t).long().to(device)
+
+
 def gold_answer(model: Any, answer: Any, batch: int, gen_length: int, offset: int) -> list[list[int]]:
     """Gold ids per row from ``answer``: token ids (a list / 1-d tensor, the same for every row) or text
     (tokenised with the model's tokenizer, no BOS).  Must fit in the canvas after ``offset``."""
     if isinstance(answer, str):
-        from mdm_lens import tokenization
-
-        if getattr(model, "tokenizer", None) is None:
-            from mdm_lens.zoo import tokenizer as ZT
-
-            ids = list(ZT.encode(answer))
-        else:
-            ids = tokenization.encode(model.tokenizer, answer)
+        ids = _encode_text(model, answer)
     else:
         t = validate.tensor(torch.as_tensor(answer), name="answer", ndim=1, dtype="int")
         ids = t.tolist()

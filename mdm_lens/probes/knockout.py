@@ -48,7 +48,7 @@ from mdm_lens.hooks import at_steps
 from . import _causal as C
 from ._results import ResultMixin
 from .retrieval import _decode, answer_correct
-from .run import _batch, is_causal, step_canvas
+from .run import is_causal, step_canvas
 
 __all__ = ["knockout", "KnockoutResult", "KnockoutHooks", "ANSWER_METRICS"]
 
@@ -349,7 +349,7 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
     ``NonFiniteError`` when the model's logits are NaN or inf.
     """
     dev = model.W_E.device
-    prompt = validate.tensor(_batch(prompt_ids, dev), name="prompt_ids", ndim=2, dtype="int")
+    prompt = C.prompt_batch(prompt_ids, "prompt_ids", dev)
     g = validate.integer(gen_length if gen_length is not None else model.cfg.extra.get("gen_length", 4),
                          name="gen_length", min=1)
     ns = g if is_causal(model) else validate.integer(n_steps if n_steps is not None else g, name="n_steps", min=1)

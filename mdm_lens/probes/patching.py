@@ -45,7 +45,7 @@ from . import _causal as C
 from ._causal import anchor_mask_from_scores
 from ._results import ResultMixin
 from .knockout import ANSWER_METRICS, KnockoutHooks, KnockoutResult, knockout
-from .run import _batch, is_causal, step_canvas
+from .run import is_causal, step_canvas
 
 __all__ = ["knockout", "KnockoutResult", "KnockoutHooks", "ANSWER_METRICS", "patch_anchor_activations",
            "PatchingResult", "matched_canvases", "MatchedCanvases", "anchor_mask_from_scores", "COMPONENTS",
@@ -95,7 +95,7 @@ def matched_canvases(out: Any, corrupt: Any, step: int, *, model: Any = None) ->
             raise ArgumentError("corrupt has a different prompt padding than the clean run; pad both prompts the same "
                                 "way.", argument="corrupt", value=corrupt, allowed="the clean run's padding")
         corrupt = corrupt.tokens[:, :P]
-    cp = validate.tensor(_batch(corrupt, x.device), name="corrupt", ndim=2, dtype="int")
+    cp = C.prompt_batch(corrupt, "corrupt", x.device)
     validate.same_shape(out.tokens[:, :P], cp, names=("the clean prompt", "corrupt"))
     if model is not None:
         lo, hi = int(cp.min()), int(cp.max())
@@ -209,8 +209,8 @@ def patch_anchor_activations(model: Any, clean_ids: Any, corrupt_ids: Any, *, st
     """
     _check_patch_args(model, component, direction, metric, tokens, n_random, seed)
     dev = model.W_E.device
-    clean_p = validate.tensor(_batch(clean_ids, dev), name="clean_ids", ndim=2, dtype="int")
-    corrupt_p = validate.tensor(_batch(corrupt_ids, dev), name="corrupt_ids", ndim=2, dtype="int")
+    clean_p = C.prompt_batch(clean_ids, "clean_ids", dev)
+    corrupt_p = C.prompt_batch(corrupt_ids, "corrupt_ids", dev)
     validate.same_shape(clean_p, corrupt_p, names=("clean_ids", "corrupt_ids"))
     g = validate.integer(gen_length if gen_length is not None else model.cfg.extra.get("gen_length", 4),
                          name="gen_length", min=1)

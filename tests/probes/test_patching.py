@@ -375,3 +375,19 @@ def test_patching_and_canvases_validate_their_arguments():
     with pytest.raises(NonFiniteError, match="scores"):
         PT.anchor_mask_from_scores(torch.full((1, 2, 3, 3), torch.nan))
     assert no_hooks(model)
+
+
+def test_gold_answers_and_prompts():
+    from mdm_lens.probes import _causal as C
+
+    m = counting_model()
+    # the clean run's answer: tokens up to the first EOS/pad; a row that starts with EOS answers "EOS"
+    assert C.clean_answer(m, torch.tensor([[4, EOS, 5, 6], [EOS, 4, 4, 4], [5, 6, 7, 4]]), 0) == [[4], [EOS], [5, 6, 7, 4]]
+    assert C.clean_answer(m, torch.tensor([[6, 4, 0, 5]]), 1) == [[4]]
+    assert C.gold_answer(m, torch.tensor([4, 5]), 2, 3, 1) == [[4, 5], [4, 5]]
+    grid = C.gold_grid([[4, 5]], 6, 10, 1, "cpu")
+    assert grid.tolist() == [[-1] * 7 + [4, 5, -1]]
+    with pytest.raises(ArgumentError, match="no tokenizer"):
+        C.gold_answer(m, "paris", 1, 2, 0)
+    with pytest.raises(ArgumentTypeError, match="prompt_ids"):
+        PT.knockout(m, CPROMPT.float(), layers=[0], targets=[1], n_random=0, gen_length=2)
