@@ -42,8 +42,10 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import numpy as np
+import torch
 
-from mdm_lens.errors import InputError
+from mdm_lens import validate
+from mdm_lens.errors import InputError, NonFiniteError
 
 __all__ = ["attention", "attention_from_pattern", "tokens_by_persistence", "step_str_tokens", "to_html",
            "offline", "OfflineView", "bundle_available", "bundle_script", "parse_view", "BUNDLE_MARKER"]
@@ -70,9 +72,11 @@ def step_str_tokens(out: Any, step: int, model: Any = None, batch: int = 0, leng
     shown as `[MASK]`, left padding as `[PAD]`. Without a tokenizer the labels are `str(id)`."""
     n = out.n_steps
     s = _resolve_step(step, n)
-    ids = out.trajectory.x_steps[s, batch]
+    x = out.trajectory.x_steps[s]
+    batch = validate.index(batch, x.shape[0], name="batch", what="batch row")
+    ids = x[batch]
     if length is not None:
-        ids = ids[:length]
+        ids = ids[:validate.integer(length, name="length", min=1, max=x.shape[1])]
     ids = [int(i) for i in ids]
     model = model if model is not None else getattr(getattr(out, "cache", None), "model", None)
     mask_id = getattr(getattr(model, "cfg", None), "mask_token_id", None)
@@ -92,9 +96,8 @@ def step_str_tokens(out: Any, step: int, model: Any = None, batch: int = 0, leng
 
 
 def _resolve_step(step: int, n_steps: int) -> int:
-    if not -n_steps <= step < n_steps:
-        raise InputError(f"step {step} is out of range for a run of {n_steps} steps.")
-    return step % n_steps
+    """A step of the run (negatives count from the end); `OutOfRangeError` names the valid range."""
+    return validate.index(step, n_steps, name="step", what="step")
 
 
 def attention(out: Any, step: int, layer: int, model: Any = None, batch: int = 0,
@@ -102,10 +105,16 @@ def attention(out: Any, step: int, layer: int, model: Any = None, batch: int = 0
     """circuitsvis view of layer `layer`'s attention pattern at denoising step `step` (negative steps
     count from the end of the run) for one batch row. The labels come from that step's input, so
     still-masked positions read `[MASK]`. The pattern must be in `out.cache`; if it is not, rerun with
-    `cache="blocks.{layer}.attn.hook_pattern" @ steps(step)`."""
-    name = f"blocks.{layer}.attn.hook_pattern"
+    `cache="blocks.{layer}.attn.hook_pattern" @ steps(step)`. Steps, layers (negatives count from the end
+    when the model is known), batch rows and heads out of range raise `OutOfRangeError`."""
+    validate.choice(kind, ("patterns", "heads"), name="kind")
     n = out.n_steps
     s = _resolve_step(step, n)
+    owner = model if model is not None else getattr(getattr(out, "cache", None), "model", None)
+    n_layers = getattr(getattr(owner, "cfg", None), "n_layers", None)
+    layer = (validate.index(layer, n_layers, name="layer", what="layer") if n_layers is not None
+             else validate.integer(layer, name="layer", min=0))
+    name = f"blocks.{layer}.attn.hook_pattern"
     how = (f'rerun generate with cache="{name}" @ steps({step}) (`from mdm_lens import steps`), or add '
            f'"{name}" to the cached names')
     cache = getattr(out, "cache", None)
@@ -120,24 +129,48 @@ def attention(out: Any, step: int, layer: int, model: Any = None, batch: int = 0
         pattern = cache[s][name]
     except KeyError:
         raise InputError(f"{name!r} is not in the cache of step {s}; {how}.") from None
-    if not 0 <= batch < pattern.shape[0]:
-        raise InputError(f"batch {batch} is out of range (batch size {pattern.shape[0]}).")
+    batch = validate.index(batch, pattern.shape[0], name="batch", what="batch row")
     pattern = pattern[batch]                                    # [head, query, key]
     if heads is not None:
-        pattern = pattern[list(heads)]
+        heads = validate.indices(heads, pattern.shape[0], name="heads", what="head")
+        pattern = pattern[heads]
     tokens = step_str_tokens(out, s, model=model, batch=batch, length=int(pattern.shape[-1]))
     head_names = [f"L{layer}H{h}" for h in (heads if heads is not None else range(pattern.shape[0]))]
     causal = bool(getattr(out, "causal", False))
     return attention_from_pattern(tokens, pattern, kind=kind, head_names=head_names, mask_upper_tri=causal)
 
 
+ZWSP = "\u200b"
+EMPTY_LABEL = "\u2205"   # ∅: a token whose text is empty would otherwise be an invisible box
+
+
+def _visible(label: str) -> str:
+    """A label that reads the same wherever circuitsvis puts it.
+
+    circuitsvis sets a token's text as *HTML* in its token strips (`dangerouslySetInnerHTML`), so
+    `<bos>`, `<eos>` or `<|endoftext|>` parse as unknown tags and show blank, and `&lt;` shows as `<`;
+    its heatmap axes and tooltips print the same string as *plain text*, so HTML-escaping would show
+    `&lt;bos&gt;` there.  A zero-width space after each `<` and `&` fixes both: `<` followed by a
+    non-letter and `&` followed by a non-name character are literal text in HTML, and the zero-width
+    space draws nothing in either place.  Empty labels become `∅`."""
+    if not label:
+        return EMPTY_LABEL
+    return label.replace("&", "&" + ZWSP).replace("<", "<" + ZWSP)
+
+
+def _plain(label: str) -> str:
+    """Undo `_visible` (for the fallback renderer, which escapes text itself)."""
+    return str(label).replace("<" + ZWSP, "<").replace("&" + ZWSP, "&")
+
+
 def _display(str_tokens: Sequence[Any]) -> list[str]:
     """Labels as circuitsvis prints them, run together. A word-level vocabulary (no label carries a space)
-    would read as one long word, so such labels get a leading space; BPE labels keep their own."""
+    would read as one long word, so such labels get a leading space; BPE labels keep their own. Special
+    tokens (`<bos>`, `<eos>`, ...) stay visible (see `_visible`)."""
     tokens = [str(t) for t in str_tokens]
     if tokens and not any(any(c.isspace() for c in t) for t in tokens):
-        return [tokens[0]] + [" " + t for t in tokens[1:]]
-    return tokens
+        tokens = [tokens[0]] + [" " + t for t in tokens[1:]]
+    return [_visible(t) for t in tokens]
 
 
 def attention_from_pattern(str_tokens: Sequence[str], pattern: Any, kind: Literal["patterns", "heads"] = "patterns",
@@ -145,33 +178,44 @@ def attention_from_pattern(str_tokens: Sequence[str], pattern: Any, kind: Litera
     """circuitsvis view of a `[head, query, key]` (or `[query, key]`) attention pattern. The default is
     `cv.attention.attention_patterns`. `kind="heads"` uses `attention_heads`, which adds head names and
     masks the upper triangle for causal models."""
+    validate.choice(kind, ("patterns", "heads"), name="kind")
     p = _np(pattern)
     if p.ndim == 2:
         p = p[None]
     if p.ndim != 3:
-        raise InputError(f"pattern must be [head, query, key], got shape {tuple(p.shape)}.")
+        raise InputError(f"pattern must be [head, query, key], got shape {tuple(p.shape)}.", argument="pattern",
+                         value=tuple(p.shape), allowed="[head, query, key] or [query, key]")
     if p.shape[1] != p.shape[2]:
-        raise InputError(f"circuitsvis needs square patterns (query = key positions); got {tuple(p.shape)}.")
+        raise InputError(f"circuitsvis needs square patterns (query = key positions); got {tuple(p.shape)}.",
+                         argument="pattern", value=tuple(p.shape), allowed="query = key")
+    validate.finite(torch.from_numpy(p), name="pattern")
     tokens = _display(str_tokens)
     if len(tokens) != p.shape[-1]:
-        raise InputError(f"{len(tokens)} token labels for a pattern over {p.shape[-1]} positions.")
+        raise InputError(f"{len(tokens)} token labels for a pattern over {p.shape[-1]} positions.",
+                         argument="str_tokens", value=len(tokens), allowed=f"{p.shape[-1]} labels")
+    if head_names is not None and len(head_names) != p.shape[0]:
+        raise InputError(f"{len(head_names)} head names for {p.shape[0]} heads.", argument="head_names",
+                         value=list(head_names), allowed=f"{p.shape[0]} names")
     cv = _cv()
     if kind == "heads":
         return cv.attention.attention_heads(attention=p, tokens=tokens,
                                             attention_head_names=list(head_names) if head_names else None,
                                             mask_upper_tri=mask_upper_tri)
-    if kind != "patterns":
-        raise InputError("kind must be 'patterns' or 'heads'.")
     return cv.attention.attention_patterns(tokens=tokens, attention=p)
 
 
 def tokens_by_persistence(str_tokens: Sequence[str], persistence: Any, max_value: float | None = None) -> Any:
     """Tokens coloured by anchor persistence: the fraction of steps, or of layers, at which each position
     was detected as an anchor. NaN counts as 0. The scale is 0 to 1, or 0 to the maximum if that is above 1."""
-    v = np.nan_to_num(_np(persistence).ravel(), nan=0.0)
+    raw = _np(persistence).ravel()
+    if np.isinf(raw).any():
+        raise NonFiniteError(f"persistence has {int(np.isinf(raw).sum())} inf values; expected fractions in [0, 1] "
+                             "(NaN counts as 0).", argument="persistence", value=raw, allowed="finite values or NaN")
+    v = np.nan_to_num(raw, nan=0.0)
     tokens = _display(str_tokens)
     if len(tokens) != v.size:
-        raise InputError(f"{len(tokens)} tokens for {v.size} persistence values.")
+        raise InputError(f"{len(tokens)} tokens for {v.size} persistence values.", argument="str_tokens",
+                         value=len(tokens), allowed=f"{v.size} labels")
     top = float(max_value) if max_value is not None else max(1.0, float(v.max()) if v.size else 1.0)
     return _cv().tokens.colored_tokens(tokens=tokens, values=v, min_value=0.0, max_value=top)
 
@@ -296,7 +340,7 @@ sel.addEventListener("change",draw); draw();
 
 
 def _fallback_attention(props: dict, element: str) -> str:
-    tokens = [str(t) for t in props.get("tokens", [])]
+    tokens = [_plain(t) for t in props.get("tokens", [])]
     att = props.get("attention", [])
     a = np.asarray(att, dtype=np.float64)
     if a.ndim == 2:
@@ -324,7 +368,7 @@ def _mix(c0: tuple[int, int, int], c1: tuple[int, int, int], t: float) -> str:
 
 
 def _fallback_tokens(props: dict) -> str:
-    tokens = [str(t) for t in props.get("tokens", [])]
+    tokens = [_plain(t) for t in props.get("tokens", [])]
     vals = np.nan_to_num(np.asarray(props.get("values", []), dtype=float))
     lo = props.get("minValue", float(min(0.0, vals.min())) if vals.size else 0.0)
     hi = props.get("maxValue", float(vals.max()) if vals.size else 1.0)

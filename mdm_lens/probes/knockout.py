@@ -1,0 +1,433 @@
+"""Attention knockout at denoising steps (Geva et al. 2023 edge blocking; Rulli et al. sink masking; spec §2.8).
+
+    res = knockout(model, prompt_ids, answer="paris", steps=[0, 1, 2])
+    res.table()            # one row per condition: clean / anchors / random
+    res.effect             # answer log-prob under the knockout minus the clean one (the default metric)
+
+The question a knockout answers is "does cutting these attention edges change the *answer*?".  So the
+default metric is answer-level, measured at the end of generation, not at the positions a step commits
+(a step that commits only ``<eos>`` slots says nothing about the answer, even though its forward pass also
+predicts the answer's still-masked slots).  Per condition (clean, the knockout, a random control):
+
+- ``answer_logprob`` (*sampled*, default ``metric``): the knockout is applied while sampling; for each gold
+  answer position p, log softmax(logits)[gold_p] of the forward pass at the step that committed p in
+  *that* run, summed over the answer's tokens (the log-probability the sampler gave the gold answer
+  along its own path), mean over batch rows.
+- ``answer_rank`` (sampled): at the same forwards, the number of tokens (the mask token excepted) whose
+  logit is strictly above the gold token's, mean over the answer's tokens and rows (0 = argmax).
+- ``exact_match`` (sampled): fraction of rows whose generated answer (from ``answer_offset`` to the first
+  EOS/EoT/pad) equals the gold: token ids for id answers and the clean-run answer, SQuAD-normalised text
+  for a text ``answer``.
+- ``tf_answer_logprob`` / ``tf_answer_rank`` ``[condition, step]`` (*teacher-forced*): one forward per
+  step s on the clean run's canvas x_s with the gold answer placed in it (answer positions already
+  committed at s carry the gold tokens, the others stay masked), knockout on; log-prob summed / rank
+  averaged over the gold positions that step predicts (MDM: still masked in x_s; ARM: the one emitted
+  at s).  NaN at a step that predicts no answer position.  ``_mean`` fields average over the steps.
+- ``step_metric`` ``[condition, step]`` / ``metric_mean`` (the earlier metric, by ``step_metric=``):
+  teacher-forced on the clean trajectory, the metric at the positions the clean run committed at s.
+- ``agreement``: fraction of generated tokens equal to the clean generation; ``accuracy``: substring match
+  of the generation with ``answer`` (NaN without one).
+
+Without ``answer`` the gold is the clean run's own answer, so the metrics say how far the knockout moves
+the model from what it said.  With classifier-free guidance the log-probs read the conditional forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mdm_lens import validate
+from mdm_lens.hooks import at_steps
+
+from . import _causal as C
+from ._results import ResultMixin
+from .retrieval import _decode, answer_correct
+from .run import is_causal, step_canvas
+
+__all__ = ["knockout", "KnockoutResult", "KnockoutHooks", "ANSWER_METRICS"]
+
+ANSWER_METRICS = ("answer_logprob", "answer_rank", "exact_match", "tf_answer_logprob", "tf_answer_rank")
+
+
+class KnockoutHooks:
+    """Hooks that set the pre-softmax scores from chosen queries to chosen keys to −inf, per layer.
+
+    ``targets``: "anchors" (detected per forward by a *pre-pass*: the same input run once without the
+    knockout, anchors from each layer's unablated attention, head-mean, ``rule``), "random" (as many
+    random visible non-anchor keys as there are anchors, per forward and layer), or a list of positions.
+    ``queries``: "masked" (the readout rows of still-masked positions), "all", or "answer" (the readout
+    rows of the canvas).  In ``generate`` the input comes from ``model.state``; for a plain forward set
+    ``.tokens`` and ``.attention_mask`` first.  Rows whose every visible key would be removed are left
+    unchanged.  ``n_knocked[layer]`` is the mean number of keys removed per row at the last forward.
+    """
+
+    def __init__(self, model: Any, layers: Sequence[int], targets: Any = "anchors", queries: str = "masked",
+                 rule: str = "zscore", prompt_length: int = 0, seed: int = 0, **detect_kwargs: Any):
+        self.model, self.queries = model, validate.choice(queries, C.QUERIES, name="queries")
+        self.layers = validate.indices(list(layers), model.cfg.n_layers, name="layers")
+        if isinstance(targets, str):
+            validate.choice(targets, ("anchors", "random"), name="targets")
+        else:
+            targets = validate.indices(targets, model.cfg.n_ctx, name="targets")
+        self.targets, self.rule, self.detect_kwargs = targets, rule, detect_kwargs
+        self.prompt_length = validate.integer(prompt_length, name="prompt_length", min=0)
+        self.gen = torch.Generator().manual_seed(validate.integer(seed, name="seed"))
+        self.tokens: Tensor | None = None
+        self.attention_mask: Tensor | None = None
+        self._prepass = False
+        self._anchors: dict[int, Tensor] = {}
+        self.n_knocked: dict[int, float] = {}
+
+    @property
+    def needs_prepass(self) -> bool:
+        return isinstance(self.targets, str)
+
+    def _inputs(self) -> tuple[Tensor, Tensor | None]:
+        st = self.model.state
+        if st is not None:
+            return st.x, st.key_visible.long()
+        if self.tokens is None:
+            raise RuntimeError("KnockoutHooks outside generate: set .tokens (and .attention_mask) first")
+        return self.tokens, self.attention_mask
+
+    def _embed_hook(self, x: Tensor, hook: Any) -> None:
+        if self._prepass:
+            return
+        tokens, am = self._inputs()
+        self._rows = C.readout_rows(self.model, tokens, self.prompt_length, self.queries)
+        if self.needs_prepass:
+            self._prepass, self._anchors = True, {}
+            try:
+                self.model(tokens, attention_mask=am, return_type=None)
+            finally:
+                self._prepass = False
+
+    def _target_mask(self, layer: int, scores: Tensor) -> Tensor:
+        kv = torch.isfinite(scores).any(1).any(1)
+        if not self.needs_prepass:
+            m = torch.zeros_like(kv)
+            m[:, [p for p in self.targets if p < m.shape[1]]] = True
+            return m & kv
+        anchors = self._anchors[layer]
+        return anchors if self.targets == "anchors" else C.random_like(anchors, kv, self.gen)
+
+    def _score_hook(self, layer: int):
+        def hook(scores: Tensor, hook: Any) -> Tensor | None:
+            if self._prepass:
+                self._anchors[layer] = C.anchor_mask_from_scores(scores, self.rule, is_causal(self.model),
+                                                                 **self.detect_kwargs)[0]
+                return None
+            t = self._target_mask(layer, scores)
+            self.n_knocked[layer] = float(t.sum(-1).float().mean())
+            cut = self._rows[:, None, :, None] & t[:, None, None, :]
+            new = scores.masked_fill(cut, -torch.inf)
+            dead = ~torch.isfinite(new).any(-1, keepdim=True)
+            return torch.where(dead, scores, new)
+        return hook
+
+    def hooks(self) -> list[tuple[str, Any]]:
+        return [("hook_embed", self._embed_hook)] + [
+            (f"blocks.{l}.attn.hook_attn_scores", self._score_hook(l)) for l in self.layers]
+
+    def step_hooks(self, step_list: Sequence[int] | None) -> list[tuple[str, Any]]:
+        """The hooks bound to denoising steps with ``at_steps`` (None = every step)."""
+        if step_list is None:
+            return self.hooks()
+        return [(n, at_steps(fn, list(step_list))) for n, fn in self.hooks()]
+
+
+class _RandomListHooks(KnockoutHooks):
+    """Random control of a fixed target list: as many random visible positions outside the list."""
+
+    def _target_mask(self, layer: int, scores: Tensor) -> Tensor:
+        fixed = super()._target_mask(layer, scores)
+        return C.random_like(fixed, torch.isfinite(scores).any(1).any(1), self.gen)
+
+
+@dataclass
+class KnockoutResult(ResultMixin):
+    """Answer-level and per-step metrics per condition (clean / knockout / random control); see the
+    module docstring for what each number means.  ``value`` is the chosen ``metric`` per condition and
+    ``effect`` = value − value[clean] (negative log-prob effect = the knockout lowers the answer)."""
+
+    conditions: list[str]
+    steps: list[int]
+    layers: list[int]
+    metric: str
+    value: Tensor                   # [condition]  the chosen metric
+    effect: Tensor                  # [condition]  value − value of "clean"
+    answer_logprob: Tensor          # [condition]  sampled: Σ_answer log p(gold) at each position's commit step
+    answer_rank: Tensor             # [condition]  sampled: mean rank of the gold tokens there (0 = argmax)
+    exact_match: Tensor             # [condition]  generated answer == gold
+    tf_answer_logprob: Tensor       # [condition, step]  teacher-forced, gold placed in the canvas
+    tf_answer_rank: Tensor          # [condition, step]
+    tf_answer_logprob_mean: Tensor  # [condition]  mean over the steps that predict an answer position
+    tf_answer_rank_mean: Tensor     # [condition]
+    step_metric_name: str
+    step_metric: Tensor             # [condition, step]  at the positions the clean run committed at s
+    metric_mean: Tensor             # [condition]
+    n_targets: Tensor               # [condition, step]  mean knocked keys per (row, layer)
+    agreement: Tensor               # [condition]  fraction of generated tokens equal to the clean generation
+    accuracy: Tensor                # [condition]  substring match with ``answer`` (NaN without one)
+    gold: list[list[int]] = field(default_factory=list)   # gold answer ids per batch row
+    gold_source: str = "answer"     # "answer" or "clean generation"
+    notes: list[str] = field(default_factory=list)
+
+    _dims: ClassVar = {"value": ("condition",), "effect": ("condition",), "answer_logprob": ("condition",),
+                       "answer_rank": ("condition",), "exact_match": ("condition",),
+                       "tf_answer_logprob": ("condition", "step"), "tf_answer_rank": ("condition", "step"),
+                       "tf_answer_logprob_mean": ("condition",), "tf_answer_rank_mean": ("condition",),
+                       "step_metric": ("condition", "step"), "metric_mean": ("condition",),
+                       "n_targets": ("condition", "step"), "agreement": ("condition",), "accuracy": ("condition",)}
+
+    def _coords(self):
+        return {"condition": self.conditions, "step": self.steps}
+
+    def table(self):
+        """Wide summary, one row per condition: value, effect, the answer-level metrics (sampled, then
+        teacher-forced means), ``metric_mean`` (the per-step committed-position metric), agreement, accuracy."""
+        cols = ["value", "effect", "answer_logprob", "answer_rank", "exact_match", "tf_answer_logprob_mean",
+                "tf_answer_rank_mean", "metric_mean", "agreement", "accuracy"]
+        wide = self.to_frame(metrics=cols).pivot(index="condition", columns="metric", values="value")
+        return wide.loc[self.conditions, cols]
+
+
+# ----------------------------------------------------------------------------------------------
+# pieces of one knockout run
+# ----------------------------------------------------------------------------------------------
+
+def _conditions(targets: Any, n_random: int) -> list[tuple[str, Any]]:
+    main = [(targets if isinstance(targets, str) else "targets", targets)]
+    if targets != "random" and n_random > 0:
+        main.append(("random", "random" if targets == "anchors" else ("random_list", list(targets))))
+    return main
+
+
+def _hooks_for(model: Any, spec: Any, layers: list[int], queries: str, rule: str, P: int, seed: int) -> KnockoutHooks:
+    if isinstance(spec, tuple):   # random control of a fixed list: same count of other visible positions
+        return _RandomListHooks(model, layers, spec[1], queries, rule, P, seed)
+    return KnockoutHooks(model, layers, spec, queries, rule, P, seed)
+
+
+class _GoldScorer:
+    """A hook on ``ln_final.hook_normalized`` that scores the gold answer at every sampler step:
+    logits = unembed(w ⊙ normalized), exactly the forward's raw logits."""
+
+    def __init__(self, model: Any, gold: Tensor):
+        self.model, self.gold, self.lp, self.rank = model, gold, {}, {}
+
+    def __call__(self, act: Tensor, hook: Any) -> None:
+        st = self.model.state
+        if st is None or st.phase != "cond":
+            return
+        raw = C.check_logits(self.model.unembed(act * self.model.ln_final.w), f"denoising step {st.step}")
+        self.lp[st.step], self.rank[st.step] = (t.cpu() for t in C.gold_scores(self.model, raw, self.gold))
+
+    def at_commit(self, commit_step: Tensor) -> tuple[Tensor, Tensor]:
+        """(log-prob, rank) ``[batch, pos]`` read at the step that committed each position (NaN if none)."""
+        lp = torch.full(self.gold.shape, torch.nan, dtype=torch.float64)
+        rank = lp.clone()
+        for s in self.lp:
+            at = commit_step.cpu() == s
+            lp[at], rank[at] = self.lp[s][at], self.rank[s][at]
+        return lp, rank
+
+
+def _replay_scores(model: Any, out: Any, gold: Tensor) -> tuple[Tensor, Tensor]:
+    """The clean run's scores at each commit step, by replaying its canvases (no hooks: same logits)."""
+    scorer = _GoldScorer(model, gold)
+    for s in range(out.n_steps):
+        x, am = step_canvas(out, s)
+        raw = C.check_logits(model(x, attention_mask=am), f"the clean run at step {s}")
+        scorer.lp[s], scorer.rank[s] = (t.cpu() for t in C.gold_scores(model, raw, gold))
+    return scorer.at_commit(out.trajectory.commit_step)
+
+
+def _answer_totals(lp: Tensor, rank: Tensor, have: Tensor) -> tuple[float, float]:
+    """Row sums of log-probs and row means of ranks over ``have``, then the mean over rows (NaN-aware)."""
+    n = have.sum(-1)
+    lp_row = torch.where(have, lp, torch.zeros_like(lp)).sum(-1)
+    rank_row = torch.where(have, rank, torch.zeros_like(rank)).sum(-1) / n.clamp(min=1)
+    ok = n > 0
+    if not bool(ok.any()):
+        return math.nan, math.nan
+    return float(lp_row[ok].mean()), float(rank_row[ok].mean())
+
+
+def _teacher_canvas(model: Any, clean: Any, s: int, gold: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(canvas with the gold answer placed, attention mask, gold positions predicted at s)."""
+    x, am = step_canvas(clean, s)
+    g = gold[:, : x.shape[1]].to(x.device)
+    if is_causal(model):
+        x = torch.where(g >= 0, g, x)
+        predicted = torch.zeros_like(gold, dtype=torch.bool)
+        predicted[:, x.shape[1]] = gold[:, x.shape[1]] >= 0
+        return x, am, predicted
+    masked = x == model.cfg.mask_token_id
+    x = torch.where((g >= 0) & ~masked, g, x)
+    predicted = torch.zeros_like(gold, dtype=torch.bool)
+    predicted[:, : x.shape[1]] = masked & (g >= 0)
+    return x, am, predicted
+
+
+@torch.no_grad()
+def _step_forward(model: Any, x: Tensor, am: Tensor, ko: KnockoutHooks | None) -> tuple[Tensor, float]:
+    if ko is None:
+        return C.check_logits(model(x, attention_mask=am), "the clean teacher-forced forward"), 0.0
+    ko.tokens, ko.attention_mask, ko.n_knocked = x, am, {}
+    raw = C.check_logits(model.run_with_hooks(x, attention_mask=am, fwd_hooks=ko.hooks()),
+                         "the knocked-out teacher-forced forward")
+    return raw, float(np.mean(list(ko.n_knocked.values()))) if ko.n_knocked else 0.0
+
+
+def _committed_metric(model: Any, clean: Any, s: int, raw: Tensor, metric: Any) -> float:
+    """The per-step metric at the positions the clean run committed at step s (readout rows of ``raw``)."""
+    committed = clean.trajectory.commit_step.to(raw.device) == s
+    target = clean.tokens[committed]
+    logits = C.readout(model, raw, committed)
+    return C.metric_value(metric, logits, target, C.best_other(logits, target, model.cfg.mask_token_id))
+
+
+def _exact_match(model: Any, out: Any, gold: list[list[int]], answer: Any, offset: int, decode: Any) -> float:
+    pred = C.clean_answer(model, out.generated.cpu(), offset)
+    if isinstance(answer, str):
+        from mdm_lens.zoo.data import normalize
+
+        dec = decode or (lambda ids: _decode(model, ids))
+        return float(np.mean([normalize(dec(p)) == normalize(answer) for p in pred]))
+    return float(np.mean([p == g for p, g in zip(pred, gold)]))
+
+
+def _resolve_steps(steps: Any, n_steps: int) -> list[int] | None:
+    """None (every step) or sorted step indices; "first"/"last" and negatives as in ``at_steps``."""
+    if steps is None:
+        return None
+    if isinstance(steps, (str, int)):
+        steps = [steps]
+    if isinstance(steps, (list, tuple)):
+        steps = [0 if v == "first" else -1 if v == "last" else v for v in steps]
+    return sorted(validate.indices(steps, n_steps, name="steps", what="step"))
+
+
+def _value(metric: Any, row: dict) -> float:
+    return row["metric_mean"] if not isinstance(metric, str) or metric not in ANSWER_METRICS else {
+        "answer_logprob": row["answer_logprob"], "answer_rank": row["answer_rank"],
+        "exact_match": row["exact_match"], "tf_answer_logprob": row["tf_answer_logprob_mean"],
+        "tf_answer_rank": row["tf_answer_rank_mean"]}[metric]
+
+
+@torch.no_grad()
+def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = None, targets: Any = "anchors",
+             queries: Literal["masked", "all", "answer"] = "masked", rule: str = "zscore", n_random: int = 3,
+             seed: int = 0, metric: Any = "answer_logprob", step_metric: C.Metric = "logit_diff", answer: Any = None,
+             answer_offset: int = 0, gen_length: int | None = None, n_steps: int | None = None, decode: Any = None,
+             **generate_kwargs: Any) -> KnockoutResult:
+    """Attention knockout of anchors (or chosen keys) at chosen denoising steps and layers.
+
+    At each step in ``steps`` (None = all; negatives and "first"/"last" allowed) and layer in ``layers``
+    (None = all), the pre-softmax scores ``A_pre[i, j] := −inf`` for queries i in ``queries`` and keys j
+    in ``targets`` (see :class:`KnockoutHooks`).  Conditions: ``clean``; the targets; ``random``
+    (``n_random`` draws of as many other visible keys, averaged).  What each reported number means is
+    in the module docstring; ``metric`` picks the headline ``value`` / ``effect``:
+
+    - ``"answer_logprob"`` (default), ``"answer_rank"``, ``"exact_match"``: sampled with the knockout on,
+      read at the end (does the answer change?);
+    - ``"tf_answer_logprob"``, ``"tf_answer_rank"``: teacher-forced with the gold answer in the canvas;
+    - ``"logit_diff"``, ``"prob"``, ``"logprob"`` or a callable ``metric(logits)``: the earlier per-step
+      metric at the positions the clean run committed at each step (``step_metric``, ``metric_mean``).
+
+    ``answer``: text or token ids of the gold answer, placed at canvas offset ``answer_offset``; without
+    it the gold is the clean run's own answer.  ``generate_kwargs`` go to every ``model.generate`` call
+    (same seed in every condition).  Raises ``OutOfRangeError`` for steps / layers / target positions
+    outside the run, ``ArgumentError`` / ``ArgumentTypeError`` for other invalid arguments, and
+    ``NonFiniteError`` when the model's logits are NaN or inf.
+    """
+    dev = model.W_E.device
+    prompt = C.prompt_batch(prompt_ids, "prompt_ids", dev)
+    g = validate.integer(gen_length if gen_length is not None else model.cfg.extra.get("gen_length", 4),
+                         name="gen_length", min=1)
+    ns = g if is_causal(model) else validate.integer(n_steps if n_steps is not None else g, name="n_steps", min=1)
+    ls = validate.indices(layers, model.cfg.n_layers, name="layers", what="layer")
+    chosen = _resolve_steps(steps, ns)
+    step_list = chosen if chosen is not None else list(range(ns))
+    P = prompt.shape[1]
+    if isinstance(targets, str):
+        validate.choice(targets, ("anchors", "random"), name="targets")
+    else:
+        targets = validate.indices(targets, P + g, name="targets", what="position")
+    validate.choice(queries, C.QUERIES, name="queries")
+    n_random = validate.integer(n_random, name="n_random", min=0)
+    seed = validate.integer(seed, name="seed")
+    off = validate.integer(answer_offset, name="answer_offset", min=0, max=g - 1)
+    if callable(metric) or metric in C.POSITION_METRICS:
+        step_metric = metric
+    else:
+        validate.choice(metric, ANSWER_METRICS + C.POSITION_METRICS, name="metric")
+    step_metric = C.check_position_metric(step_metric, "step_metric")
+
+    def gen(hooks: Sequence[Any] = ()) -> Any:
+        return model.generate(prompt, steps=ns, gen_length=g, fwd_hooks=list(hooks), **generate_kwargs)
+
+    clean = gen()
+    if answer is None:
+        gold_ids, source = C.clean_answer(model, clean.generated.cpu(), off), "clean generation"
+    else:
+        gold_ids, source = C.gold_answer(model, answer, prompt.shape[0], g, off), "answer"
+    gold = C.gold_grid(gold_ids, P, clean.tokens.shape[1], off, dev)
+    have = (gold >= 0).cpu()
+    clean_scores = _replay_scores(model, clean, gold)
+
+    def one_draw(spec: Any, d: int) -> dict:
+        ko = None if spec is None else _hooks_for(model, spec, ls, queries, rule, P, seed + d)
+        rows: dict[str, list] = {"tf_lp": [], "tf_rank": [], "sm": [], "nt": []}
+        for s in step_list:
+            x, am = step_canvas(clean, s)
+            raw, n = _step_forward(model, x, am, ko)
+            rows["sm"].append(_committed_metric(model, clean, s, raw, step_metric))
+            rows["nt"].append(n)
+            xt, amt, predicted = _teacher_canvas(model, clean, s, gold)
+            raw_t = raw if torch.equal(xt, x) else _step_forward(model, xt, amt, ko)[0]
+            lp, rk = C.gold_scores(model, raw_t, gold)
+            a, r = _answer_totals(lp.cpu(), rk.cpu(), predicted.cpu())
+            rows["tf_lp"].append(a)
+            rows["tf_rank"].append(r)
+        if ko is None:
+            out, (lp, rk) = clean, clean_scores
+        else:
+            scorer = _GoldScorer(model, gold)
+            out = gen(ko.step_hooks(chosen) + [("ln_final.hook_normalized", scorer)])
+            lp, rk = scorer.at_commit(out.trajectory.commit_step)
+        a_lp, a_rank = _answer_totals(lp, rk, have)
+        acc = (float(np.mean([answer_correct(model, r.cpu(), answer, decode) for r in out.generated]))
+               if answer is not None else math.nan)
+        return dict(tf_lp=rows["tf_lp"], tf_rank=rows["tf_rank"], sm=rows["sm"], nt=rows["nt"],
+                    answer_logprob=a_lp, answer_rank=a_rank, exact_match=_exact_match(model, out, gold_ids, answer,
+                                                                                       off, decode),
+                    agreement=float((out.generated == clean.generated).float().mean()), accuracy=acc)
+
+    names, per = [], []
+    for name, spec in [("clean", None)] + _conditions(targets, n_random):
+        draws = [one_draw(spec, d) for d in range(n_random if name == "random" else 1)]
+        names.append(name)
+        per.append({k: np.mean([dr[k] for dr in draws], 0) for k in draws[0]})
+    t = lambda k: torch.tensor(np.array([p[k] for p in per], dtype=np.float64))  # noqa: E731
+    tf_lp, tf_rank, sm = t("tf_lp"), t("tf_rank"), t("sm")
+    summary = [dict(p, metric_mean=float(torch.tensor(p["sm"]).nanmean()),
+                    tf_answer_logprob_mean=float(torch.tensor(p["tf_lp"]).nanmean()),
+                    tf_answer_rank_mean=float(torch.tensor(p["tf_rank"]).nanmean())) for p in per]
+    value = torch.tensor([_value(metric, row) for row in summary], dtype=torch.float64)
+    notes = [] if bool(torch.isfinite(tf_lp).any()) else [
+        "no chosen step predicts a gold answer position (all committed before): teacher-forced answer metrics are NaN"]
+    return KnockoutResult(
+        conditions=names, steps=step_list, layers=ls, metric=C.metric_name(metric), value=value, effect=value - value[0],
+        answer_logprob=t("answer_logprob"), answer_rank=t("answer_rank"), exact_match=t("exact_match"),
+        tf_answer_logprob=tf_lp, tf_answer_rank=tf_rank, tf_answer_logprob_mean=tf_lp.nanmean(-1),
+        tf_answer_rank_mean=tf_rank.nanmean(-1), step_metric_name=C.metric_name(step_metric), step_metric=sm,
+        metric_mean=sm.nanmean(-1), n_targets=t("nt"), agreement=t("agreement"), accuracy=t("accuracy"),
+        gold=gold_ids, gold_source=source, notes=notes)
