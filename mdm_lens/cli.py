@@ -1,9 +1,11 @@
-"""`mdm-lens` command line: `demo`, `bench`."""
+"""`mdm-lens` command line: `demo`, `sweep`, `report`, `zoo export`, `bench`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from mdm_lens.errors import MDMLensError
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -13,24 +15,70 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from mdm_lens.sweep.__main__ import run_from_args
+
+    return run_from_args(args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from mdm_lens.views.sweep_report import report
+
+    index = report(args.dir, out=args.out)
+    print(f"report: {index.resolve()}")
+    return 0
+
+
+def _zoo_export(args: argparse.Namespace) -> int:
+    from mdm_lens.zoo import jsonl
+
+    jsonl.export(args.out, args.n, args.seed, n_distractors=args.n_distractors, gold_position=args.gold_position)
+    print(f"wrote {args.n} items to {args.out}")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from benchmarks.__main__ import main as bench_main  # benchmarks live beside the package, in the repo
 
     return bench_main(args.rest)
 
 
+def _gold(v: str):
+    return int(v) if v.lstrip("-").isdigit() else v
+
+
 def main(argv: list[str] | None = None) -> int:
+    from mdm_lens.sweep.__main__ import add_arguments
+
     parser = argparse.ArgumentParser(prog="mdm-lens", description="Interpretability for masked diffusion LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the analyses on the shipped tiny twins and write an HTML report")
+    demo = sub.add_parser("demo", help="a small sweep over the shipped tiny twins, written as an HTML report")
     demo.add_argument("--out", default="mdm_lens_report", help="folder for the report (default: ./mdm_lens_report)")
     demo.add_argument("--quick", action="store_true", help="fewer samples (for smoke tests)")
     demo.set_defaults(func=_demo)
+    sweep = add_arguments(sub.add_parser("sweep", help="run probes over a jsonl dataset (torchrun for many ranks)"))
+    sweep.set_defaults(func=_sweep)
+    rep = sub.add_parser("report", help="the HTML report (figures and tables) of one or more sweep folders")
+    rep.add_argument("dir", help="a sweep folder, or a folder whose subfolders are sweeps (compared side by side)")
+    rep.add_argument("--out", default=None, help="report folder (default: DIR/report)")
+    rep.set_defaults(func=_report)
+    zoo = sub.add_parser("zoo", help="the tiny twins' synthetic data").add_subparsers(dest="zoo_command", required=True)
+    exp = zoo.add_parser("export", help="write zoo QA items as jsonl for `mdm-lens sweep`")
+    exp.add_argument("--n", type=int, required=True)
+    exp.add_argument("--seed", type=int, default=0)
+    exp.add_argument("--out", required=True)
+    exp.add_argument("--n-distractors", type=int, default=4)
+    exp.add_argument("--gold-position", type=_gold, default="random", help="random, first, middle, last or an index")
+    exp.set_defaults(func=_zoo_export)
     bench = sub.add_parser("bench", help="run the ratio benchmarks (repository checkout only)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except MDMLensError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

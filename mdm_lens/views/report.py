@@ -31,7 +31,8 @@ __all__ = ["Section", "write_report", "markdown_lite"]
 class Section:
     """One report section. `text` is markdown-lite (see `markdown_lite`); text that starts with an HTML
     tag is inserted as it is. Each entry of `images` is a path or a `(path, caption)` pair. Each entry of
-    `html` is an HTML string or a circuitsvis view. `table` is an optional DataFrame."""
+    `html` is an HTML string or a circuitsvis view. `table` is an optional DataFrame.
+    `finding` closes the section: one sentence, computed from the numbers, of what was measured and shows."""
 
     title: str
     text: str = ""
@@ -39,6 +40,7 @@ class Section:
     html: Sequence[Any] = field(default_factory=list)
     table: Any = None  # pandas.DataFrame | None
     table_caption: str = ""
+    finding: str = ""  # one sentence computed from the numbers: what was measured and what it shows
 
 
 _CSS = """
@@ -73,6 +75,7 @@ table.data th{background:var(--bg2);text-align:center}
 table.data tbody tr:nth-child(even){background:#fbfbfc}
 table.data td:first-child,table.data th:first-child{text-align:left}
 .tcap{color:var(--muted);font-size:13px;margin-bottom:2px}
+.finding{border-left:3px solid var(--accent);background:var(--bg2);padding:6px 12px;margin:12px 0}
 .view{border:1px solid var(--line);border-radius:6px;padding:6px 10px;margin:14px 0;overflow-x:auto}
 iframe.view{width:100%;height:480px;padding:0}
 footer{color:var(--muted);font-size:12px;margin-top:48px;border-top:1px solid var(--line);padding-top:8px}
@@ -224,12 +227,20 @@ def _html_item(item: Any) -> tuple[str, bool]:
 
 def _table_html(df: Any, caption: str = "") -> str:
     try:
-        body = df.to_html(classes="data", border=0, max_rows=300, max_cols=40, na_rep="–",
+        body = df.to_html(classes="data", border=0, max_rows=300, max_cols=None, na_rep="–",
                           float_format=lambda x: f"{x:.4g}")
     except TypeError:
         body = df.to_html(classes="data", border=0)
     cap = f'<div class="tcap">{_inline(_html.escape(caption, quote=False))}</div>' if caption else ""
     return f'<div class="tablewrap">{cap}{body}</div>'
+
+
+def _folders_text(folder: Path, placed: list[str]) -> str:
+    """The folders the images really live in (relative to the report), for the footer."""
+    dirs = sorted({str(Path(r).parent) for r in placed})
+    if not dirs:
+        return "no image files (this page has none)"
+    return ", ".join(f"<code>{_html.escape(d if d != '.' else './')}/</code>".replace("//", "/") for d in dirs)
 
 
 def write_report(folder: str | Path, title: str, sections: Sequence[Section], meta: Mapping[str, Any] | None = None,
@@ -242,6 +253,7 @@ def write_report(folder: str | Path, title: str, sections: Sequence[Section], me
     folder.mkdir(parents=True, exist_ok=True)
     images_dir = folder / "images"
     used: set[str] = set()
+    placed: list[str] = []
     need_bundle = False
     toc, body = [], []
     for n, sec in enumerate(sections, 1):
@@ -253,6 +265,7 @@ def write_report(folder: str | Path, title: str, sections: Sequence[Section], me
         for img in sec.images:
             path, cap = (img if isinstance(img, (tuple, list)) else (img, ""))
             rel = _place_image(Path(path), folder, images_dir, n, used)
+            placed.append(rel)
             alt = _html.escape(cap or Path(path).stem)
             capt = f"<figcaption>{_inline(_html.escape(cap, quote=False))}</figcaption>" if cap else ""
             # show PNGs at 96/dpi of their pixel width, so text in every figure appears at the same size
@@ -266,6 +279,8 @@ def write_report(folder: str | Path, title: str, sections: Sequence[Section], me
             parts.append(frag)
         if sec.table is not None:
             parts.append(_table_html(sec.table, sec.table_caption))
+        if sec.finding:
+            parts.append(f'<p class="finding"><b>Finding.</b> {_inline(_html.escape(sec.finding, quote=False))}</p>')
         parts.append("</section>")
         body.append("\n".join(parts))
     meta_rows = "".join(f'<tr><td class="k">{_html.escape(str(k))}</td><td class="v">{_html.escape(str(v))}</td></tr>'
@@ -284,7 +299,8 @@ def write_report(folder: str | Path, title: str, sections: Sequence[Section], me
             + (f'<nav class="toc"><b>Contents</b><ol>{"".join(toc)}</ol></nav>\n' if toc else "")
             + "\n".join(body)
             + f'\n<footer>Written by mdm_lens {version}. Self-contained: opens offline; images in '
-              f'<code>images/</code>.</footer>\n</main></body></html>\n')
+              f'{_folders_text(folder, placed)}.</footer>\n</main></body></html>\n')
     index = folder / "index.html"
+    
     index.write_text(page, encoding="utf-8")
     return index

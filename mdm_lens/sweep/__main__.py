@@ -1,0 +1,64 @@
+"""``python -m mdm_lens.sweep`` (also under ``torchrun``) and the ``mdm-lens sweep`` subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mdm_lens.errors import MDMLensError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from mdm_lens.sweep.adapter import PROBES
+    from mdm_lens.sweep.runner import DTYPES
+    from mdm_lens.sweep.templates import TEMPLATES
+
+    p.add_argument("--model", required=True, help="hub id or local folder (e.g. mdm-lens/tiny-mdm)")
+    p.add_argument("--data", required=True, help="jsonl: KILT / Attention-Floating items or {id, prompt} lines")
+    p.add_argument("--probes", required=True, help=f"comma-separated, from: {','.join(PROBES)}")
+    p.add_argument("--out", required=True, help="sweep folder (reruns resume into it)")
+    p.add_argument("--limit", type=int, default=None, help="first N usable items")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default gen_length)")
+    p.add_argument("--gen-length", type=int, default=None, help="default: the checkpoint's trained canvas, else 32")
+    p.add_argument("--block-length", type=int, default=None, help="LLaDA block length (default gen_length)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank under torchrun)")
+    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
+    p.add_argument("--template", default="auto", choices=TEMPLATES)
+    p.add_argument("--batching", default="length", choices=("length", "padded"),
+                   help="length: equal-length prompts per batch, never padded (bit-identical to one item alone); "
+                        "padded: sort by length and left-pad (fuller batches, equal up to fp32 rounding)")
+    p.add_argument("--keep-keys", type=int, default=1, help="items whose per-key temporal rows are kept")
+    p.add_argument("--force", action="store_true", help="overwrite a folder made with other arguments")
+    p.add_argument("--skip-bad", action="store_true", help="skip malformed lines (counted in manifest.json)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def run_from_args(a: argparse.Namespace) -> int:
+    from mdm_lens.sweep.runner import run
+
+    tables = run(a.model, a.data, a.probes, a.out, limit=a.limit, batch_size=a.batch_size, steps=a.steps,
+                 gen_length=a.gen_length, block_length=a.block_length, seed=a.seed, device=a.device, dtype=a.dtype,
+                 template=a.template, force=a.force, skip_bad=a.skip_bad, keep_keys=a.keep_keys, batching=a.batching,
+                 progress=not a.no_progress)
+    import os
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"sweep: {a.out}  (" + ", ".join(f"{k}: {len(v)} rows" for k, v in tables.items()
+                                               if not k.endswith("_summary")) + ")")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = add_arguments(argparse.ArgumentParser(prog="python -m mdm_lens.sweep", description=__doc__))
+    a = p.parse_args(argv)
+    try:
+        return run_from_args(a)
+    except MDMLensError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""The one place where the sweep calls the probes (``mdm_lens.probes.*``) and turns their results into
+tidy rows keyed by ``item_id``.
+
+Every function takes the model, a batch (``Batch``: left-padded prompts of rendered items) and the
+sweep settings, and returns one long DataFrame: ``item_id`` first, then the probe's own axes
+(``layer`` / ``head`` / ``step`` / ``variant`` / ``condition`` ...), ``metric`` and ``value``. Positions
+are reported relative to the item's first real token, so a row does not depend on its batch's padding.
+
+Batched (one sampler run and one clean forward for the whole batch): accuracy, absorption, temporal, qk,
+flow. Per item (the probes generate each item alone): retrieval, knockout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from mdm_lens import ReceivedAttention, tokenization
+from mdm_lens.probes import flow as F
+from mdm_lens.probes import patching, retrieval
+from mdm_lens.probes import run as R
+from mdm_lens.sweep.templates import Rendered
+from mdm_lens.zoo import data as D
+from mdm_lens.zoo.tokenizer import char_span_to_token_span
+
+__all__ = ["PROBES", "NEEDS_QA", "Batch", "Settings", "make_batch", "compute"]
+
+PROBES = ("accuracy", "absorption", "temporal", "qk", "retrieval", "flow", "knockout")
+NEEDS_QA = {"accuracy": "answers", "retrieval": "a question with passages and answers",
+            "flow": "a question with passages"}
+PATTERN_BUDGET_BYTES = 256 * 2 ** 20  # absorption/flow read full patterns: layers are taken in groups under this
+
+
+@dataclass(frozen=True)
+class Settings:
+    gen_length: int
+    steps: int
+    block_length: int | None
+    keep_keys: int = 1          # items (by data order) whose per-key temporal rows are kept (for heatmaps)
+    n_random: int = 2           # knockout random-control draws
+    exact: bool = True          # never pad: prompts of other lengths run as separate sampler calls
+
+
+@dataclass
+class Batch:
+    rendered: list[Rendered]
+    nocontext: list[Rendered] | None
+    ids: Tensor                 # [batch, pos] left-padded
+    attention_mask: Tensor
+    offsets: list[int]          # left pads per row
+    item_ids: list[str]
+    seeds: list[int]
+    order: list[int]            # data-order index of each item
+
+
+def _pad(model: Any, rows: list[list[int]]) -> tuple[Tensor, Tensor, list[int]]:
+    pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], am[i, width - len(r):] = torch.tensor(r, dtype=torch.long), 1
+    dev = model.W_E.device
+    return ids.to(dev), am.to(dev), [width - len(r) for r in rows]
+
+
+def make_batch(model: Any, rendered: list[Rendered], nocontext: list[Rendered] | None, seeds: list[int],
+               order: list[int]) -> Batch:
+    ids, am, off = _pad(model, [r.ids for r in rendered])
+    return Batch(rendered, nocontext, ids, am, off, [r.item.id for r in rendered], seeds, order)
+
+
+def _gen_kwargs(model: Any, s: Settings) -> dict[str, Any]:
+    causal = R.is_causal(model)
+    kw: dict[str, Any] = dict(gen_length=s.gen_length, steps=s.gen_length if causal else s.steps, progress=False)
+    if not causal and not model.cfg.logit_shift and s.block_length is not None:
+        kw["block_length"] = s.block_length
+    return kw
+
+
+def generate(model: Any, ids: Tensor, am: Tensor, s: Settings, seed: int, record: list | None = None) -> Any:
+    return model.generate(ids, attention_mask=am, seed=seed, record=record or [], **_gen_kwargs(model, s))
+
+
+def _strip(model: Any, out: Any, b: int, offset: int) -> tuple[Tensor, Tensor]:
+    """Row b of a left-padded run without its pads: (tokens, attention mask)."""
+    return out.tokens[b, offset:], out.attention_mask[b, offset:]
+
+
+def _answer_text(model: Any, ids: list[int]) -> str:
+    """Generated ids up to the first EOS / EoT / pad / mask, decoded without special tokens."""
+    stop = {model.cfg.eos_token_id, model.cfg.pad_token_id, model.cfg.mask_token_id,
+            model.cfg.extra.get("special_tokens", {}).get("<|eot_id|>")} - {None}
+    cut = next((i for i, t in enumerate(ids) if t in stop), len(ids))
+    return tokenization.decode(model.tokenizer, ids[:cut], skip_special_tokens=True).strip()
+
+
+# --- accuracy ---------------------------------------------------------------------------------------
+
+def _accuracy_rows(model: Any, batch: Batch, rendered: list[Rendered], generated: list[list[int]],
+                   condition: str) -> list[dict]:
+    rows = []
+    for b, (r, gen) in enumerate(zip(rendered, generated)):
+        pred = _answer_text(model, gen)
+        golds = r.item.answers
+        acc = max(float(retrieval.answer_correct(model, gen, a)) for a in golds)   # AF Acc: normalised substring
+        em = max(D.exact_match(pred, a) for a in golds)
+        f1 = max(D.token_f1(pred, a) for a in golds)
+        for metric, v in (("acc", acc), ("em", em), ("f1", f1)):
+            rows.append(dict(item_id=batch.item_ids[b], condition=condition, gold_index=r.item.gold_index,
+                             n_passages=len(r.item.passages), metric=metric, value=v, prediction=pred))
+    return rows
+
+
+def _generated(out: Any) -> list[list[int]]:
+    return out.tokens[:, out.prompt_length:].tolist()
+
+
+def _generate_rows(model: Any, rendered: list[Rendered], s: Settings, seed: int) -> list[list[int]]:
+    """Generated ids per row; with ``s.exact`` one sampler call per prompt length (no padding)."""
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(rendered):
+        groups.setdefault(len(r.ids) if s.exact else 0, []).append(i)
+    gen: list[list[int]] = [[] for _ in rendered]
+    for idx in groups.values():
+        ids, am, _ = _pad(model, [rendered[i].ids for i in idx])
+        for i, g in zip(idx, _generated(generate(model, ids, am, s, seed))):
+            gen[i] = g
+    return gen
+
+
+def accuracy(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
+    rows = _accuracy_rows(model, batch, batch.rendered, _generated(shared["out"]), "with_context")
+    closed = _generate_rows(model, batch.nocontext, s, batch.seeds[0])
+    rows += _accuracy_rows(model, batch, batch.nocontext, closed, "no_context")
+    return pd.DataFrame(rows)
+
+
+# --- absorption -------------------------------------------------------------------------------------
+
+def _layer_groups(model: Any, batch: Batch, T: int) -> list[list[int]]:
+    per_layer = len(batch.item_ids) * model.cfg.n_heads * T * T * 8
+    k = max(1, int(PATTERN_BUDGET_BYTES // max(per_layer, 1)))
+    L = list(range(model.cfg.n_layers))
+    return [L[i:i + k] for i in range(0, len(L), k)]
+
+
+def absorption(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
+    out = shared["out"]
+    frames = []
+    for group in _layer_groups(model, batch, out.tokens.shape[1]):
+        for mode in ("default", "paper"):
+            res = R.absorption_by_layer(model, out.tokens, attention_mask=out.attention_mask, mode=mode, layers=group)
+            for metric, t in (("absorption", res.per_sample), ("null", res.null), ("excess", res.excess)):
+                a = t.cpu().numpy()                          # [batch, layer, variant]
+                bi, li, vi = np.indices(a.shape).reshape(3, -1)
+                frames.append(pd.DataFrame(dict(item_id=np.asarray(batch.item_ids, object)[bi],
+                                                layer=np.asarray(res.layers)[li], mode=mode,
+                                                variant=np.asarray(res.variants, object)[vi], metric=metric,
+                                                value=a.reshape(-1).astype(float))))
+            n = res.n_anchors.cpu().numpy()
+            bi, li = np.indices(n.shape).reshape(2, -1)
+            frames.append(pd.DataFrame(dict(item_id=np.asarray(batch.item_ids, object)[bi],
+                                            layer=np.asarray(res.layers)[li], mode=mode, variant="anchors",
+                                            metric="n_anchors", value=n.reshape(-1).astype(float))))
+    df = pd.concat(frames, ignore_index=True)
+    return df.sort_values(["item_id", "mode", "layer", "variant", "metric"], kind="stable", ignore_index=True)
+
+
+# --- temporal ---------------------------------------------------------------------------------------
+
+DRIFT_METRICS = ("mean_jaccard", "drift_index", "n_distinct", "stability", "modal_anchor", "empty_fraction",
+                 "top1_change_rate", "centroid_slope", "mean_w1")
+_POSITION_METRICS = {"modal_anchor", "top1_key"}
+
+
+def temporal(model: Any, batch: Batch, s: Settings, shared: dict, keep: list[bool]) -> dict[str, pd.DataFrame]:
+    out = shared["out"]
+    rows, keys = [], []
+    commit = out.trajectory.commit_step
+    for layer in range(model.cfg.n_layers):
+        sa = R.anchors_over_steps(out, layer=layer)                      # [batch, step, key]
+        drift = R.drift_from_output(out, layer=layer)
+        rec = sa.received.nan_to_num(-torch.inf)
+        top = rec.argmax(-1)                                             # [batch, step]
+        mass = torch.nan_to_num(sa.received, nan=0.0)
+        for b, item in enumerate(batch.item_ids):
+            off = batch.offsets[b]
+            for si, st in enumerate(sa.steps):
+                an = sa.anchors[b, si]
+                vals = dict(n_anchors=float(an.sum()), top1_key=float(top[b, si]) - off,
+                            top1_mass=float(mass[b, si, top[b, si]]), anchor_mass=float(mass[b, si][an].sum()))
+                rows += [dict(item_id=item, layer=layer, step=st, metric=k, value=v) for k, v in vals.items()]
+            for m in DRIFT_METRICS:
+                v = float(getattr(drift, m)[b])
+                if m in _POSITION_METRICS and v >= 0:
+                    v -= off
+                rows.append(dict(item_id=item, layer=layer, step=pd.NA, metric=m, value=v))
+            if keep[b]:
+                toks = out.tokens[b, off:].tolist()
+                labels = model.to_str_tokens(out.tokens[b, off:])
+                for si, st in enumerate(sa.steps):
+                    for k in range(off, sa.received.shape[-1]):
+                        keys.append(dict(item_id=item, layer=layer, step=st, key=k - off, token=toks[k - off],
+                                         token_str=labels[k - off], received=float(sa.received[b, si, k]),
+                                         anchor=bool(sa.anchors[b, si, k]), commit_step=int(commit[b, k]),
+                                         prompt_length=out.prompt_length - off))
+    df = pd.DataFrame(rows)
+    df["step"] = df["step"].astype("Int64")
+    kd = pd.DataFrame(keys, columns=["item_id", "layer", "step", "key", "token", "token_str", "received", "anchor",
+                                     "commit_step", "prompt_length"])
+    return {"temporal": df, "temporal_keys": kd}
+
+
+# --- qk ---------------------------------------------------------------------------------------------
+
+QK_METRICS = ("norm_term", "angle_term", "advantage", "norm_share", "angle_share", "key_norm_ratio", "cos_gap",
+              "anchor")
+
+
+def qk(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
+    out = shared["out"]
+    frames = []
+    for layer in range(model.cfg.n_layers):
+        dec = R.qk_at_layer(model, out.tokens, layer, attention_mask=out.attention_mask)
+        labels = np.asarray(dec.labels, dtype=object)                    # [batch, head]
+        for m in QK_METRICS:
+            a = dec.__dict__[m].cpu().numpy().astype(float)
+            if m == "anchor":
+                a = a - np.asarray(batch.offsets, float)[:, None]
+            bi, hi = np.indices(a.shape).reshape(2, -1)
+            frames.append(pd.DataFrame(dict(item_id=np.asarray(batch.item_ids, object)[bi], layer=layer, head=hi,
+                                            metric=m, value=a.reshape(-1), label=labels[bi, hi])))
+    return pd.concat(frames, ignore_index=True)
+
+
+# --- flow -------------------------------------------------------------------------------------------
+
+FLOW_ITEM_METRICS = ("gold_ratio", "gold_ratio_density", "row_spread", "bos_share")
+
+
+def flow(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
+    """Region flow (§3.8) per item, as ``probes.run.flow_for_items`` does it, on the batch's final sequences."""
+    out = shared["out"]
+    rows = []
+    causal = R.is_causal(model)
+    attn = [None] * len(batch.item_ids)
+    for group in _layer_groups(model, batch, out.tokens.shape[1]):
+        a = R.final_attention(model, out.tokens, out.attention_mask, layers=group).mean(2)   # [b, l, T, T]
+        for b, off in enumerate(batch.offsets):
+            part = a[b, :, off:, off:]
+            attn[b] = part if attn[b] is None else torch.cat([attn[b], part])
+    for b, r in enumerate(batch.rendered):
+        regs = R.regions_for_item(r.qa, s.gen_length, r.offsets)
+        res = F.flow(attn[b], regs, causal=causal, mode="default", residual=0.5, warn=False)
+        for m in ("answer_row", "answer_density", "answer_no_bos"):
+            vals = res.__dict__[m].reshape(-1).tolist()
+            rows += [dict(item_id=batch.item_ids[b], gold_index=r.qa.gold_index, region=g.name, kind=g.kind,
+                          metric=m, value=float(v)) for g, v in zip(res.regions, vals)]
+        for m in FLOW_ITEM_METRICS:
+            rows.append(dict(item_id=batch.item_ids[b], gold_index=r.qa.gold_index, region=None, kind=None, metric=m,
+                             value=float(torch.as_tensor(res.__dict__[m]).reshape(-1)[0])))
+    df = pd.DataFrame(rows)
+    df["gold_index"] = df["gold_index"].astype("Int64")
+    return df
+
+
+# --- retrieval --------------------------------------------------------------------------------------
+
+def retrieval_item(r: Rendered) -> retrieval.RetrievalItem:
+    """The needle (answer occurrence in the gold passage) and gold doc as token spans of ``r``'s tokenisation."""
+    qa = r.qa
+    ev = [] if qa.evidence_span is None else [char_span_to_token_span(r.offsets, qa.evidence_span)]
+    gold = None
+    if qa.gold_index is not None:
+        s0, e0 = qa.passage_spans[qa.gold_index]
+        if qa.marker_spans:
+            s0 = qa.marker_spans[qa.gold_index][0]
+        gold = char_span_to_token_span(r.offsets, (s0, e0))
+    return retrieval.RetrievalItem(torch.tensor(r.ids, dtype=torch.long), ev, qa.answer, gold)
+
+
+def retrieval_method(model: Any) -> str:
+    return "wu" if R.is_causal(model) else "copy@commit"
+
+
+def retrieval_rows(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
+    method = retrieval_method(model)
+    kw = _gen_kwargs(model, s)
+    kw.pop("progress")
+    frames = []
+    for b, r in enumerate(batch.rendered):
+        res = retrieval.retrieval_scores(model, [retrieval_item(r)], method=method, seed=batch.seeds[b], **kw)
+        a = res.per_sample[0].cpu().numpy()                            # [layer, head], NaN when not counted
+        li, hi = np.indices(a.shape).reshape(2, -1)
+        frames.append(pd.DataFrame(dict(item_id=batch.item_ids[b], method=method, layer=np.asarray(res.layers)[li],
+                                        head=hi, metric="score", value=a.reshape(-1).astype(float),
+                                        correct=bool(res.correct[0]))))
+    return pd.concat(frames, ignore_index=True)
+
+
+# --- knockout ---------------------------------------------------------------------------------------
+
+def knockout(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
+    kw = _gen_kwargs(model, s)
+    kw.pop("progress")
+    kw["n_steps"] = kw.pop("steps")
+    frames = []
+    for b, r in enumerate(batch.rendered):
+        answer = r.item.answers[0] if r.item.answers else None
+        res = patching.knockout(model, torch.tensor(r.ids), answer=answer, n_random=s.n_random, seed=batch.seeds[b],
+                                **kw)
+        df = res.to_frame()
+        df.insert(0, "item_id", batch.item_ids[b])
+        frames.append(df)
+    out = pd.concat(frames, ignore_index=True)
+    return out.drop(columns=[c for c in ("label",) if c in out and out[c].isna().all()])
+
+
+# --- dispatch ---------------------------------------------------------------------------------------
+
+_BATCHED: dict[str, Callable] = {"accuracy": accuracy, "absorption": absorption, "qk": qk, "flow": flow}
+_PER_ITEM: dict[str, Callable] = {"retrieval": retrieval_rows, "knockout": knockout}
+
+
+@torch.no_grad()
+def compute(model: Any, batch: Batch, probes: list[str], s: Settings) -> dict[str, pd.DataFrame]:
+    """All requested probes on one batch → {table name: rows}. One sampler run is shared by the batched ones."""
+    shared: dict[str, Any] = {}
+    if any(p in _BATCHED or p == "temporal" for p in probes):
+        record = [ReceivedAttention()] if "temporal" in probes else None
+        shared["out"] = generate(model, batch.ids, batch.attention_mask, s, batch.seeds[0], record)
+    tables: dict[str, pd.DataFrame] = {}
+    for p in probes:
+        if p == "temporal":
+            keep = [o < s.keep_keys for o in batch.order]
+            tables.update(temporal(model, batch, s, shared, keep))
+        elif p in _BATCHED:
+            tables[p] = _BATCHED[p](model, batch, s, shared)
+        else:
+            tables[p] = _PER_ITEM[p](model, batch, s, shared)
+    return tables

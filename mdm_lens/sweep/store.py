@@ -1,0 +1,112 @@
+"""Sweep folder layout, atomic part files, resume and the rank-0 merge.
+
+    DIR/sweep.json            the arguments that decide the rows (a rerun with others is refused unless --force)
+    DIR/parts/b000012.{table}.parquet   rows of batch 12, one file per table, written tmp → rename
+    DIR/parts/b000012.done    written last: the batch is complete (its item ids, one per line)
+    DIR/parts/rank{r}.json    per-rank counts and wall time of the last run
+    DIR/{table}.parquet       merged rows (all done batches, in data order)
+    DIR/{table}_summary.parquet
+    DIR/manifest.json
+
+A batch counts only once its ``.done`` marker exists; parts without one (a run killed mid-batch) are
+recomputed and overwritten, so a killed run never loses or duplicates rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from mdm_lens.errors import ArgumentError
+
+__all__ = ["SweepStore"]
+
+
+class SweepStore:
+    def __init__(self, out: str | Path):
+        self.root = Path(out)
+        self.parts = self.root / "parts"
+
+    # --- arguments ---------------------------------------------------------------------------------
+    def prepare(self, fingerprint: dict[str, Any], force: bool) -> None:
+        """Rank 0: create DIR, or check that DIR was made with the same arguments (``force`` wipes it)."""
+        spec = self.root / "sweep.json"
+        if spec.exists():
+            old = json.loads(spec.read_text())
+            if old != fingerprint:
+                if not force:
+                    diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
+                    raise ArgumentError(f"{self.root} holds a sweep made with other arguments (differs in: "
+                                        f"{', '.join(diff)}); use --force to overwrite it, or another --out.",
+                                        argument="out", value=str(self.root))
+            if force:
+                shutil.rmtree(self.parts, ignore_errors=True)
+                for f in self.root.glob("*.parquet"):
+                    f.unlink()
+        self.parts.mkdir(parents=True, exist_ok=True)
+        _atomic_write(spec, json.dumps(fingerprint, indent=1, sort_keys=True))
+
+    # --- batches -----------------------------------------------------------------------------------
+    def done_batches(self) -> set[int]:
+        return {int(p.name[1:7]) for p in self.parts.glob("b*.done")} if self.parts.exists() else set()
+
+    def write_batch(self, k: int, tables: dict[str, pd.DataFrame], item_ids: list[str]) -> None:
+        for name, df in tables.items():
+            tmp = self.parts / f".b{k:06d}.{name}.parquet.tmp{os.getpid()}"
+            df.to_parquet(tmp, index=False)
+            os.replace(tmp, self.parts / f"b{k:06d}.{name}.parquet")
+        _atomic_write(self.parts / f"b{k:06d}.done", "\n".join(item_ids) + "\n")
+
+    def done_items(self) -> list[str]:
+        ids = []
+        for k in sorted(self.done_batches()):
+            ids += (self.parts / f"b{k:06d}.done").read_text().split()
+        return ids
+
+    def write_rank(self, rank: int, info: dict[str, Any]) -> None:
+        _atomic_write(self.parts / f"rank{rank}.json", json.dumps(info, indent=1))
+
+    def rank_infos(self) -> list[dict[str, Any]]:
+        return [json.loads(p.read_text()) for p in sorted(self.parts.glob("rank*.json"))]
+
+    # --- merge -------------------------------------------------------------------------------------
+    def merge(self, batches: list[int], order: dict[str, int]) -> dict[str, pd.DataFrame]:
+        """Concatenate the parts of ``batches`` (done ones only) → DIR/{table}.parquet, rows in data order of
+        their items (``order``: item id → index; stable within an item), the same for any world size."""
+        done = self.done_batches()
+        names: dict[str, list[Path]] = {}
+        for k in sorted(b for b in batches if b in done):
+            for p in sorted(self.parts.glob(f"b{k:06d}.*.parquet")):
+                names.setdefault(p.name.split(".")[1], []).append(p)
+        tables = {}
+        for name, paths in names.items():
+            frames = [pd.read_parquet(p) for p in paths]
+            df = pd.concat([f for f in frames if len(f)], ignore_index=True) if any(len(f) for f in frames) else frames[0]
+            if len(df):
+                rank = df["item_id"].map(order)
+                df = df.iloc[rank.to_numpy().argsort(kind="stable")].reset_index(drop=True)
+            tmp = self.root / f".{name}.parquet.tmp"
+            df.to_parquet(tmp, index=False)
+            os.replace(tmp, self.root / f"{name}.parquet")
+            tables[name] = df
+        return tables
+
+    def write_tables(self, tables: dict[str, pd.DataFrame], suffix: str) -> None:
+        for name, df in tables.items():
+            tmp = self.root / f".{name}{suffix}.parquet.tmp"
+            df.to_parquet(tmp, index=False)
+            os.replace(tmp, self.root / f"{name}{suffix}.parquet")
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        _atomic_write(self.root / "manifest.json", json.dumps(manifest, indent=1, default=str))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

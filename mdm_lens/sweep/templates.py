@@ -1,0 +1,178 @@
+"""Prompt templates: a ``SweepItem`` → prompt text with character spans → token ids with offsets.
+
+Templates (``--template``, default ``auto``):
+
+- ``zoo``: the tiny twins' training layout (``mdm_lens.zoo.data``), ``<bos> [1] {p1} [2] {p2} ... question :
+  {q} answer :``; the no-context variant drops the passages. A zoo item exported with ``mdm-lens zoo
+  export`` renders to exactly the prompt ``zoo.data`` made for it.
+- ``rag``: the paper's RAG layout (Attention-Floating §1.f): an instruction line, ``Context:`` with
+  ``Passage i:\\n{text}`` for the first ``max_passages`` (5) passages, then ``Question: {q}\\nAnswer:``
+  (LLaDA: ``Question: {q}\\n\\nShort Answer:``, as its released prompt). No passages → the placeholder
+  ``No relevant context available.``; the no-context variant uses the placeholder too.
+- ``chat``: the ``rag`` text as the user turn of the tokenizer's chat template (generation prompt added).
+- ``auto``: ``zoo`` for ``mdm_lens`` twins, ``chat`` where the tokenizer has a chat template, else ``rag``.
+
+Plain ``{id, prompt}`` lines are used verbatim by every template (no spans, so the probes that need the
+passages, ``retrieval`` and ``flow``, refuse them, and ``accuracy`` needs answers).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+from mdm_lens import tokenization
+from mdm_lens.sweep.items import SweepItem
+from mdm_lens.zoo import data as D
+
+__all__ = ["TEMPLATES", "Rendered", "resolve_template", "render", "PLACEHOLDER"]
+
+TEMPLATES = ("auto", "zoo", "rag", "chat")
+PLACEHOLDER = "No relevant context available."
+INSTRUCTION = ("Read the passages in the context and answer the question with a few words taken from them. "
+               "If they do not contain the answer, answer from your own knowledge.")
+
+
+@dataclass
+class Rendered:
+    """A prompt ready for the model. ``qa`` is a zoo ``QAItem`` (same fields and span conventions) when
+    the item is a question: the probes that read regions use it. ``offsets`` are char offsets per token."""
+
+    item: SweepItem
+    text: str
+    ids: list[int]
+    offsets: list[tuple[int, int]]
+    qa: D.QAItem | None
+
+
+def resolve_template(model: Any, template: str) -> str:
+    if template != "auto":
+        return template
+    if model.cfg.family == "mdm_lens":
+        return "zoo"
+    tok = model.tokenizer
+    return "chat" if getattr(tok, "chat_template", None) else "rag"
+
+
+def _answer_span(passage: str, start: int, answers: tuple[str, ...]) -> tuple[int, int] | None:
+    """First whole-word occurrence of any gold answer inside the gold passage (the needle)."""
+    best = None
+    for a in answers:
+        m = re.search(r"(?<!\w)" + re.escape(a.strip()) + r"(?!\w)", passage, flags=re.I)
+        if m and (best is None or m.start() < best[0]):
+            best = (start + m.start(), start + m.end())
+    return best
+
+
+class _Builder:
+    """Appends text pieces and remembers their char spans."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.pos = 0
+
+    def add(self, text: str) -> tuple[int, int]:
+        start = self.pos
+        self.parts.append(text)
+        self.pos += len(text)
+        return (start, self.pos)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _qa_item(item: SweepItem, b: _Builder, passages: list[str], p_spans: list, m_spans: list,
+             q_span: tuple[int, int], prefix: str, gold: int | None) -> D.QAItem:
+    ev = None
+    if gold is not None and gold < len(passages):
+        ev = _answer_span(passages[gold], p_spans[gold][0], item.answers)
+    return D.QAItem(question=item.question or "", answer=item.answers[0] if item.answers else "", passages=passages,
+                    gold_index=gold, prompt=b.text, passage_spans=p_spans, question_span=q_span, evidence_span=ev,
+                    answer_prefix=prefix, marker_spans=m_spans)
+
+
+def _zoo(item: SweepItem, context: bool) -> D.QAItem:
+    b = _Builder()
+    b.add(D.BOS)
+    passages = list(item.passages) if context else []
+    p_spans, m_spans = [], []
+    for i, p in enumerate(passages):
+        b.add(" ")
+        m_spans.append(b.add(D.passage_marker(i + 1)))
+        b.add(" ")
+        p_spans.append(b.add(p))
+    b.add(" " + D.QUESTION_CUE + " ")
+    q_span = b.add(item.question or "")
+    b.add(" ")
+    b.add(D.ANSWER_PREFIX)
+    return _qa_item(item, b, passages, p_spans, m_spans, q_span, D.ANSWER_PREFIX, item.gold_index if context else None)
+
+
+def _rag(item: SweepItem, context: bool, family: str, max_passages: int) -> D.QAItem:
+    b = _Builder()
+    b.add(INSTRUCTION + "\n\nContext:\n")
+    real = list(item.passages[:max_passages]) if context else []
+    shown = real or [PLACEHOLDER]
+    p_spans, m_spans = [], []
+    for i, p in enumerate(shown):
+        m_spans.append(b.add(f"Passage {i + 1}:"))
+        b.add("\n")
+        p_spans.append(b.add(p))
+        b.add("\n")
+    b.add("\nQuestion: ")
+    q_span = b.add(item.question or "")
+    prefix = "Short Answer:" if family == "llada" else "Answer:"
+    b.add("\n\n" if family == "llada" else "\n")
+    b.add(prefix)
+    gold = item.gold_index if context and item.gold_index is not None and item.gold_index < len(real) else None
+    qa = _qa_item(item, b, shown if real else [], p_spans if real else [], m_spans if real else [], q_span,
+                  prefix, gold)
+    return qa
+
+
+def _shift(qa: D.QAItem, text: str, offset: int) -> D.QAItem:
+    """Move every span of ``qa`` by ``offset`` chars (its prompt placed inside a chat template)."""
+    mv = lambda s: None if s is None else (s[0] + offset, s[1] + offset)  # noqa: E731
+    return replace(qa, prompt=text, passage_spans=[mv(s) for s in qa.passage_spans],
+                   marker_spans=[mv(s) for s in qa.marker_spans], question_span=mv(qa.question_span),
+                   evidence_span=mv(qa.evidence_span))
+
+
+def _chat(tokenizer: Any, content: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def encode_with_offsets(model: Any, text: str, template: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids and char offsets of ONE tokenisation (regions and needles come from these offsets)."""
+    tok = tokenization.require(model.tokenizer)
+    if hasattr(tok, "encode_batch"):  # tokenizers.Tokenizer
+        enc = tok.encode(text, add_special_tokens=False)
+        ids, offsets = list(enc.ids), [tuple(o) for o in enc.offsets]
+    else:
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    bos = model.cfg.bos_token_id
+    if template == "rag" and bos is not None and model.cfg.extra.get("prepend_bos", True) and ids[:1] != [bos]:
+        ids, offsets = [bos] + ids, [(0, 0)] + offsets
+    return ids, offsets
+
+
+def render(model: Any, item: SweepItem, template: str, context: bool = True, max_passages: int = 5) -> Rendered:
+    """The prompt of ``item`` (``context=False``: its closed-book variant) under ``template`` (resolved)."""
+    if not item.is_qa:
+        ids, off = encode_with_offsets(model, item.prompt or "", "plain")
+        return Rendered(item, item.prompt or "", ids, off, None)
+    if template == "zoo":
+        qa = _zoo(item, context)
+    else:
+        qa = _rag(item, context, model.cfg.family, max_passages)
+        if template == "chat":
+            full = _chat(model.tokenizer, qa.prompt)
+            at = full.find(qa.prompt)
+            qa = _shift(qa, full, at) if at >= 0 else replace(qa, prompt=full, passage_spans=[], marker_spans=[],
+                                                               evidence_span=None, gold_index=None)
+    ids, off = encode_with_offsets(model, qa.prompt, template)
+    return Rendered(item, qa.prompt, ids, off, qa)

@@ -1,0 +1,229 @@
+"""Result figures: retrieval-head heatmaps, region flow, knockout effects and accuracy curves."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import matplotlib
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+
+from mdm_lens.views.figstyle import (
+    KNOCK_COLOR, RANDOM_COLOR, series_styles, _np, save, _styled, _new, _tick_step, _short)
+
+
+# --- §1.d retrieval heads ----------------------------------------------------------------------------
+@_styled
+def retrieval_heatmap(scores: Any, title: str = "Retrieval score per head", threshold: float = 0.1,
+                      path: str | Path | None = None, cmap: str = "viridis", outline: bool | None = None) -> Figure:
+    """Layers (rows, layer 0 at the top) × heads, colour 0–1. Heads scoring above `threshold` are outlined
+    (by default only when they are under half of all heads, so dense maps stay readable; force with
+    `outline`). A side strip gives the per-layer mean (bar) and the fraction of heads above threshold (●)."""
+    s = _np(scores)
+    if s.ndim != 2:
+        raise ValueError(f"scores must be [layer, head], got {s.shape}.")
+    L, H = s.shape
+    cell = float(np.clip(7.0 / max(L, H), 0.14, 0.42))
+    fig = _new((H * cell + 3.2, L * cell + 1.3))
+    gs = fig.add_gridspec(1, 2, width_ratios=(H, max(4.0, H * 0.22)), wspace=0.02)
+    ax = fig.add_subplot(gs[0])
+    side = fig.add_subplot(gs[1], sharey=ax)
+    cm = matplotlib.colormaps[cmap].with_extremes(bad="0.9")
+    im = ax.imshow(np.ma.masked_invalid(s), cmap=cm, vmin=0.0, vmax=1.0, aspect="auto", origin="upper",
+                   extent=(-0.5, H - 0.5, L - 0.5, -0.5))
+    above = np.nan_to_num(s, nan=-1) > threshold
+    outline = (above.mean() <= 0.5) if outline is None else outline
+    if outline:
+        for l, h in zip(*np.nonzero(above)):
+            ax.add_patch(Rectangle((h - 0.5, l - 0.5), 1, 1, fill=False, edgecolor="white", linewidth=0.9))
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(0, H, _tick_step(H, 16)))
+    ax.set_yticks(range(0, L, _tick_step(L, 16)))
+    for sp in ax.spines.values():
+        sp.set_visible(True)
+        sp.set_linewidth(0.6)
+    means = np.nanmean(s, axis=1)
+    frac = above.mean(axis=1)
+    side.barh(np.arange(L), means, height=0.8, color=cm(np.clip(means, 0, 1)), edgecolor="0.3", linewidth=0.3)
+    side.plot(frac, np.arange(L), marker="o", markersize=2.5, linestyle="none", color="#D55E00")
+    side.set_xlim(0, 1)
+    side.set_xticks([0, 0.5, 1])
+    side.tick_params(labelleft=False)
+    side.set_xlabel("layer mean\n● frac > thr")
+    side.grid(axis="x")
+    side.set_ylim(L - 0.5, -0.5)
+    cb = fig.colorbar(im, ax=[ax, side], fraction=0.04, pad=0.02)
+    cb.set_label("retrieval score")
+    cb.ax.axhline(threshold, color="white", linewidth=1.2)
+    n = np.isfinite(s).sum()
+    stats = (f"mean {np.nanmean(s):.2f} · {above.sum() / max(n, 1):.0%} > {threshold:g} · "
+             f"{(np.nan_to_num(s) > 0.5).sum() / max(n, 1):.0%} > 0.5")
+    ax.set_title(f"{title}\n{stats}" + ("  (□ > thr)" if outline else ""), loc="left")
+    return save(fig, path)
+
+
+# --- §1.e region flow --------------------------------------------------------------------------------
+@_styled
+def region_flow(rows: Mapping[str, Any], region_labels: Sequence[str], gold_index: Mapping[str, int] | None = None,
+                title: str = "Region-level attention flow (Answer row)", path: str | Path | None = None,
+                kind: str = "heatmap", value_label: str = "flow share") -> Figure:
+    """One row per condition (e.g. gold document first / middle / last), one column per region
+    (BOS, Query, Doc1..DocN, Answer). `kind='heatmap'` (annotated cells, gold cell boxed) or 'bars'
+    (grouped bars, gold bar hatched and edged). `gold_index[row]` = column of the gold region."""
+    names = list(rows)
+    M = np.stack([_np(rows[k]).ravel() for k in names])
+    R = len(region_labels)
+    if M.shape[1] != R:
+        raise ValueError(f"rows have {M.shape[1]} regions, region_labels {R}.")
+    gold_index = dict(gold_index or {})
+    labels = [_short(x, 14) for x in region_labels]
+    if kind == "heatmap":
+        fig = _new((float(np.clip(0.62 * R + 2.8, 5.5, 16)), 0.52 * len(names) + 1.9))
+        ax = fig.add_subplot()
+        vmax = float(np.nanmax(M)) if np.isfinite(M).any() else 1.0
+        im = ax.imshow(M, cmap="YlGnBu", vmin=0, vmax=vmax if vmax > 0 else 1, aspect="auto")
+        for i in range(len(names)):
+            for j in range(R):
+                v = M[i, j]
+                if np.isfinite(v):
+                    dark = v > 0.6 * vmax
+                    ax.text(j, i, f"{v:.3f}" if v < 0.995 else f"{v:.2f}", ha="center", va="center", fontsize=6.8,
+                            color="white" if dark else "0.1")
+            if names[i] in gold_index:
+                g = gold_index[names[i]]
+                ax.add_patch(Rectangle((g - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="#D55E00", linewidth=2.2))
+        ax.set_xticks(range(R))
+        ax.set_xticklabels(labels, rotation=45 if R > 6 else 0, ha="right" if R > 6 else "center")
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels(names)
+        ax.set_xlabel("destination region (key side)")
+        cb = fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01)
+        cb.set_label(value_label)
+        handles = [Patch(facecolor="none", edgecolor="#D55E00", linewidth=2.0, label="gold document")] \
+            if gold_index else []
+    elif kind == "bars":
+        fig = _new((float(np.clip(0.55 * R * max(1, len(names)) / 2 + 3, 6, 16)), 3.6))
+        ax = fig.add_subplot()
+        w = 0.8 / len(names)
+        # conditions are ordered (gold first → last): a sequential palette, not the MDM/ARM colours
+        palette = [matplotlib.colormaps["viridis"](v) for v in np.linspace(0.12, 0.85, len(names))]
+        for i, name in enumerate(names):
+            xs = np.arange(R) - 0.4 + w * (i + 0.5)
+            bars = ax.bar(xs, M[i], width=w * 0.95, color=palette[i], label=name)
+            if name in gold_index:
+                b = bars[gold_index[name]]
+                b.set_hatch("///")
+                b.set_edgecolor("black")
+                b.set_linewidth(1.0)
+        ax.set_xticks(range(R))
+        ax.set_xticklabels(labels, rotation=45 if R > 6 else 0, ha="right" if R > 6 else "center")
+        ax.set_ylabel(value_label)
+        ax.set_xlabel("destination region")
+        ax.grid(axis="y")
+        handles = ax.get_legend_handles_labels()[0]
+        if gold_index:
+            handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="gold document"))
+    else:
+        raise ValueError("kind must be 'heatmap' or 'bars'.")
+    ax.set_title(title, loc="left")
+    if handles and kind == "bars":
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), borderaxespad=0.2)
+    elif handles:
+        ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), borderaxespad=0.2)
+    return save(fig, path)
+
+
+# --- knockouts ---------------------------------------------------------------------------------------
+@_styled
+def knockout_effect(layers_or_conditions: Sequence[Any], anchor_effect: Any, random_effect: Any,
+                    anchor_err: Any | None = None, random_err: Any | None = None,
+                    ylabel: str = "effect of knockout", title: str = "Anchor vs random-position knockout",
+                    path: str | Path | None = None, labels: tuple[str, str] = ("anchor keys removed",
+                                                                                 "random keys removed (control)"),
+                    xlabel: str | None = None, show_values: bool = False) -> Figure:
+    """Grouped bars per layer/condition: knocking out the anchor keys vs the same number of random keys,
+    with optional error bars (e.g. std or 95% CI); `show_values` prints each bar's value."""
+    cats = [str(c) for c in layers_or_conditions]
+    a, r = _np(anchor_effect).ravel(), _np(random_effect).ravel()
+    if not (len(cats) == a.size == r.size):
+        raise ValueError(f"{len(cats)} conditions, {a.size} anchor effects, {r.size} random effects.")
+    K = len(cats)
+    fig = _new((float(np.clip(0.42 * K + 3.2, 5.0, 16.0)), 3.6))
+    ax = fig.add_subplot()
+    x = np.arange(K)
+    w = 0.38
+    ekw = {"elinewidth": 0.9, "capsize": 2.0, "ecolor": "0.2"}
+    b1 = ax.bar(x - w / 2, a, w, yerr=None if anchor_err is None else _np(anchor_err), color=KNOCK_COLOR,
+                label=labels[0], error_kw=ekw)
+    b2 = ax.bar(x + w / 2, r, w, yerr=None if random_err is None else _np(random_err), color=RANDOM_COLOR,
+                label=labels[1], error_kw=ekw)
+    if show_values:
+        for bars in (b1, b2):
+            ax.bar_label(bars, fmt="%.2g", fontsize=6.5, padding=2, color="0.25")
+    ax.axhline(0, color="0.2", linewidth=0.8)
+    ax.set_xticks(x)
+    ax.set_xticklabels(cats, rotation=45 if K > 10 or max(len(c) for c in cats) > 8 else 0,
+                       ha="right" if K > 10 or max(len(c) for c in cats) > 8 else "center")
+    ax.set_ylabel(ylabel)
+    if xlabel is None:
+        xlabel = "layer" if all(re.fullmatch(r"(L|layer\s*)?\d+", c, re.I) for c in cats) else "condition"
+    ax.set_xlabel(xlabel)
+    ax.grid(axis="y")
+    ax.set_title(title, loc="left")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    return save(fig, path)
+
+
+# --- accuracy curves ---------------------------------------------------------------------------------
+@_styled
+def accuracy_curves(x: Sequence[Any], series: Mapping[str, Any], xlabel: str = "number of distractor documents",
+                    title: str = "Accuracy", ylabel: str = "accuracy", path: str | Path | None = None,
+                    errors: Mapping[str, Any] | None = None, chance: float | None = None) -> Figure:
+    """Accuracy curves (MDMs blue, ARMs orange; 'no context' / 'closed-book' series dashed with hollow
+    markers). `errors[name]` adds a ± band (e.g. a binomial 95% CI); `chance` a dotted reference line.
+    Non-numeric `x` (e.g. 'first', 'middle', 'last') is placed at equal spacing."""
+    if not series:
+        raise ValueError("series is empty.")
+    styles = series_styles(list(series))
+    labels = [str(v) for v in x]
+    try:
+        xs = np.asarray([float(v) for v in x])
+        numeric = True
+    except (TypeError, ValueError):
+        xs, numeric = np.arange(len(labels), dtype=float), False
+    fig = _new((6.4, 3.8))
+    ax = fig.add_subplot()
+    lo, hi = np.inf, -np.inf
+    for name, ys in series.items():
+        y = _np(ys).ravel()
+        if y.size != xs.size:
+            raise ValueError(f"series {name!r} has {y.size} points for {xs.size} x values.")
+        st = styles[name]
+        ax.plot(xs, y, color=st["color"], linestyle=st["linestyle"], marker=st["marker"],
+                markerfacecolor=st["markerfacecolor"], markeredgecolor=st["color"], label=name)
+        if errors and name in errors and errors[name] is not None:
+            e = _np(errors[name])
+            lower, upper = (y - e, y + e) if e.ndim == 1 else (e[0], e[1])
+            ax.fill_between(xs, lower, upper, color=st["color"], alpha=0.14, linewidth=0)
+        lo, hi = min(lo, np.nanmin(y)), max(hi, np.nanmax(y))
+    if chance is not None:
+        ax.axhline(chance, color="0.4", linestyle=":", linewidth=1.0, label="chance")
+    if lo >= 0 and hi <= 1:
+        ax.set_ylim(0, 1.02)
+    elif lo >= 0 and hi <= 100 and hi > 1:
+        ax.set_ylim(0, 102)
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels if not numeric else [f"{v:g}" for v in xs])
+    if not numeric:
+        ax.set_xlim(-0.35, len(xs) - 0.65)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y")
+    ax.set_title(title, loc="left")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    return save(fig, path)

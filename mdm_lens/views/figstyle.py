@@ -1,0 +1,144 @@
+"""Shared look of the static figures: palette (Okabe & Ito, MDMs blue, ARMs orange), rc style, series
+styles by model family, saving, and small axis helpers."""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import matplotlib
+from matplotlib.figure import Figure
+
+# --- palette & style ---------------------------------------------------------------------------------
+MDM_COLORS = ("#0072B2", "#56B4E9", "#332288", "#88CCEE")   # blues
+ARM_COLORS = ("#E69F00", "#D55E00", "#882255", "#CC6677")   # oranges / warm
+OTHER_COLORS = ("#009E73", "#CC79A7", "#999999", "#000000", "#F0E442")
+ANCHOR_COLOR = "#D62728"     # the paper's red ▲ for floating positions
+NORM_COLOR = "#009E73"       # QK norm term N
+ANGLE_COLOR = "#CC79A7"      # QK angle term G
+KNOCK_COLOR = "#CC79A7"      # anchor knockout
+RANDOM_COLOR = "#9E9E9E"     # random-position control
+DPI = 130
+
+STYLE: dict[str, Any] = {
+    "font.size": 9, "axes.titlesize": 10, "axes.titleweight": "bold", "axes.labelsize": 9,
+    "xtick.labelsize": 8, "ytick.labelsize": 8, "legend.fontsize": 8, "legend.frameon": False,
+    "axes.spines.top": False, "axes.spines.right": False, "axes.grid": False, "grid.alpha": 0.3,
+    "grid.linewidth": 0.6, "lines.linewidth": 1.8, "lines.markersize": 4.5, "hatch.linewidth": 0.8,
+    "figure.facecolor": "white", "axes.facecolor": "white", "savefig.facecolor": "white",
+    "image.interpolation": "nearest",
+}
+
+_MDM_KEYS = ("mdm", "llada", "dream", "diffusion", "masked", "bidir", "mmada", "sedd", "plaid")
+_ARM_KEYS = ("arm", "llama", "qwen", "gpt", "causal", "autoreg", "mistral", "gemma", "phi")
+_NOCTX = re.compile(r"(no[\s_-]*(context|ctx|rag|passages?)|closed[\s_-]*book|w/o|without)", re.I)
+_QUALIFIER = re.compile(r"[\s(\[,;:+|/-]*\b(with|w/|\+)?\s*(context|ctx|rag|passages?|open[\s_-]*book)\b[)\]]?", re.I)
+
+
+def model_family(name: str) -> str:
+    """'mdm', 'arm' or 'other' from a series name ('LLaDA', 'tiny-mdm', 'Llama-3 (ARM)', 'Qwen', ...)."""
+    s = name.lower()
+    words = re.findall(r"[a-z0-9]+", s)
+    if any(k in s for k in _MDM_KEYS if k not in ("mdm",)) or "mdm" in words or "mdms" in words:
+        return "mdm"
+    if any(k in s for k in _ARM_KEYS if k != "arm") or "arm" in words or "arms" in words:
+        return "arm"
+    return "other"
+
+
+def _base_name(name: str) -> str:
+    s = _NOCTX.sub("", name)
+    s = _QUALIFIER.sub("", s)
+    return re.sub(r"[\s()\[\],;:+|/-]+", " ", s).strip().lower()
+
+
+def series_styles(names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Colour / line style / marker per series name: MDMs blue, ARMs orange, others from a third palette;
+    names that differ only by a context qualifier share a colour; "no context" variants are dashed."""
+    pools = {"mdm": list(MDM_COLORS), "arm": list(ARM_COLORS), "other": list(OTHER_COLORS)}
+    used: dict[str, dict[str, str]] = {"mdm": {}, "arm": {}, "other": {}}
+    markers = {"mdm": "o", "arm": "s", "other": "^"}
+    out = {}
+    for name in names:
+        fam = model_family(name)
+        base = _base_name(name)
+        table = used[fam]
+        if base not in table:
+            pool = pools[fam]
+            table[base] = pool[len(table) % len(pool)]
+        noctx = bool(_NOCTX.search(name))
+        out[name] = {"color": table[base], "linestyle": "--" if noctx else "-", "marker": markers[fam],
+                     "markerfacecolor": "white" if noctx else table[base], "family": fam}
+    return out
+
+
+# --- helpers -----------------------------------------------------------------------------------------
+def _np(x: Any, dtype=float) -> np.ndarray:
+    if x is None:
+        return None  # type: ignore[return-value]
+    if hasattr(x, "detach"):
+        x = x.detach().cpu()
+        if str(x.dtype).startswith("torch.bfloat16") or str(x.dtype) == "torch.float16":
+            x = x.float()
+        x = x.numpy()
+    return np.asarray(x, dtype=dtype)
+
+
+def save(fig: Figure, path: str | Path | None, dpi: int = DPI) -> Figure:
+    """Save `fig` as a PNG at `path` (if given; folders are created) and return it."""
+    if path is not None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(p, dpi=dpi, bbox_inches="tight", format="png")
+    return fig
+
+
+def _styled(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with matplotlib.rc_context(STYLE):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+class LensFigure(Figure):
+    """A plain matplotlib Figure that also displays itself in Jupyter without pyplot (`_repr_png_`); with
+    the inline backend active IPython's own Figure formatter takes precedence, so it shows once."""
+
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+        return buf.getvalue()
+
+
+def _new(figsize: tuple[float, float], **kwargs: Any) -> Figure:
+    return LensFigure(figsize=figsize, layout="constrained", **kwargs)
+
+
+def _tick_step(n: int, max_labels: int) -> int:
+    return max(1, math.ceil(n / max_labels))
+
+
+def _set_token_xticks(ax, labels: Sequence[str] | None, n: int, max_labels: int = 80, fontsize: float = 6.5) -> None:
+    step = _tick_step(n, max_labels)
+    idx = list(range(0, n, step))
+    ax.set_xticks(idx)
+    if labels is not None:
+        if len(labels) != n:
+            raise ValueError(f"token_labels has {len(labels)} entries for {n} positions.")
+        ax.set_xticklabels([f"{_short(labels[i])} {i}" for i in idx], rotation=90, fontsize=fontsize)
+    else:
+        ax.set_xticklabels([str(i) for i in idx], fontsize=fontsize + 1)
+
+
+def _short(s: str, n: int = 12) -> str:
+    s = str(s).replace("\n", "\\n").replace("\t", "\\t")
+    s = s.replace("Ġ", "␣").replace("▁", "␣")
+    s = s.replace("$", r"\$")  # never let a token turn on mathtext
+    return s if len(s) <= n else s[: n - 1] + "…"

@@ -1,0 +1,123 @@
+"""Report sections of a sweep that read per-head and per-region tables: retrieval heads, region flow, knockout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from mdm_lens.views import figures
+from mdm_lens.views.report import Section
+
+__all__ = ["retrieval_section", "flow_section", "knockout_section"]
+
+
+def retrieval_section(sweeps: Sequence[Any], img: Path) -> Section | None:
+    have = [s for s in sweeps if s.table("retrieval") is not None]
+    if not have:
+        return None
+    images, rows, finds = [], [], []
+    for s in have:
+        t = s.table("retrieval")
+        counted = t.dropna(subset=["value"])
+        n_items = int(counted.item_id.nunique())
+        method = str(t.method.iloc[0])
+        grid = t.groupby(["layer", "head"])["value"].mean().unstack("head")      # NaN where nothing counted
+        path = img / f"retrieval_{s.label}.png"
+        figures.retrieval_heatmap(np.nan_to_num(grid.to_numpy()), path=path,
+                                  title=f"{s.label} retrieval score per head ({method}, {n_items} correct items)")
+        images.append(path)
+        above = int((grid > 0.1).sum().sum())
+        total = grid.size
+        rows.append({"model": s.label, "method": method, "items counted (correct)": n_items,
+                     "items": int(t.item_id.nunique()), "mean score": float(np.nanmean(grid.to_numpy()))
+                     if n_items else float("nan"), "heads > 0.1": above, "heads": total})
+        if n_items:
+            lh = grid.stack().idxmax()
+            finds.append(f"{s.label}: {above} of {total} heads score above 0.1 over {n_items} correctly answered "
+                         f"items (best L{lh[0]}.H{lh[1]}, {grid.stack().max():.2f})")
+        else:
+            finds.append(f"{s.label}: no item was answered correctly, so no head could be scored (all cells 0 "
+                         "in the heatmap mean 'not scored', not 'scored zero')")
+    text = ("Wu et al.'s copy-paste score adapted to diffusion: at the step that committed each answer token, a head "
+            "copies when its argmax key lies in the gold evidence and holds the emitted token (query p−1 for an "
+            "ARM). Score = copied needle tokens / needle length, over correctly answered items; retrieval head > 0.1.")
+    return Section("Retrieval heads", text, images, table=pd.DataFrame(rows).round(3),
+                   finding="Measured: " + "; ".join(finds) + ".")
+
+
+def flow_section(sweeps: Sequence[Any], img: Path) -> Section | None:
+    have = [s for s in sweeps if s.table("flow") is not None]
+    if not have:
+        return None
+    images, rows, finds = [], [], []
+    for s in have:
+        t = s.table("flow")
+        dens = t[t.metric == "answer_density"].copy()
+        dens["region"] = dens["region"].where(dens["kind"] != "gold", "gold doc")
+        dens["doc"] = dens["kind"].isin(["doc", "gold"])
+        # one row per gold position; columns = non-document regions + "gold doc" + "other docs (mean)"
+        dens.loc[dens.kind == "doc", "region"] = "other docs (mean)"
+        table = dens.groupby(["gold_index", "region"], sort=False)["value"].mean().unstack("region")
+        order = [c for c in ("bos", "gold doc", "other docs (mean)", "question_cue", "query", "answer_cue", "answer")
+                 if c in table.columns]
+        table = table[order].sort_index()
+        flows = {f"gold doc {int(g) + 1}": table.loc[g].to_numpy() for g in table.index}
+        gold = {k: order.index("gold doc") for k in flows} if "gold doc" in order else None
+        path = img / f"flow_{s.label}.png"
+        figures.region_flow(flows, order, gold, path=path, value_label="answer-row share / (region size / T)",
+                            title=f"{s.label}: answer-row rollout flow by gold position (density-normalised)")
+        images.append(path)
+        item = t[t.region.isna()].pivot_table(index="item_id", columns="metric", values="value")
+        ratio = float(item["gold_ratio_density"].mean())
+        rows.append({"model": s.label, "items": len(item), "gold ratio (density)": ratio,
+                     "row spread": float(item["row_spread"].mean()), "BOS share": float(item["bos_share"].mean())})
+        finds.append(f"{s.label} gives the gold document {ratio:.2f}× the density-normalised share of the mean "
+                     "distractor")
+    text = ("Token-level attention rollout (residual 0.5, all layers) pooled to regions from one tokenisation; the "
+            "answer row, divided by each region's length share to remove the length bias. Gold ratio = gold share / "
+            "mean distractor share (1 = no preference). Rows that collapse to rank one have a small row spread.")
+    return Section("Region-level attention flow", text, images, table=pd.DataFrame(rows).round(3),
+                   finding="Measured: " + "; ".join(finds) + ".")
+
+
+def knockout_section(sweeps: Sequence[Any], img: Path) -> Section | None:
+    have = [s for s in sweeps if s.table("knockout") is not None]
+    if not have:
+        return None
+    labels, a_eff, r_eff, a_err, r_err, rows, finds, empty = [], [], [], [], [], [], [], []
+    for s in have:
+        t = s.table("knockout")
+        mm = t[t.metric == "metric_mean"].pivot_table(index="item_id", columns="condition", values="value")
+        ag = t[t.metric == "agreement"].groupby("condition")["value"].mean()
+        nt = t[t.metric == "n_targets"].groupby("condition")["value"].mean()
+        da, dr = mm["clean"] - mm["anchors"], mm["clean"] - mm.get("random", mm["clean"])
+        labels.append(s.label)
+        a_eff.append(float(da.mean()))
+        r_eff.append(float(dr.mean()))
+        a_err.append(float(da.std(ddof=0)))
+        r_err.append(float(dr.std(ddof=0)))
+        for cond in mm.columns:
+            rows.append({"model": s.label, "condition": cond, "logit margin": float(mm[cond].mean()),
+                         "agreement with clean": float(ag.get(cond, np.nan)),
+                         "keys knocked per row": float(nt.get(cond, np.nan)), "items": len(mm)})
+        finds.append(f"{s.label}: knocking out anchors lowers the committed-token margin by {da.mean():.2f} vs "
+                     f"{dr.mean():.2f} for random keys, agreement {ag.get('anchors', np.nan):.2f} vs "
+                     f"{ag.get('random', np.nan):.2f}")
+        if float(nt.get("anchors", 0.0)) == 0.0:
+            empty.append(s.label)
+    path = img / "knockout.png"
+    figures.knockout_effect(labels, a_eff, r_eff, a_err, r_err, path=path, xlabel="model", show_values=True,
+                            ylabel="drop of committed-token logit margin",
+                            title="Knocking out anchors vs the same number of random keys (± std over items)")
+    text = ("At every step and layer the scores from the still-masked (readout) queries to the detected anchors are "
+            "set to −∞; the control removes as many random visible keys. Effect = drop of the committed token's "
+            "logit margin (teacher-forced on the clean trajectory); agreement = share of generated tokens unchanged "
+            "after sampling with the knockout.")
+    if empty:
+        text += (f" Bars at 0 for {', '.join(empty)}: the detector found no anchors there, so nothing was knocked "
+                 "out and the random control removed nothing either.")
+    return Section("Anchor knockout vs random control", text, [path], table=pd.DataFrame(rows).round(3),
+                   finding="Measured: " + "; ".join(finds) + ".")
