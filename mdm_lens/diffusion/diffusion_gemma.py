@@ -306,3 +306,30 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
                          model_name=model.cfg.model_name, texts=texts)
     out.tokens_per_forward = hf._compute_tokens_per_forward(seq, forward_passes, prompt_length, gc.pad_token_id)
     return out
+
+
+_PASSED_THROUGH = ("attention_mask", "fwd_hooks", "hook_steps", "record", "cache", "seed", "progress")
+_RENAMED = {"gen_length": "max_new_tokens", "steps": "max_denoising_steps", "temperature": "t_min / t_max"}
+
+
+def generate_from_common(model: Any, prompt: Any, args: dict[str, Any]) -> GenerateOutput:
+    """`mdm_lens.diffusion.generate.generate(model, prompt, sampler="diffusion_gemma", ...)`: the observation
+    arguments pass through, DiffusionGemma's settings come by transformers' names, and a LLaDA/Dream/ARM
+    setting changed from its default is refused (it has no meaning here) rather than ignored."""
+    import inspect
+
+    from mdm_lens.diffusion.generate import generate as common
+
+    if not getattr(model, "is_block_diffusion", False):
+        raise SamplerConfigError(f"sampler='diffusion_gemma' needs a DiffusionGemma model (TransformersBridge); "
+                                 f"{model.cfg.model_name} is {model.cfg.family}.")
+    defaults = {n: p.default for n, p in inspect.signature(common).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    foreign = sorted(n for n, v in args.items() if n in defaults and n not in _PASSED_THROUGH + ("sampler",)
+                     and v is not defaults[n] and v != defaults[n])
+    if foreign:
+        hints = ", ".join(f"{n} → {_RENAMED[n]}" for n in foreign if n in _RENAMED)
+        raise SamplerConfigError(f"{foreign} are not DiffusionGemma settings" + (f" (use {hints})" if hints else "")
+                                 + f"; its settings: {list(GENERATION_SETTINGS)}, entropy_bound, generation_config.")
+    settings = dict(args.get("diffusion_gemma_settings") or {})
+    return generate(model, prompt, **{n: args[n] for n in _PASSED_THROUGH if n in args}, **settings)

@@ -25,6 +25,8 @@ SamplerName = Literal["auto", "llada", "dream", "arm"]
 
 
 def default_sampler(model: Any) -> str:
+    if model.cfg.family == "diffusion_gemma":
+        return "diffusion_gemma"
     if model.cfg.attention == "causal":
         return "arm"
     return "dream" if model.cfg.logit_shift else "llada"
@@ -85,6 +87,7 @@ def generate(
     cache: Any = None,
     seed: int | None = 0,
     progress: bool | None = None,
+    **diffusion_gemma_settings: Any,
 ) -> GenerateOutput:
     """Run a sampler step by step with hooks, reducers and a trajectory cache.
 
@@ -100,6 +103,12 @@ def generate(
         cache: a `TrajectoryCache`, a `"name" @ steps(...)` request, or hook names (every step).
         seed: seeds the sampler's own randomness (Gumbel noise, random remasking, sampling).
     """
+    if sampler == "diffusion_gemma" or (sampler == "auto" and default_sampler(model) == "diffusion_gemma"):
+        from mdm_lens.diffusion.diffusion_gemma import generate_from_common  # transformers' settings by name
+
+        return generate_from_common(model, prompt, dict(locals()))
+    if diffusion_gemma_settings:
+        raise SamplerConfigError(f"unknown setting(s) {sorted(diffusion_gemma_settings)} for sampler={sampler!r}.")
     sampler = default_sampler(model) if sampler == "auto" else sampler
     if sampler not in ("llada", "dream", "arm"):
         raise SamplerConfigError(f"sampler must be 'llada', 'dream', 'arm' or 'auto', got {sampler!r}.")

@@ -147,10 +147,20 @@ def build_state_dict(plan: Plan, reader: CheckpointReader, expected: dict[str, t
 
 def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32,
                     device: str | torch.device = "cpu", allow_download: bool = False,
-                    load_tokenizer: bool = True) -> Any:
+                    load_tokenizer: bool = True, device_map: Any = None) -> Any:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     folder, known = resolve(name_or_path, allow_download=allow_download)
+    from mdm_lens.bridge.loading import bridged_architecture, load_bridge
+
+    if bridged_architecture(folder):  # transformers-native families (DiffusionGemma) load into the bridge
+        from mdm_lens.bridge import TransformersBridge
+
+        return load_bridge(TransformersBridge, str(folder), dtype=dtype, device=device, device_map=device_map,
+                           load_tokenizer=load_tokenizer)
+    if device_map is not None:
+        raise ConfigError("device_map applies to transformers-native checkpoints (the bridge); "
+                          f"{folder} loads into HookedMDM: pass device= instead.")
     name = known.name if known else str(name_or_path)
     cfg, family = read_config(folder, name, known)
     cfg.dtype, cfg.device = dtype, device

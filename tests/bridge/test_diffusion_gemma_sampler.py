@@ -145,3 +145,19 @@ def test_settings_are_checked_before_compute(pair):
     out = bridge.generate(ids, max_new_tokens=8, max_denoising_steps=3, stability_threshold=None,
                           confidence_threshold=None, cache=TrajectoryCache("blocks.0.hook_resid_post", steps("last")))
     assert out.cache.steps == [2]
+
+
+def test_common_generate_entry_point(pair):
+    """`mdm_lens.diffusion.generate.generate` routes a DiffusionGemma model to this sampler ("auto" too)."""
+    from mdm_lens.diffusion.generate import default_sampler, generate
+
+    ref, bridge = pair
+    ids = _prompt()
+    assert default_sampler(bridge) == "diffusion_gemma"
+    expected = _reference(ref, ids, 9, max_new_tokens=8, max_denoising_steps=2)
+    out = generate(bridge, ids, seed=9, max_new_tokens=8, max_denoising_steps=2)
+    assert torch.equal(out.tokens, expected.sequences) and out.sampler == "diffusion_gemma"
+    with pytest.raises(SamplerConfigError, match="gen_length → max_new_tokens"):
+        generate(bridge, ids, gen_length=8)
+    with pytest.raises(SamplerConfigError, match="unknown setting"):
+        generate(bridge, ids, sampler="llada", max_new_tokens=8)
