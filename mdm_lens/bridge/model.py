@@ -167,6 +167,13 @@ class TransformersBridge(HookedRootModule):
         return ids.to(self.W_E.device)
 
     def _forward_block_diffusion(self, input_ids: Any, canvas: Any, attention_mask: Any, **kwargs: Any) -> Tensor:
+        if canvas is None:
+            raise InputError(
+                "DiffusionGemma is an encoder-decoder: a forward needs the canvas, model(input_ids, "
+                "decoder_input_ids=canvas). Probes that run one clean forward of a whole sequence "
+                "(absorption_by_layer, qk_at_layer, flow_for_items, retrieval_scores, knockout) do not apply to it; "
+                "use generate(..., record=[ReceivedAttention()]) with anchors_over_steps / drift_from_output, and "
+                "mdm_lens.bridge.probes.qk_at_step for the QK split.")
         canvas = self._check_ids(canvas, "decoder_input_ids")
         cache = kwargs.get("cache")
         past = int(cache.get_seq_length()) if cache is not None else 0

@@ -131,9 +131,20 @@ class _Recorder:
                           self.commit_confidence[:, :length], torch.stack(self.n_committed), torch.tensor(self.blocks))
 
 
-def _trim(records: dict[str, Tensor], max_pos: int, length: int) -> dict[str, Tensor]:
-    """Records sized for the step budget's sequence, cut to the generated one (EOS may end early)."""
-    return {k: (v[..., :length] if v.shape[-1] == max_pos and length < max_pos else v) for k, v in records.items()}
+def _finish_records(records: dict[str, Tensor], meta: dict[str, dict], max_pos: int, length: int,
+                    key_end: dict[int, int]) -> dict[str, Tensor]:
+    """Position axes (last, sized for the step budget's sequence) are cut to the generated sequence (EOS may
+    end early), and keys that do not exist yet at a step (later canvases) are NaN, not 0: the floating probes
+    read NaN as "not a key here", so a canvas's received attention is never compared with absent keys."""
+    out = {}
+    for name, value in records.items():
+        if value.shape[-1] == max_pos and value.is_floating_point():
+            value = value[..., :length].clone()
+            for row, step in enumerate(meta.get(name, {}).get("steps", [])):
+                value[row, ..., key_end[step]:] = float("nan")
+            meta.setdefault(name, {})["absent_keys"] = "nan"
+        out[name] = value
+    return out
 
 
 def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, generation_config: Any = None,
@@ -201,6 +212,7 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
     recorder = _Recorder(batch, max_pos, prompt_length)
     embed_dtype = hf.model.decoder.embed_tokens.weight.dtype
     seq, step = ids, 0
+    key_end: dict[int, int] = {}  # step → one past the last key that exists at that step
     bar = _progress(progress, n_steps, "diffusion_gemma sampling")
     try:
         with torch.no_grad():
@@ -257,13 +269,14 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
                     # observation: a frozen (finished) row keeps its acceptance
                     frozen = ~active if diffusion_stopping is not None else torch.zeros_like(active)
                     accepted_now = torch.where(frozen[:, None], accepted_prev, accepted_mask)
-                    entropy = torch.distributions.Categorical(logits=processed.float()).entropy()
+                    entropy = torch.special.entr(probs).sum(-1)  # the entropy the sampler ranks by
                     state.committed, state.confidence = accepted_now, -entropy
                     state.extra.update(renoised=~accepted_now, denoiser_canvas=denoised, argmax_canvas=new_argmax,
                                        temperature=float(gc.t_min + (gc.t_max - gc.t_min) * cur_step
                                                          / gc.max_denoising_steps) if gc.t_min is not None else 1.0)
                     runner.end_step(state)
                     recorder.record(step, block, seq, state.x, accepted_now)
+                    key_end[step] = start + canvas_len
                     run_start = torch.where(accepted_now, torch.where(accepted_prev, run_start, step), -2)
                     last_step = torch.where(frozen, last_step, step)
                     top = probs.max(-1).values
@@ -302,7 +315,8 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
     full_am = torch.cat([am, am.new_ones((batch, length - prompt_length))], dim=1)
     out = GenerateOutput(tokens=seq, prompt_length=prompt_length, attention_mask=full_am,
                          trajectory=recorder.finish(length), sampler="diffusion_gemma", settings=settings_out,
-                         causal=False, records=_trim(records, max_pos, length), record_meta=meta, cache=runner.cache,
+                         causal=False, records=_finish_records(records, meta, max_pos, length, key_end),
+                         record_meta=meta, cache=runner.cache,
                          model_name=model.cfg.model_name, texts=texts)
     out.tokens_per_forward = hf._compute_tokens_per_forward(seq, forward_passes, prompt_length, gc.pad_token_id)
     return out
