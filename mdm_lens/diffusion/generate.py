@@ -27,6 +27,8 @@ SamplerName = Literal["auto", "llada", "dream", "arm"]
 
 
 def default_sampler(model: Any) -> str:
+    if model.cfg.family == "diffusion_gemma":
+        return "diffusion_gemma"
     if model.cfg.attention == "causal":
         return "arm"
     return "dream" if model.cfg.logit_shift else "llada"
@@ -72,6 +74,7 @@ def generate(
     cache: Any = None,
     seed: int | None = 0,
     progress: bool | None = None,
+    **diffusion_gemma_settings: Any,
 ) -> GenerateOutput:
     """Run a sampler step by step with hooks, reducers and a trajectory cache.
 
@@ -99,6 +102,12 @@ def generate(
     `out.replay(model, step, fwd_hooks=...)` re-runs one step's forward pass outside the loop with the same
     `model.state` and the same step-bound hooks.
     """
+    if sampler == "diffusion_gemma" or (sampler == "auto" and default_sampler(model) == "diffusion_gemma"):
+        from mdm_lens.diffusion.diffusion_gemma import generate_from_common  # transformers' settings by name
+
+        return generate_from_common(model, prompt, dict(locals()))
+    if diffusion_gemma_settings:
+        raise SamplerConfigError(f"unknown setting(s) {sorted(diffusion_gemma_settings)} for sampler={sampler!r}.")
     sampler = default_sampler(model) if sampler == "auto" else sampler
     sampler = validate.choice(sampler, SAMPLERS, name="sampler", error=SamplerConfigError)
     if sampler != "arm" and model.cfg.attention == "causal":

@@ -226,7 +226,7 @@ def _is_unembed(key: str) -> bool:
 
 def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32,
                     device: str | torch.device = "cpu", allow_download: bool = False,
-                    load_tokenizer: bool = True) -> Any:
+                    load_tokenizer: bool = True, device_map: Any = None) -> Any:
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise ArgumentTypeError(f"name_or_path={validate.describe(name_or_path)} is invalid: expected a str or a "
                                 "path (a checkpoint folder, a hub id or a zoo name).", argument="name_or_path",
@@ -236,6 +236,16 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
     allow_download = validate.boolean(allow_download, name="allow_download")
     load_tokenizer = validate.boolean(load_tokenizer, name="load_tokenizer")
     folder, known = resolve(name_or_path, allow_download=allow_download)
+    from mdm_lens.bridge.loading import bridged_architecture, load_bridge
+
+    if bridged_architecture(folder):  # transformers-native families (DiffusionGemma) load into the bridge
+        from mdm_lens.bridge import TransformersBridge
+
+        return load_bridge(TransformersBridge, str(folder), dtype=dtype, device=device, device_map=device_map,
+                           load_tokenizer=load_tokenizer)
+    if device_map is not None:
+        raise ConfigError("device_map applies to transformers-native checkpoints (the bridge); "
+                          f"{folder} loads into HookedMDM: pass device= instead.")
     name = known.name if known else str(name_or_path)
     cfg, family = read_config(folder, name, known)
     cfg.dtype, cfg.device = dtype, device

@@ -1,0 +1,282 @@
+"""`TransformersBridge`: a transformers-native model (DiffusionGemma, Llama, Qwen2, …) with
+TransformerLens hook points, on the same surface as `HookedMDM` (`run_with_hooks`, `run_with_cache`
+→ `ActivationCache`, `hooks()`, `hook_dict`, `generate`, `cfg`, `state`).
+
+Nothing is re-implemented: the weights, the modules and their maths are transformers'. The bridge
+(1) registers `mdm_lens.bridge.attention.hooked_attention_forward` as the model's attention
+implementation, (2) runs each decoder layer through a hooked wrapper of its own forward, and
+(3) owns the hook points under TL names:
+
+* `blocks.{l}.*` — the layers that produce the logits: DiffusionGemma's **decoder** (the canvas, which
+  attends bidirectionally to the cached prompt and to itself), or the only stack of a Llama/Qwen2.
+  Globs such as `blocks.*.attn.hook_pattern`, reducers and probes therefore read the decoder.
+* `encoder.{l}.*` — DiffusionGemma's **encoder** (the prompt, causal, writes the KV cache), named as
+  TransformerLens' encoder-decoder models name theirs; `hook_encoder_embed`, `encoder_ln_final.*`.
+* `hook_embed` (decoder token embeddings, scaled by √d), `hook_soft_embed` (DiffusionGemma's
+  self-conditioning signal: softmax(previous logits)·E·√d, zeros on the first step), `ln_final.hook_out` (norm outputs, weight applied; TL's pre-weight `hook_normalized` is not exposed).
+
+Per block: `hook_resid_pre`, `ln1.hook_out`, `attn.hook_q/hook_k` (after q/k norms, before
+RoPE, own positions), `attn.hook_rot_q/hook_rot_k`, `attn.hook_v`, `attn.hook_attn_scores`,
+`attn.hook_pattern` `[batch, head, query, key]`, `attn.hook_z`, `hook_attn_out` (after Gemma's
+post-attention norm: what is added to the residual), `hook_resid_mid`, `ln2.hook_out`,
+`mlp.hook_pre/hook_pre_linear/hook_post`, MoE `mlp.hook_router_logits/hook_expert_indices/
+hook_expert_weights/hook_dense_out/hook_experts_out`, `hook_mlp_out`, `hook_resid_post`.
+Key axes are absolute positions (prompt, then canvas); see `mdm_lens.bridge.attention`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Callable, Literal, Sequence, Union
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+from transformer_lens import ActivationCache, HookedRootModule
+from transformer_lens.hook_points import HookPoint
+
+from mdm_lens import validate
+from mdm_lens.bridge.attention import AttnHooks, register
+from mdm_lens.bridge.layers import BlockHooks, NormHooks, _output_hook, unwrap_layer, wrap_layer
+from mdm_lens.bridge.spec import describe
+from mdm_lens.errors import HookNameError, InputError
+
+NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
+ReturnType = Literal["logits", "aligned", None]
+
+
+class TransformersBridge(HookedRootModule):
+    """Hooks on a transformers model. Build with `TransformersBridge(hf_model)` or
+    `TransformersBridge.from_pretrained(folder)` (also reached through `HookedMDM.from_pretrained`)."""
+
+    def __init__(self, hf_model: nn.Module, tokenizer: Any = None):
+        super().__init__()
+        spec = describe(hf_model)
+        self.spec, self.cfg, self.tokenizer = spec, spec.cfg, tokenizer
+        self.hf = hf_model.eval()
+        self.hf.set_attn_implementation(register())
+        self.blocks = nn.ModuleList(BlockHooks(spec.moe) for _ in spec.decoder_layers)
+        self.hook_embed = HookPoint()
+        self.ln_final = NormHooks()
+        self._handles: list[Any] = []
+        if spec.encoder_layers is not None:
+            self.encoder = nn.ModuleList(BlockHooks(spec.moe) for _ in spec.encoder_layers)
+            self.hook_encoder_embed, self.encoder_ln_final = HookPoint(), NormHooks()
+            self.hook_soft_embed = HookPoint()
+            self._wrap(spec.encoder_layers, self.encoder, spec.encoder_embed, self.hook_encoder_embed,
+                       spec.encoder_norm, self.encoder_ln_final)
+            self._handles.append(spec.self_conditioning.register_forward_pre_hook(self._soft_embed_hook))
+        self._wrap(spec.decoder_layers, self.blocks, spec.decoder_embed, self.hook_embed, spec.decoder_norm,
+                   self.ln_final)
+        self.state: Any = None  # the sampler's DenoisingState while a denoising step runs
+        self.setup()
+
+    def _wrap(self, layers: Sequence[nn.Module], hooks: nn.ModuleList, embed: nn.Module, hook_embed: HookPoint,
+              norm: nn.Module, ln: NormHooks) -> None:
+        self._layer_handles = getattr(self, "_layer_handles", [])
+        for layer, h in zip(layers, hooks):
+            self._layer_handles.append((layer, wrap_layer(layer, h, self.spec.style)))
+        self._handles.append(embed.register_forward_hook(_output_hook(hook_embed)))
+        self._handles.append(norm.register_forward_hook(_output_hook(ln.hook_out)))
+
+    def _soft_embed_hook(self, module: nn.Module, args: tuple) -> tuple | None:
+        if not (self.hook_soft_embed.fwd_hooks or self.hook_soft_embed.bwd_hooks):
+            return None
+        inputs_embeds, soft = args
+        return inputs_embeds, self.hook_soft_embed(soft)
+
+    def setup(self) -> None:
+        """TL's `setup`, over our hook containers only: transformers' modules keep their own names."""
+        self.mod_dict, self.hook_dict = {}, {}
+        for name, module in self.named_modules():
+            if name == "" or name == "hf" or name.startswith("hf."):
+                continue
+            module.name = name
+            self.mod_dict[name] = module
+            if isinstance(module, HookPoint):
+                self.hook_dict[name] = module
+
+    def unbridge(self) -> nn.Module:
+        """Remove every wrapper and hook from the transformers model and return it (SDPA attention)."""
+        for layer, handles in self._layer_handles:
+            unwrap_layer(layer, handles)
+        for h in self._handles:
+            h.remove()
+        self.hf.set_attn_implementation("sdpa")
+        return self.hf
+
+    # --- construction -------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, **kwargs: Any) -> "TransformersBridge":
+        from mdm_lens.bridge.loading import load_bridge
+
+        return load_bridge(cls, name_or_path, **kwargs)
+
+    @property
+    def is_block_diffusion(self) -> bool:
+        return self.spec.encoder_layers is not None
+
+    def set_force_explicit(self, value: bool = True) -> None:
+        """Always take the explicit attention path (tests, benchmarks)."""
+        for m in self.modules():
+            if isinstance(m, AttnHooks):
+                m.force_explicit = value
+
+    # --- forward ------------------------------------------------------------------------------------
+    def _set_total_keys(self, hooks: nn.ModuleList | None, total: int | None) -> None:
+        if hooks is not None:
+            for h in hooks:
+                h.attn.total_keys = total
+
+    def forward(self, input_ids: Int[Tensor, "batch pos"] | None = None,
+                decoder_input_ids: Int[Tensor, "batch canvas"] | None = None,
+                attention_mask: Int[Tensor, "batch pos"] | None = None, *, return_type: ReturnType = "logits",
+                **kwargs: Any) -> Float[Tensor, "batch pos d_vocab"] | None:
+        """DiffusionGemma: `model(input_ids, decoder_input_ids=canvas)` → canvas logits `[batch, canvas, vocab]`
+        (softcapped, fp32, as transformers'); with `cache=` and no `input_ids`, the decoder reads an encoded
+        prefix. Other keyword arguments are transformers' (`self_conditioning_logits`, `decoder_attention_mask`,
+        `decoder_position_ids`, `position_ids`, …). Causal-LM families: `model(tokens, attention_mask)` →
+        `[batch, pos, vocab]`. `return_type`: "logits" (= "aligned": no family here shifts) or None."""
+        validate.choice(return_type, ("logits", "aligned", None), name="return_type")
+        if self.is_block_diffusion:
+            logits = self._forward_block_diffusion(input_ids, decoder_input_ids, attention_mask, **kwargs)
+        else:
+            if decoder_input_ids is not None:
+                raise InputError(f"{self.cfg.model_name} is not an encoder-decoder model: pass tokens only, "
+                                 "not decoder_input_ids.")
+            tokens = self._check_ids(input_ids, "input_ids")
+            if attention_mask is not None:
+                validate.tensor(attention_mask, name="attention_mask", shape=tuple(tokens.shape))
+            self._set_total_keys(self.blocks, tokens.shape[1])
+            try:
+                logits = self.hf(input_ids=tokens, attention_mask=attention_mask, **kwargs).logits
+            finally:
+                self._set_total_keys(self.blocks, None)
+        return None if return_type is None else logits
+
+    def _check_ids(self, ids: Any, name: str) -> Tensor:
+        if ids is None:
+            raise InputError(f"{name} is required: token ids [batch, pos].")
+        ids = torch.as_tensor(ids)
+        if ids.ndim == 1:
+            ids = ids[None]
+        validate.tensor(ids, name=name, ndim=2, dtype="int")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.cfg.d_vocab:
+            raise InputError(f"{name} must lie in [0, {self.cfg.d_vocab}), got range [{lo}, {hi}].")
+        return ids.to(self.W_E.device)
+
+    def _forward_block_diffusion(self, input_ids: Any, canvas: Any, attention_mask: Any, **kwargs: Any) -> Tensor:
+        if canvas is None:
+            raise InputError(
+                "DiffusionGemma is an encoder-decoder: a forward needs the canvas, model(input_ids, "
+                "decoder_input_ids=canvas). Probes that run one clean forward of a whole sequence "
+                "(absorption_by_layer, qk_at_layer, flow_for_items, retrieval_scores, knockout) do not apply to it; "
+                "use generate(..., record=[ReceivedAttention()]) with anchors_over_steps / drift_from_output, and "
+                "mdm_lens.bridge.probes.qk_at_step for the QK split.")
+        canvas = self._check_ids(canvas, "decoder_input_ids")
+        cache = kwargs.get("cache")
+        past = int(cache.get_seq_length()) if cache is not None else 0
+        if input_ids is None:
+            if cache is None:
+                raise InputError("pass the prompt (input_ids) or an encoded prefix (cache=) with decoder_input_ids.")
+            prefix = past
+        else:
+            input_ids = self._check_ids(input_ids, "input_ids")
+            if input_ids.shape[0] != canvas.shape[0]:
+                raise InputError(f"input_ids batch {input_ids.shape[0]} != decoder_input_ids batch {canvas.shape[0]}.")
+            if attention_mask is not None:
+                validate.tensor(attention_mask, name="attention_mask", shape=tuple(input_ids.shape))
+            prefix = past + input_ids.shape[1]
+        self._set_total_keys(self.encoder, prefix)
+        self._set_total_keys(self.blocks, prefix + canvas.shape[1])
+        try:
+            return self.hf(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=canvas,
+                           **kwargs).logits
+        finally:
+            self._set_total_keys(self.encoder, None)
+            self._set_total_keys(self.blocks, None)
+
+    def encode(self, input_ids: Tensor, cache: Any, attention_mask: Any = None, position_ids: Any = None) -> Any:
+        """DiffusionGemma's encoder pass alone (writes `cache`), with the `encoder.*` hooks."""
+        past = int(cache.get_seq_length())
+        self._set_total_keys(self.encoder, past + input_ids.shape[1])
+        try:
+            return self.hf.model.encoder(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
+                                         position_ids=position_ids)
+        finally:
+            self._set_total_keys(self.encoder, None)
+
+    def generate(self, prompt: Any, **kwargs: Any) -> Any:
+        """DiffusionGemma: `sampler="diffusion_gemma"` (the default), see `mdm_lens.diffusion.diffusion_gemma`;
+        bidirectional Llama/Qwen2 checkpoints: the LLaDA/Dream samplers; causal ones: "arm"."""
+        if self.is_block_diffusion:
+            from mdm_lens.diffusion.diffusion_gemma import generate as dg_generate
+
+            sampler = kwargs.pop("sampler", "diffusion_gemma")
+            validate.choice(sampler, ("diffusion_gemma", "auto"), name="sampler")
+            return dg_generate(self, prompt, **kwargs)
+        from mdm_lens.diffusion.generate import generate
+
+        return generate(self, prompt, **kwargs)
+
+    def aligned_logits(self, raw: Tensor) -> Tensor:
+        return raw
+
+    # --- hooks: TL machinery, with a typed error for names that do not exist --------------------------
+    def check_hook_name(self, name: str) -> None:
+        if name not in self.hook_dict:
+            close = difflib.get_close_matches(name, list(self.hook_dict), n=3, cutoff=0.6)
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise HookNameError(f"no hook point named {name!r}.{hint} List them with `list(model.hook_dict)`; "
+                                "`blocks.{l}` is the decoder, `encoder.{l}` the encoder.")
+
+    def add_hook(self, name, hook, dir="fwd", is_permanent=False, level=None, prepend=False) -> None:  # type: ignore[override]
+        if isinstance(name, str):
+            self.check_hook_name(name)
+        super().add_hook(name, hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
+
+    def _enable_hook_with_name(self, name: str, hook: Callable, dir) -> None:  # type: ignore[override]
+        self.check_hook_name(name)
+        super()._enable_hook_with_name(name, hook, dir)
+
+    def run_with_cache(self, *model_args: Any, names_filter: NamesFilter = None, remove_batch_dim: bool = False,
+                       return_cache_object: bool = True, **kwargs: Any) -> tuple[Any, ActivationCache]:
+        """TL's `run_with_cache`, returning TL's `ActivationCache` (hook names are checked first)."""
+        if isinstance(names_filter, str):
+            self.check_hook_name(names_filter)
+        elif isinstance(names_filter, (list, tuple)):
+            for n in names_filter:
+                self.check_hook_name(n)
+        out, cache_dict = super().run_with_cache(*model_args, names_filter=names_filter,
+                                                 remove_batch_dim=remove_batch_dim, **kwargs)
+        if return_cache_object:
+            return out, ActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+        return out, cache_dict
+
+    # --- TL weight surface (read-only views of transformers' parameters) ----------------------------
+    @property
+    def W_E(self) -> Float[Tensor, "d_vocab d_model"]:
+        return self.spec.decoder_embed.weight
+
+    @property
+    def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
+        return self.hf.lm_head.weight.T
+
+    def to_tokens(self, text: str | Sequence[str], **kwargs: Any) -> Any:
+        from mdm_lens.model import HookedMDM
+
+        return HookedMDM.to_tokens(self, text, **kwargs)  # type: ignore[arg-type]
+
+    def to_str_tokens(self, tokens: Any) -> list[str]:
+        from mdm_lens import tokenization
+
+        tok = tokenization.require(self.tokenizer)
+        t = torch.as_tensor(tokens).reshape(-1)
+        return [tokenization.id_to_token(tok, int(i)) for i in t]
+
+    def __repr__(self) -> str:
+        c = self.cfg
+        parts = f"encoder+decoder {c.n_layers}+{c.n_layers}" if self.is_block_diffusion else f"layers={c.n_layers}"
+        return (f"TransformersBridge({c.model_name!r}, {type(self.hf).__name__}, {parts}, d_model={c.d_model}, "
+                f"heads={c.n_heads}, moe={self.spec.moe}, dtype={str(self.W_E.dtype).removeprefix('torch.')})")
