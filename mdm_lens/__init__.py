@@ -13,3 +13,11 @@ __all__ = ["HookedMDM", "MDMConfig", "DenoisingState", "GenerateOutput", "Trajec
            "ReceivedAttention", "TopKKeys", "TrajectoryCache", "at_steps", "received_attention", "steps", "MDMLensError", "ArgumentError", "ArgumentTypeError", "OutOfRangeError", "NonFiniteError", "ConfigError", "CheckpointError", "CheckpointNotFoundError",
            "UnknownModelError", "HookNameError", "InputError", "SamplerConfigError", "MemoryBudgetError"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # `mdm_lens.nnsight` loads on first use: nnsight is an optional extra
+    if name == "nnsight":
+        import importlib
+
+        return importlib.import_module("mdm_lens.nnsight")
+    raise AttributeError(f"module 'mdm_lens' has no attribute {name!r}")
