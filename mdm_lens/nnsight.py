@@ -178,8 +178,13 @@ class StepInterleaver(Interleaver):
             if provider == self.root_output:
                 run.phase = "cond"
             return value
-        if provider not in self.counts:
-            self._new(provider)
+        counts = self.counts
+        occurrence = counts.get(provider)
+        if occurrence is None:
+            occurrence = counts[provider] = run.step
+        if provider not in self.parked and provider not in self.observers:  # nobody waits here: count the visit
+            counts[provider] = occurrence + 1
+            return value
         return super().handle(provider, value)
 
     def _new(self, location: str) -> str:
