@@ -31,11 +31,11 @@ def ablate_heads(z, hook):  # z: [batch, pos, head, d_head]
 
 def with_step_hooks(model, ids, k, layer):
     """1. mdm_lens: a hook bound to step K, and a cache request for the same step."""
+    last = f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"  # the logits are read from the final residual
     out = model.generate(ids, fwd_hooks=[at_steps(ablate_heads, [k], name=f"blocks.{layer}.attn.hook_z")],
-                         cache=[f"blocks.{layer}.attn.hook_pattern", f"blocks.{layer}.hook_resid_post"] @ steps(k),
-                         **GEN)
+                         cache=[f"blocks.{layer}.attn.hook_pattern", last] @ steps(k), **GEN)
     step = out.cache[k]
-    logits = model.unembed(model.ln_final(step[f"blocks.{layer}.hook_resid_post"]))
+    logits = model.unembed(model.ln_final(step[last]))
     return step[f"blocks.{layer}.attn.hook_pattern"], logits, out.tokens
 
 
