@@ -135,6 +135,22 @@ def test_intervention_matches_the_at_steps_hook(llada, cfg_scale, block_length, 
                            plain.trajectory.commit_confidence.nan_to_num())  # the edit did change the run
 
 
+@pytest.mark.parametrize("kind", ["dream", "arm"])
+def test_intervention_matches_the_at_steps_hook_other_samplers(kind):
+    model = model_for(kind)
+    lm = DiffusionLM(model)
+    kw = dict(steps=6, gen_length=6, attention_mask=PAD_MASK, temperature=0.0)
+    with lm.generate(PADDED, **kw) as tracer:
+        for _ in tracer.iter[1]:
+            lm.blocks[1].hook_resid_post.output[:, 5:] *= -1
+        out = lm.generator.output.save()
+    ref = model.generate(PADDED, fwd_hooks=[at_steps(_flip, [1], name="blocks.1.hook_resid_post")], **kw)
+    plain = model.generate(PADDED, **kw)
+    assert torch.equal(out.tokens, ref.tokens)
+    assert torch.equal(out.trajectory.commit_step, ref.trajectory.commit_step)
+    assert not torch.equal(ref.tokens, plain.tokens)
+
+
 def test_unconditional_phase_is_reached_explicitly(llada):
     model, lm = llada
     kw = dict(steps=4, gen_length=8, block_length=4, cfg_scale=2.0)
