@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,11 +49,8 @@ class _Run:
     step: int = 0
     phase: str = "cond"
     clocked: bool = True
-    states: list = field(default_factory=list)  # the cond DenoisingState of every step started
-
-    @property
-    def n_run(self) -> int:
-        return len(self.states)
+    n_run: int = 0  # steps started
+    last: Any = None  # the cond DenoisingState of the step running (its post-commit fields come later)
 
 
 class StepInterleaver(Interleaver):
@@ -83,8 +80,8 @@ class StepInterleaver(Interleaver):
     def finish_run(self) -> None:
         run = self.run
         run.phase = "cond"
-        if run.states:
-            self._serve(run.states[-1], AFTER)
+        if run.n_run:
+            self._serve(run.last, AFTER)
         run.clocked = False  # what follows (generator output, tracer.result) counts plainly
 
     def _reset(self, step: int) -> None:
@@ -96,13 +93,13 @@ class StepInterleaver(Interleaver):
         run, state = self.run, self.model_ref().state
         if state is None or state.phase == "cond":
             step = run.n_run if state is None else state.step
-            if run.states and step == run.states[-1].step:
+            if run.n_run and step == run.step:
                 raise MDMLensError(f"denoising step {step} ran a second conditional forward; the step clock "
                                    "serves one conditional forward per step (others need their own phase).")
             run.phase = "cond"
-            if run.states:
-                self._serve(run.states[-1], AFTER)
-            run.states.append(state)
+            if run.n_run:
+                self._serve(run.last, AFTER)
+            run.last, run.n_run = state, run.n_run + 1
             run.step = step
             self._reset(step)
             self._serve(state, BEFORE)
