@@ -17,3 +17,11 @@ __version__ = "0.1.0"
 from mdm_lens.diffusion import IdleStepsWarning  # noqa: E402
 
 __all__ += ["IdleStepsWarning"]
+
+
+def __getattr__(name: str):  # `mdm_lens.nnsight` loads on first use: nnsight is an optional extra
+    if name == "nnsight":
+        import importlib
+
+        return importlib.import_module("mdm_lens.nnsight")
+    raise AttributeError(f"module 'mdm_lens' has no attribute {name!r}")

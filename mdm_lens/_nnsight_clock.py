@@ -1,0 +1,272 @@
+"""The step clock behind `mdm_lens.nnsight`: an nnsight interleaver whose occurrence of every location is
+the denoising step running, `tracer.iter[...]` over steps, and the gate that sends a layer's attention
+down the explicit path exactly in the forwards whose pattern a trace reads."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from greenlet import getcurrent
+from nnsight.intervention.interleaver import Event, Interleaver, OutOfOrderError, dangling_unwind
+from nnsight.intervention.iterator import Iterations
+
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentTypeError, MDMLensError, OutOfRangeError
+
+
+PHASES = ("cond", "uncond")
+BEFORE = ("canvas", "masked", "prompt", "block")  # sampler values served before a step's forward
+AFTER = ("confidence", "committed", "state")  # ... and after its commit
+_FIELDS = {"canvas": "x"}  # sampler value -> DenoisingState field, where the names differ
+
+class StepNotRunError(MDMLensError, OutOfOrderError):
+    """A traced value was requested at a denoising step (or phase) the run never made."""
+
+
+def _phase_location(location: str, phase: str) -> str:
+    """`model.blocks.0.output` -> `model.blocks.0.@uncond.output`: the same value on another forward."""
+    path, _, key = location.rpartition(".")
+    return f"{path}.@{phase}.{key}"
+
+
+@dataclass
+class _Plan:
+    """What a generation will do, known before it runs (for `tracer.iter` and `phase`)."""
+
+    n_steps: int
+    has_uncond: bool
+
+
+@dataclass
+class _Run:
+    """The step clock of a generation in progress."""
+
+    plan: _Plan
+    step: int = 0
+    phase: str = "cond"
+    clocked: bool = True
+    n_run: int = 0  # steps started
+    last: Any = None  # the cond DenoisingState of the step running (its post-commit fields come later)
+
+
+class StepInterleaver(Interleaver):
+    """nnsight's interleaver with a step clock while a generation runs (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model_ref: Any = None
+        self.root_input, self.root_output = "model.input", "model.output"
+        self.sampler_path = "model.sampler"
+        self.keys: set[str] = set()  # every location a step can serve, for the clock reset
+        self.run: _Run | None = None
+        self.last_run: _Run | None = None
+        self.plan: _Plan | None = None  # set by the tracer for the block being run
+
+    def __enter__(self) -> "StepInterleaver":
+        # occurrences are counted from this run's start (mediators subtract the counts they start at)
+        self.counts = {}
+        self.run = self.last_run = None
+        return super().__enter__()
+
+    # --- the clock ------------------------------------------------------------------------------
+    def begin_run(self, plan: _Plan) -> None:
+        self.run = self.last_run = _Run(plan)
+        self._reset(0)
+
+    def finish_run(self) -> None:
+        run = self.run
+        run.phase = "cond"
+        if run.n_run:
+            self._serve(run.last, AFTER)
+        run.clocked = False  # what follows (generator output, tracer.result) counts plainly
+
+    def _reset(self, step: int) -> None:
+        """No location has been visited yet in `step`: each one's next occurrence is `step`."""
+        self.keys.update(self.counts)
+        self.counts = dict.fromkeys(self.keys, step)
+
+    def _forward_starts(self) -> None:
+        run, state = self.run, self.model_ref().state
+        if state is None or state.phase == "cond":
+            step = run.n_run if state is None else state.step
+            if run.n_run and step == run.step:
+                raise MDMLensError(f"denoising step {step} ran a second conditional forward; the step clock "
+                                   "serves one conditional forward per step (others need their own phase).")
+            run.phase = "cond"
+            if run.n_run:
+                self._serve(run.last, AFTER)
+            run.last, run.n_run = state, run.n_run + 1
+            run.step = step
+            self._reset(step)
+            self._serve(state, BEFORE)
+        else:
+            run.phase = state.phase
+
+    def _serve(self, state: Any, names: tuple[str, ...]) -> None:
+        for name in names:
+            value = state if name == "state" else (None if state is None else getattr(state, _FIELDS.get(name, name)))
+            self.handle(f"{self.sampler_path}.{name}", value)
+
+    def handle(self, provider: str, value: Any) -> Any:
+        run = self.run
+        if run is None or not run.clocked:
+            return super().handle(provider, value)
+        if provider == self.root_input:
+            self._forward_starts()
+        if run.phase != "cond":
+            location = _phase_location(provider, run.phase)
+            value = super().handle(location if location in self.counts else self._new(location), value)
+            if provider == self.root_output:
+                run.phase = "cond"
+            return value
+        counts = self.counts
+        occurrence = counts.get(provider)
+        if occurrence is None:
+            occurrence = counts[provider] = run.step
+        if provider not in self.parked and provider not in self.observers:  # nobody waits here: count the visit
+            counts[provider] = occurrence + 1
+            return value
+        return super().handle(provider, value)
+
+    def _new(self, location: str) -> str:
+        self.counts[location] = self.run.step
+        return location
+
+    def wants(self, locations: tuple[str, ...]) -> bool:
+        """Will a worker be served at one of `locations` on this visit (or a cache record it)?"""
+        run = self.run
+        phase = run.phase if run is not None and run.clocked else "cond"
+        for location in locations:
+            if phase != "cond":
+                location = _phase_location(location, phase)
+            if location in self.observers:
+                return True
+            if location not in self.parked:
+                continue
+            if run is not None and run.clocked and location not in self.counts:
+                self._new(location)
+            for mediator in self.mediators:
+                pending = mediator.pending
+                if (pending is not None and pending.provider == location
+                        and pending.iteration == mediator.occurrence(location)):
+                    return True
+        return False
+
+    # --- what never came ------------------------------------------------------------------------
+    def check_dangling_mediators(self) -> None:
+        run = self.last_run
+        if run is None:
+            return super().check_dangling_mediators()
+        for mediator in self.mediators:
+            if not mediator.alive:
+                continue
+            error, expected = dangling_unwind(mediator)
+            open_loop = getattr(mediator, "mdm_open_loop", False)
+            if mediator.pending.event is not Event.BARRIER and not (open_loop and run.n_run < run.plan.n_steps):
+                error, expected = self._not_run(mediator.pending, run), None
+            try:
+                mediator.worker.throw(error)
+            except BaseException as thrown:
+                if expected is None or thrown is not error:
+                    raise
+                warnings.warn(expected)
+            else:
+                if expected is None:  # the block swallowed it (e.g. a `with tracer.iter` form): still an error
+                    raise error
+
+    @staticmethod
+    def _not_run(pending: Any, run: _Run) -> StepNotRunError:
+        location, step = pending.provider, pending.iteration
+        where = f"'{location}' at denoising step {step}"
+        if "@uncond" in location and not run.plan.has_uncond:
+            why = "this run has no unconditional pass (LLaDA's classifier-free guidance needs cfg_scale > 0)"
+        elif step is not None and step >= run.n_run:
+            why = (f"this run has {run.n_run} denoising steps (0..{run.n_run - 1})"
+                   + ("" if run.n_run == run.plan.n_steps else f" of the {run.plan.n_steps} planned"))
+        else:
+            why = (f"the run had gone past it (this run has {run.n_run} denoising steps): requests must follow the "
+                   "run, steps in increasing order and modules in forward order")
+        return StepNotRunError(f"{where} was never reached: {why}.")
+
+
+class _AttentionGate:
+    """Stands in `Attention.force_explicit` (read as a truth value by `needs_explicit`): true when the
+    attention has to take the explicit path because a trace reads this layer's scores or pattern in
+    this very forward — exactly the steps at which mdm_lens' own step hooks would install a hook, so
+    the other steps keep the SDPA path (and the trajectory is bit-identical to the hooked run)."""
+
+    def __init__(self, interleaver: StepInterleaver, locations: tuple[str, ...], base: Any):
+        self.interleaver = weakref.ref(interleaver)
+        self.locations = locations
+        self.base = base
+
+    def __bool__(self) -> bool:
+        if self.base:
+            return True
+        il = self.interleaver()
+        return bool(il is not None and il.interleaving and il.busy and il.wants(self.locations))
+
+    def __reduce__(self) -> tuple:  # a copied or pickled model keeps the plain flag, not the trace
+        return bool, (bool(self.base),)
+
+
+class StepIterations(Iterations):
+    """`tracer.iter[...]` over denoising steps: indices are checked against the run's step count
+    (negative ones count from the end), and `[:]` / `tracer.all()` means every step."""
+
+    def __init__(self, plan: _Plan, start: int = 0, stop: int | None = None, steps: list[int] | None = None,
+                 open_loop: bool = False):
+        super().__init__(start, stop, steps)
+        self.plan, self.open_loop = plan, open_loop
+
+    def __getitem__(self, key: Any) -> "StepIterations":
+        n = self.plan.n_steps
+        if isinstance(key, slice):
+            start = 0 if key.start is None else validate.index(key.start, n, name="tracer.iter start",
+                                                               what="denoising step")
+            stop = n if key.stop is None else validate.integer(key.stop, name="tracer.iter stop", min=-n, max=n,
+                                                               error=OutOfRangeError)
+            stop = stop + n if stop < 0 else stop
+            stride = 1 if key.step is None else validate.integer(key.step, name="tracer.iter step", min=1)
+            if stop <= start:
+                raise OutOfRangeError(f"tracer.iter[{start}:{stop}] selects no step of this run's {n} steps.",
+                                      argument="tracer.iter", value=key)
+            if stride == 1:
+                return StepIterations(self.plan, start, stop, open_loop=key.stop is None)
+            return StepIterations(self.plan, steps=list(range(start, stop, stride)))
+        if isinstance(key, (list, tuple, range)):
+            return StepIterations(self.plan, steps=self._steps(key, key))
+        if isinstance(key, torch.Tensor) or not isinstance(key, int):
+            raise ArgumentTypeError(f"tracer.iter takes an int, a slice or a list of steps, got {key!r}.",
+                                    argument="tracer.iter", value=key)
+        step = validate.index(key, n, name="tracer.iter", what="denoising step")
+        return StepIterations(self.plan, step, step + 1)
+
+    def _steps(self, keys: Any, shown: Any) -> list[int]:
+        out = [validate.index(k, self.plan.n_steps, name="tracer.iter", what="denoising step") for k in keys]
+        if out != sorted(set(out)):
+            raise OutOfRangeError(f"tracer.iter[{shown!r}]: steps must increase (the run goes forward), got {out}.",
+                                  argument="tracer.iter", value=shown)
+        return out
+
+    def __iter__(self):
+        mediator = getcurrent().mediator()
+        previous = getattr(mediator, "mdm_open_loop", False)
+        mediator.mdm_open_loop = self.open_loop
+        try:
+            yield from super().__iter__()
+        finally:
+            mediator.mdm_open_loop = previous
+
+    def execute(self, code: Any) -> None:
+        mediator = getcurrent().mediator()
+        previous = getattr(mediator, "mdm_open_loop", False)
+        mediator.mdm_open_loop = self.open_loop
+        try:
+            super().execute(code)
+        finally:
+            mediator.mdm_open_loop = previous
