@@ -133,7 +133,9 @@ def explicit_mask(attn_mask: Any, tokens: Tensor) -> Bool[Tensor, "batch 1 query
         raise InputError(f"attn_mask must be bool [..., {n}, {n}] (True = may attend), shaped [{n}, {n}] or "
                          f"[batch|1, 1, {n}, {n}]; got {tuple(attn_mask.shape)}.", argument="attn_mask",
                          value=attn_mask, allowed=f"[{n}, {n}] or [batch|1, 1, {n}, {n}]")
-    blind = (~attn_mask.any(-1)).nonzero().tolist()
+    # A query that sees no key is allowed only as Dream's pair mask makes pads: the position is hidden both as a
+    # query and as a key, so nothing ever reads its (undefined) output. Any other blind row is a mistake.
+    blind = (~attn_mask.any(-1) & attn_mask.any(-2)).nonzero().tolist()
     if blind:
         raise InputError(f"attn_mask hides every key from query position {blind[0][-1]} (batch {blind[0][0]}): its "
                          "attention would be undefined. Let every query see at least one key.",

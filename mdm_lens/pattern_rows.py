@@ -200,12 +200,43 @@ class _Register:
         return f"row_consumer({type(self.consumer).__name__})"
 
 
-def row_hook(model: Any, layer: int, consumer: RowConsumer) -> tuple[str, _Register]:
-    """`(name, fn)` for TL's `fwd_hooks`: feed `consumer` the pattern rows of `layer` in the next forwards."""
+class _HeldRows(PatternRows):
+    """Rows of a pattern that is already whole (an attention without row consumers)."""
+
+    def __init__(self, pattern: Float[Tensor, "batch head query key"]):
+        self.q = self.k = self.mask = None
+        self.is_causal, self.dtype, self.pattern = False, pattern.dtype, pattern
+        self.batch, self.n_heads, self.n_queries, self.n_keys = pattern.shape
+        self.device = pattern.device
+
+
+class _FromPattern:
+    """The TL hook on `hook_pattern` that feeds a consumer the whole pattern as one chunk."""
+
+    def __init__(self, consumer: RowConsumer):
+        self.consumer = consumer
+
+    def __call__(self, pattern: Tensor, hook: Any) -> None:
+        self.consumer.start(_HeldRows(pattern))
+        self.consumer.consume(pattern, 0)
+        self.consumer.finish()
+
+    def __repr__(self) -> str:
+        return f"row_consumer_from_pattern({type(self.consumer).__name__})"
+
+
+def row_hook(model: Any, layer: int, consumer: RowConsumer) -> tuple[str, _Register | _FromPattern]:
+    """`(name, fn)` for TL's `fwd_hooks`: feed `consumer` the pattern rows of `layer` in the next forwards.
+
+    Attention modules that cannot stream rows (the transformers-native bridge) get the same consumer on
+    `hook_pattern`: the same numbers, with the full pattern of that layer held for the forward."""
     n = model.cfg.n_layers
     l = validate.index(layer, n, name="layer", what="layer")
     validate.instances([consumer], RowConsumer, name="consumer")
-    return f"blocks.{l}.attn.hook_rot_k", _Register(model.blocks[l].attn, consumer)
+    attn = model.blocks[l].attn
+    if not hasattr(attn, "add_row_consumer"):
+        return f"blocks.{l}.attn.hook_pattern", _FromPattern(consumer)
+    return f"blocks.{l}.attn.hook_rot_k", _Register(attn, consumer)
 
 
 def set_query_chunk(model: Any, query_chunk: int | None = None, row_mode: str = "explicit") -> None:

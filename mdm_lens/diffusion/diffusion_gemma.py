@@ -161,7 +161,8 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import (EntropyBoundSampler,
                                                                                  EntropyBoundSamplerConfig)
 
-    from mdm_lens.diffusion.generate import _progress, _prompt_tokens
+    from mdm_lens.diffusion.arguments import prompt_tokens as _prompt_tokens
+    from mdm_lens.diffusion.generate import _progress
 
     hf = model.hf
     if entropy_bound is not None:

@@ -18,7 +18,7 @@ from mdm_lens import validate
 from mdm_lens.errors import ArgumentTypeError, SamplerConfigError
 
 StepSpec = int | str
-PHASES = ("cond", "uncond")
+PHASES = ("cond", "uncond", "encoder")  # "encoder": the bridge's prompt pass (DiffusionGemma)
 
 
 @dataclass(frozen=True)

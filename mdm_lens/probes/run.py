@@ -249,6 +249,9 @@ def _series(out: Any, layer: int | None, head: Any, record: str) -> tuple[Tensor
     elif isinstance(head, int):
         r, lead = r[:, :, head], ("batch", "layer")
     vis = _step_visibility(out, steps, r.shape[-1])
+    # Reducers record keys that do not exist yet at a step (a later canvas of a block-diffusion run) as NaN in
+    # every layer and head: those keys are invisible there, not non-finite statistics.
+    vis &= ~rearrange(rec.isnan().all(dim=3).all(dim=2), "s b k -> b s k")
     vis_b = vis.reshape(vis.shape[0], *([1] * (r.ndim - 3)), *vis.shape[1:])
     r = torch.where(vis_b, r, torch.full_like(r, torch.nan))
     if layer is not None:
