@@ -91,6 +91,7 @@ def shipped_evaluation_section(twins: dict[str, HookedMDM], img: Path) -> Sectio
             if key in ev:
                 row[label] = 100 * ev[key]["exact_match"]
         rows.append(row)
+    img.mkdir(parents=True, exist_ok=True)  # a fresh --out folder has no figures/ yet
     images = [Path(shutil.copy(ASSETS / f, img / f)) for f in ("acc_distractors.png", "acc_position.png")
               if (ASSETS / f).exists()]
     table = pd.DataFrame(rows).set_index("model").round(1)
@@ -104,6 +105,22 @@ def shipped_evaluation_section(twins: dict[str, HookedMDM], img: Path) -> Sectio
                if w is not None and "no context" in table else "")
     return Section("QA accuracy: the zoo's 500-item evaluation", text, images, table=table,
                    table_caption="exact match (%)", finding=finding)
+
+
+def diffusion_gemma_section(figures: Path) -> Section | None:
+    """The transformers-native bridge on a tiny RANDOM-weight DiffusionGemma (needs transformers >= 5.11)."""
+    try:
+        from mdm_lens.bridge.demo import diffusion_gemma_section as build
+        material = build(figures)
+    except ImportError as e:  # transformers is an optional dependency of the bridge
+        print(f"  (DiffusionGemma section skipped: {e})")
+        return None
+    top = material.table["top mass"]
+    return Section(title=material.title, text=material.note, images=[(material.png, "received attention per step")],
+                   table=material.table, table_caption="one row per denoising step (random weights)",
+                   finding=f"The bridge ran {len(material.table)} denoising steps of transformers' own "
+                           f"DiffusionGemma with step-bound reducers; the largest per-step key mass ranged "
+                           f"{top.min():.3f}-{top.max():.3f} (random weights: a machinery check, not a finding).")
 
 
 def views_section(model: HookedMDM) -> Section:
@@ -138,7 +155,9 @@ def run_demo(out: str = "mdm_lens_report", quick: bool = False, n: int | None = 
     jsonl.export(data, n, seed=DATA_SEED, n_distractors=4)
     p.stage(f"sweeping both twins ({n} items)", lambda: sweep_twins(twins, data, folder / "sweeps", n, max(2, n // 8)))
     extra = p.stage("demo-only sections", lambda: [s for s in (shipped_evaluation_section(twins, folder / "figures"),
-                                                               views_section(twins["MDM"])) if s is not None])
+                                                               views_section(twins["MDM"]),
+                                                               diffusion_gemma_section(folder / "figures"))
+                                                    if s is not None])
     index = p.stage("report", lambda: report(folder / "sweeps", out=folder, extra=extra,
                                              title="mdm_lens demo: attention floating in the tiny twins",
                                              meta={"models": ", ".join(TWINS.values()), "items per twin": n}))
