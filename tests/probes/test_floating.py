@@ -323,3 +323,15 @@ def test_classify_layer():
     assert stacked.majority(axis=0) == "fixed_initial"
     assert stacked.distribution(axis=0).tolist() == [2, 0, 1, 0, 0]
     assert "label" in lab.to_frame().columns
+
+
+def test_zscore_default_threshold_is_three_leave_one_out_sigmas():
+    # key 0 against the others [1, 2, 1, 2]: mean 1.5, population std 0.5, so the default ε = 3 puts the
+    # threshold at exactly 3.0; 2.75 clears ε = 2 (2.5) but not the default, 3.05 clears the default
+    from mdm_lens.probes.floating import detect_anchors
+
+    below = torch.tensor([2.75, 1, 2, 1, 2], dtype=torch.float64)
+    above = torch.tensor([3.05, 1, 2, 1, 2], dtype=torch.float64)
+    assert detect_anchors(below).tolist() == [False] * 5
+    assert detect_anchors(below, eps=2.0).tolist() == [True, False, False, False, False]
+    assert detect_anchors(above).tolist() == [True, False, False, False, False]
