@@ -26,28 +26,28 @@ Key axes are absolute positions (prompt, then canvas); see `mdm_lens.bridge.atte
 
 from __future__ import annotations
 
-import difflib
-from typing import Any, Callable, Literal, Sequence, Union
+from typing import Any, Literal, Sequence
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
-from transformer_lens import ActivationCache, HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
 from mdm_lens import validate
 from mdm_lens.bridge.attention import AttnHooks, register
 from mdm_lens.bridge.layers import BlockHooks, NormHooks, _output_hook, unwrap_layer, wrap_layer
 from mdm_lens.bridge.spec import describe
-from mdm_lens.errors import HookNameError, InputError
+from mdm_lens.errors import InputError
+from mdm_lens.hook_surface import CheckedHookSurface
 
-NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 ReturnType = Literal["logits", "aligned", None]
 
 
-class TransformersBridge(HookedRootModule):
+class TransformersBridge(CheckedHookSurface):
     """Hooks on a transformers model. Build with `TransformersBridge(hf_model)` or
     `TransformersBridge.from_pretrained(folder)` (also reached through `HookedMDM.from_pretrained`)."""
+
+    hook_name_hint = "`blocks.{l}` is the decoder, `encoder.{l}` the encoder."
 
     def __init__(self, hf_model: nn.Module, tokenizer: Any = None):
         super().__init__()
@@ -224,36 +224,6 @@ class TransformersBridge(HookedRootModule):
         return raw
 
     # --- hooks: TL machinery, with a typed error for names that do not exist --------------------------
-    def check_hook_name(self, name: str) -> None:
-        if name not in self.hook_dict:
-            close = difflib.get_close_matches(name, list(self.hook_dict), n=3, cutoff=0.6)
-            hint = f" Did you mean {', '.join(close)}?" if close else ""
-            raise HookNameError(f"no hook point named {name!r}.{hint} List them with `list(model.hook_dict)`; "
-                                "`blocks.{l}` is the decoder, `encoder.{l}` the encoder.")
-
-    def add_hook(self, name, hook, dir="fwd", is_permanent=False, level=None, prepend=False) -> None:  # type: ignore[override]
-        if isinstance(name, str):
-            self.check_hook_name(name)
-        super().add_hook(name, hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
-
-    def _enable_hook_with_name(self, name: str, hook: Callable, dir) -> None:  # type: ignore[override]
-        self.check_hook_name(name)
-        super()._enable_hook_with_name(name, hook, dir)
-
-    def run_with_cache(self, *model_args: Any, names_filter: NamesFilter = None, remove_batch_dim: bool = False,
-                       return_cache_object: bool = True, **kwargs: Any) -> tuple[Any, ActivationCache]:
-        """TL's `run_with_cache`, returning TL's `ActivationCache` (hook names are checked first)."""
-        if isinstance(names_filter, str):
-            self.check_hook_name(names_filter)
-        elif isinstance(names_filter, (list, tuple)):
-            for n in names_filter:
-                self.check_hook_name(n)
-        out, cache_dict = super().run_with_cache(*model_args, names_filter=names_filter,
-                                                 remove_batch_dim=remove_batch_dim, **kwargs)
-        if return_cache_object:
-            return out, ActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
-        return out, cache_dict
-
     # --- TL weight surface (read-only views of transformers' parameters) ----------------------------
     @property
     def W_E(self) -> Float[Tensor, "d_vocab d_model"]:

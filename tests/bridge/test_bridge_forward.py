@@ -176,3 +176,23 @@ def test_names_and_errors():
         bridge(ids, decoder_input_ids=canvas + 200)
     with pytest.raises(InputError, match="cache"):
         bridge(decoder_input_ids=canvas)
+
+
+def test_bridge_shares_the_checked_hook_surface():
+    # the same checks as HookedMDM (mdm_lens.hook_surface): typed errors before any hook is added
+    from mdm_lens.errors import ArgumentTypeError
+
+    _, bridge = _pair()
+    ids, canvas = _inputs()
+    with pytest.raises(HookNameError, match="`encoder.{l}` the encoder"):
+        bridge.run_with_cache(ids, decoder_input_ids=canvas, names_filter=["blocks.0.attn.hook_patern"])
+    with pytest.raises(ArgumentTypeError, match="names_filter"):
+        bridge.run_with_cache(ids, decoder_input_ids=canvas, names_filter=3)
+    with pytest.raises(ArgumentTypeError, match="remove_batch_dim"):
+        bridge.run_with_cache(ids, decoder_input_ids=canvas, remove_batch_dim="yes")
+    with pytest.raises(ArgumentTypeError, match="one pair, not a list"):
+        with bridge.hooks(fwd_hooks=("blocks.0.hook_resid_pre", lambda x, hook: x)):
+            pass
+    assert not any(hp.fwd_hooks for hp in bridge.hook_dict.values())
+    _, cache = bridge.run_with_cache(ids, decoder_input_ids=canvas, names_filter="blocks.0.attn.hook_pattern")
+    assert list(cache.keys()) == ["blocks.0.attn.hook_pattern"]

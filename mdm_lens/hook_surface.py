@@ -1,0 +1,110 @@
+"""The checked TransformerLens hook surface shared by `HookedMDM` and the transformers-native bridge.
+
+Both are `HookedRootModule`s; this base makes every way in (`add_hook`, `hooks()`, `run_with_hooks`,
+`run_with_cache`) check hook names and argument types before a hook is added, so a typo raises
+`HookNameError` with the nearest names instead of silently caching nothing."""
+
+from __future__ import annotations
+
+import difflib
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence, Union
+
+from torch import Tensor
+from transformer_lens import ActivationCache, HookedRootModule
+
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentTypeError, HookNameError, InputError
+
+NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
+
+
+def hook_list(hooks: Any, name: str) -> list[tuple[Any, Callable]]:
+    """TL's `[(name_or_filter, fn), ...]`; a lone pair (a common slip) is an error, not a silent char-split."""
+    if not isinstance(hooks, (list, tuple)):
+        raise ArgumentTypeError(f"{name}={validate.describe(hooks)} is invalid: expected a list of (hook name, "
+                                f"function) pairs.", argument=name, value=hooks, allowed="a list of pairs")
+    if len(hooks) == 2 and isinstance(hooks[0], str) and callable(hooks[1]):
+        raise ArgumentTypeError(f"{name}={validate.describe(hooks)} is one pair, not a list of pairs: write "
+                                f"{name}=[(name, fn)].", argument=name, value=hooks, allowed="a list of pairs")
+    out = []
+    for i, pair in enumerate(hooks):
+        ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and (isinstance(pair[0], str) or callable(pair[0])) \
+            and callable(pair[1])
+        if not ok:
+            raise ArgumentTypeError(f"{name}[{i}]={validate.describe(pair)} is invalid: expected a pair (hook name or "
+                                    "filter function, hook function).", argument=f"{name}[{i}]", value=pair,
+                                    allowed="a (str | callable, callable) pair")
+        out.append((pair[0], pair[1]))
+    return out
+
+
+class CheckedHookSurface(HookedRootModule):
+    """TL's hook machinery with names and arguments checked first. Subclasses set `hook_name_hint` (how
+    their names are built) and may extend `check_hook_name` (e.g. opt-in hook points)."""
+
+    hook_name_hint = "names follow TransformerLens, e.g. 'blocks.0.attn.hook_pattern'."
+
+    def check_hook_name(self, name: str) -> None:
+        if name not in self.hook_dict:
+            close = difflib.get_close_matches(name, list(self.hook_dict), n=3, cutoff=0.6)
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise HookNameError(f"no hook point named {name!r}.{hint} List them with `list(model.hook_dict)`; "
+                                f"{self.hook_name_hint}")
+
+    def add_hook(self, name, hook, dir="fwd", is_permanent=False, level=None, prepend=False) -> None:  # type: ignore[override]
+        if isinstance(name, str):
+            self.check_hook_name(name)
+        elif not callable(name):
+            raise ArgumentTypeError(f"hook name {validate.describe(name)} is invalid: expected a hook name (str) or a "
+                                    "filter function on names.", argument="name", value=name,
+                                    allowed="a str or a callable")
+        super().add_hook(name, hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
+
+    def _enable_hook_with_name(self, name: str, hook: Callable, dir) -> None:  # type: ignore[override]
+        self.check_hook_name(name)
+        super()._enable_hook_with_name(name, hook, dir)
+
+    @contextmanager
+    def hooks(self, fwd_hooks: Any = [], bwd_hooks: Any = [], reset_hooks_end: bool = True,  # noqa: B006 (TL's signature)
+              clear_contexts: bool = False) -> Iterator[Any]:
+        """TL's `hooks()` context manager, with the hook lists checked before any hook is added."""
+        fwd_hooks = hook_list(fwd_hooks, "fwd_hooks")
+        bwd_hooks = hook_list(bwd_hooks, "bwd_hooks")
+        validate.boolean(reset_hooks_end, name="reset_hooks_end")
+        validate.boolean(clear_contexts, name="clear_contexts")
+        for name, _ in fwd_hooks + bwd_hooks:
+            if isinstance(name, str):
+                self.check_hook_name(name)
+        with super().hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts) as model:
+            yield model
+
+    def _check_names_filter(self, names_filter: NamesFilter) -> NamesFilter:
+        if names_filter is None or callable(names_filter):
+            return names_filter
+        if isinstance(names_filter, str):
+            self.check_hook_name(names_filter)
+            return names_filter
+        if isinstance(names_filter, (list, tuple)) and all(isinstance(n, str) for n in names_filter):
+            for n in names_filter:
+                self.check_hook_name(n)
+            return list(names_filter)
+        raise ArgumentTypeError(f"names_filter={validate.describe(names_filter)} is invalid: expected None, a hook "
+                                "name, a list of hook names, or a function name -> bool.", argument="names_filter",
+                                value=names_filter, allowed="None, str, list of str or callable")
+
+    def run_with_cache(self, *model_args: Any, names_filter: NamesFilter = None, remove_batch_dim: bool = False,
+                       return_cache_object: bool = True, **kwargs: Any) -> tuple[Any, ActivationCache]:
+        """TL's `run_with_cache`, returning TL's `ActivationCache` (hook names are checked first)."""
+        names_filter = self._check_names_filter(names_filter)
+        validate.boolean(remove_batch_dim, name="remove_batch_dim")
+        validate.boolean(return_cache_object, name="return_cache_object")
+        if remove_batch_dim and model_args and isinstance(model_args[0], Tensor) and model_args[0].ndim == 2 \
+                and model_args[0].shape[0] != 1:
+            raise InputError(f"remove_batch_dim=True needs a batch of one; tokens have batch {model_args[0].shape[0]}.",
+                             argument="remove_batch_dim", value=True, allowed="False for batches larger than 1")
+        out, cache_dict = super().run_with_cache(*model_args, names_filter=names_filter,
+                                                 remove_batch_dim=remove_batch_dim, **kwargs)
+        if return_cache_object:
+            return out, ActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+        return out, cache_dict
