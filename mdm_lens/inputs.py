@@ -26,10 +26,6 @@ from mdm_lens.errors import InputError, InputTypeError
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def _describe(value: Any) -> str:
-    return validate.describe(value)
-
-
 def token_ids(tokens: Any, cfg: MDMConfig, device: torch.device | str) -> Int[Tensor, "batch pos"]:
     """Token ids as a long tensor `[batch, pos]` on `device` (a `[pos]` input is one sequence)."""
     if isinstance(tokens, str) or (isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], str)):
@@ -40,19 +36,19 @@ def token_ids(tokens: Any, cfg: MDMConfig, device: torch.device | str) -> Int[Te
         try:
             tokens = torch.as_tensor(tokens)
         except (TypeError, ValueError, RuntimeError) as e:
-            raise InputTypeError(f"tokens={_describe(tokens)} is invalid: expected an integer tensor [batch, pos] "
+            raise InputTypeError(f"tokens={validate.describe(tokens)} is invalid: expected an integer tensor [batch, pos] "
                                  f"or a (nested) list of ints ({e}).", argument="tokens", value=tokens,
                                  allowed="an integer tensor [batch, pos]") from e
     if tokens.numel() == 0:
-        raise InputError(f"tokens={_describe(tokens)} is empty: expected at least one sequence of at least one "
+        raise InputError(f"tokens={validate.describe(tokens)} is empty: expected at least one sequence of at least one "
                          "token.", argument="tokens", value=tokens, allowed="a non-empty [batch, pos] tensor")
     if tokens.dtype not in _INT_DTYPES:
-        raise InputTypeError(f"tokens={_describe(tokens)} is invalid: expected integer token ids (int64 or int32), "
+        raise InputTypeError(f"tokens={validate.describe(tokens)} is invalid: expected integer token ids (int64 or int32), "
                              f"not {tokens.dtype}.", argument="tokens", value=tokens, allowed="an integer tensor")
     if tokens.ndim == 1:
         tokens = tokens[None]
     if tokens.ndim != 2:
-        raise InputError(f"tokens={_describe(tokens)} is invalid: expected shape [batch, pos] or [pos].",
+        raise InputError(f"tokens={validate.describe(tokens)} is invalid: expected shape [batch, pos] or [pos].",
                          argument="tokens", value=tokens, allowed="[batch, pos]")
     if tokens.shape[1] > cfg.n_ctx:
         raise InputError(f"sequence of {tokens.shape[1]} tokens exceeds the context of {cfg.n_ctx}; "
@@ -71,7 +67,7 @@ def attention_mask(mask: Any, tokens: Tensor, cfg: MDMConfig) -> Int[Tensor, "ba
         warn_leading_pads(tokens, cfg)
         return None
     if not isinstance(mask, Tensor):
-        raise InputTypeError(f"attention_mask={_describe(mask)} is invalid: expected a tensor [batch, pos] of 0/1 "
+        raise InputTypeError(f"attention_mask={validate.describe(mask)} is invalid: expected a tensor [batch, pos] of 0/1 "
                              "(1 = real token, 0 = padding).", argument="attention_mask", value=mask,
                              allowed="a 0/1 tensor [batch, pos]")
     if mask.dtype == torch.bool or mask.dtype in _INT_DTYPES or mask.is_floating_point():
@@ -122,7 +118,7 @@ def explicit_mask(attn_mask: Any, tokens: Tensor) -> Bool[Tensor, "batch 1 query
         return None
     n = tokens.shape[1]
     if not isinstance(attn_mask, Tensor) or attn_mask.dtype != torch.bool:
-        raise InputTypeError(f"attn_mask={_describe(attn_mask)} is invalid: expected a bool tensor [{n}, {n}] or "
+        raise InputTypeError(f"attn_mask={validate.describe(attn_mask)} is invalid: expected a bool tensor [{n}, {n}] or "
                              f"[batch|1, 1, {n}, {n}] (True = may attend).", argument="attn_mask", value=attn_mask,
                              allowed="a bool tensor")
     if attn_mask.ndim == 2:
@@ -148,7 +144,7 @@ def position_ids(value: Any, tokens: Tensor) -> Int[Tensor, "batch pos"]:
         try:
             value = torch.as_tensor(value)
         except (TypeError, ValueError, RuntimeError) as e:
-            raise InputTypeError(f"position_ids={_describe(value)} is invalid: expected an integer tensor "
+            raise InputTypeError(f"position_ids={validate.describe(value)} is invalid: expected an integer tensor "
                                  f"[batch, pos] ({e}).", argument="position_ids", value=value,
                                  allowed="an integer tensor") from e
     if value.dtype not in _INT_DTYPES:
