@@ -169,7 +169,7 @@ def test_drift_and_statistics(S, K, seed, use_commit):
     expect(ArgumentTypeError, "anchors", D.drift, a.long(), r)
     expect(ArgumentError, "received", D.drift, a[:, 0], r[:, 0, 0])         # no step axis
     expect(ArgumentError, "commit_step", D.drift, a, r, commit_step=commit[:, :1].expand(2, K + 1))
-    expect(ArgumentError, "commit_step", D.drift, a, r, commit_step=commit - 5)
+    expect(ArgumentError, "commit_step", D.drift, a, r, commit_step=commit - (S + 1))  # every value < -1
     bad = r.clone()
     bad[0, 0, 0] = math.nan
     expect(NonFiniteError, "received", D.drift, a, bad)
