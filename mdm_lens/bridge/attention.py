@@ -8,7 +8,8 @@ exposes TransformerLens hook points there and runs the same maths as transformer
   function (so an unhooked bridge computes exactly what `attn_implementation="sdpa"` computes);
 * explicit path: scores = q·kᵀ·scaling (+ mask), softmax in fp32 cast back, z = pattern·v — the
   order of operations of transformers' `eager_attention_forward`, so `hook_pattern` equals eager
-  `output_attentions`.
+  `output_attentions` (to fp32 rounding: the heads sharing a kv head run as one matmul instead of
+  over a repeated copy of k and v, and the elementwise steps run in place).
 
 Key axis: every key hook (`hook_rot_k`, `hook_v`, `hook_attn_scores`, `hook_pattern`) is indexed by
 absolute position 0..T-1 of the sequence seen so far. A sliding-window layer whose cache dropped old
@@ -28,6 +29,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from mdm_lens.bridge.taps import TapPoint
+
 HOOKED_ATTENTION = "mdm_lens_hooked"
 _HOOKS_ATTR = "_mdm_lens_attn_hooks"
 
@@ -43,8 +46,8 @@ class AttnHooks(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        for name in ("hook_q", "hook_k", "hook_rot_q", "hook_rot_k", "hook_v", "hook_attn_scores",
-                     "hook_pattern", "hook_z"):
+        self.hook_q, self.hook_k = TapPoint(), TapPoint()  # read off q/k norms or projections (layers.py)
+        for name in ("hook_rot_q", "hook_rot_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z"):
             setattr(self, name, HookPoint())
         self.force_explicit = False  # tests/benchmarks: always take the explicit path
         self.total_keys: int | None = None  # absolute key count of the current pass, set by the bridge
@@ -81,25 +84,30 @@ def _causal_visible(q_len: int, k_len: int, window: int | None, device: torch.de
     return visible
 
 
-def _repeat_kv(x: Tensor, n_rep: int) -> Tensor:
-    """[b, g, k, d] → [b, g·n_rep, k, d], head j reading kv head j // n_rep (transformers' order)."""
-    if n_rep == 1:
-        return x
-    b, g, k, d = x.shape
-    return x[:, :, None].expand(b, g, n_rep, k, d).reshape(b, g * n_rep, k, d)
+def _grouped_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """`a [batch, head, q, ·] @ b [batch, kv_head, ·, n]` → `[batch, head, q, n]`, head j reading kv head
+    j // (head / kv_head) (transformers' `repeat_kv` order) without materialising the repeated k or v:
+    the heads sharing a kv head are stacked along the rows of one matmul."""
+    batch, heads, rows, inner = a.shape
+    groups = b.shape[1]
+    if groups == heads:
+        return torch.matmul(a, b)
+    out = torch.matmul(a.reshape(batch, groups, (heads // groups) * rows, inner), b)
+    return out.view(batch, heads, rows, out.shape[-1])
 
 
 def _scores(hooks: AttnHooks, q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, softcap: float | None,
             is_causal: bool, window: int | None, pad: int) -> Float[Tensor, "batch head query key"]:
-    scores = torch.matmul(q, _repeat_kv(k, q.shape[1] // k.shape[1]).transpose(2, 3)) * scaling
+    # in place where eager allocates: same operations in the same order, so the same bits
+    scores = _grouped_matmul(q, k.transpose(2, 3)).mul_(scaling)
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+        scores = torch.tanh(scores / softcap).mul_(softcap)
     low = torch.finfo(scores.dtype).min  # as eager's additive mask: a fully masked row stays uniform, not NaN
     if mask is not None:
         mask = mask[..., : k.shape[2]]
-        scores = scores.masked_fill(~mask, low) if mask.dtype == torch.bool else scores + mask
+        scores = scores.masked_fill_(~mask, low) if mask.dtype == torch.bool else scores.add_(mask)
     elif is_causal and q.shape[2] > 1:
-        scores = scores.masked_fill(~_causal_visible(q.shape[2], k.shape[2], window, q.device), low)
+        scores = scores.masked_fill_(~_causal_visible(q.shape[2], k.shape[2], window, q.device), low)
     return _left_pad(scores, pad, dim=-1, value=low)
 
 
@@ -130,7 +138,7 @@ def hooked_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
                                                 sliding_window, pad))
         pattern = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         pattern = hooks.hook_pattern(pattern)[..., pad:]
-        z = torch.matmul(pattern, _repeat_kv(value, query.shape[1] // value.shape[1])).transpose(1, 2)
+        z = _grouped_matmul(pattern, value).transpose(1, 2)
     else:
         z, pattern = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                             is_causal=is_causal, **kwargs)

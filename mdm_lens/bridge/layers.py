@@ -4,6 +4,10 @@ TL has a name; the submodules (attention, norms, MLP, router, experts) are trans
 
 Two layer shapes are covered: Gemma-4 style (DiffusionGemma encoder and decoder layers: post-norms,
 a dense MLP beside a routed MoE, a layer scalar) and Llama style (Llama, Qwen2, Mistral, …).
+
+Speed: a layer none of whose hook points is hooked runs transformers' own forward (the wrapper
+costs ~2% of a forward in Python calls), and the taps on submodule outputs (q/k, router logits,
+norms, embeddings) are torch hooks only while hooked (`mdm_lens.bridge.taps`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from mdm_lens.bridge.attention import AttnHooks, attach, detach, hooked
+from mdm_lens.bridge.taps import TapPoint
 
 
 def _h(hp: HookPoint, x: Tensor) -> Tensor:
@@ -24,7 +29,7 @@ def _h(hp: HookPoint, x: Tensor) -> Tensor:
 class NormHooks(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.hook_out = HookPoint()  # the norm's output, weight applied (TL's hook_normalized is before it)
+        self.hook_out = TapPoint()  # the norm's output, weight applied (TL's hook_normalized is before it)
 
 
 class MLPHooks(nn.Module):
@@ -40,10 +45,10 @@ class MLPHooks(nn.Module):
             setattr(self, name, HookPoint())
         self.moe = moe
         if moe:
-            for name in ("hook_router_logits", "hook_expert_indices", "hook_expert_weights", "hook_dense_out",
-                         "hook_experts_out"):
+            self.hook_router_logits = TapPoint()
+            for name in ("hook_expert_indices", "hook_expert_weights", "hook_dense_out", "hook_experts_out"):
                 setattr(self, name, HookPoint())
-        self.token_shape: tuple[int, ...] = ()
+        self.__dict__["token_shape"] = ()  # plain attribute: set on every MoE layer call
 
 
 class BlockHooks(nn.Module):
@@ -54,6 +59,15 @@ class BlockHooks(nn.Module):
         self.ln1, self.ln2 = NormHooks(), NormHooks()
         self.attn = AttnHooks()
         self.mlp = MLPHooks(moe)
+        # the points only the hooked layer forward fires; attention points fire inside the attention
+        # function and taps on their own modules, whichever layer forward runs
+        inner = set(self.attn.modules())
+        self.__dict__["_points"] = [m for m in self.modules() if isinstance(m, HookPoint) and m not in inner
+                                    and not isinstance(m, TapPoint)]
+
+    def active(self) -> bool:
+        """Something hooks a point that needs the hooked layer forward."""
+        return any(hp.fwd_hooks or hp.bwd_hooks for hp in self._points)
 
 
 def gated_mlp(mlp: nn.Module, hooks: MLPHooks, x: Float[Tensor, "batch pos d_model"]) -> Tensor:
@@ -79,7 +93,7 @@ def gemma_layer_forward(layer: nn.Module, hooks: BlockHooks, hidden_states: Tens
     dense = layer.post_feedforward_layernorm_1(gated_mlp(layer.mlp, hooks.mlp, x))
     flat = residual.reshape(-1, residual.shape[-1])  # routing reads the residual, as in transformers
     experts_in = layer.pre_feedforward_layernorm_2(flat)
-    hooks.mlp.token_shape = tuple(residual.shape[:-1])
+    hooks.mlp.__dict__["token_shape"] = tuple(residual.shape[:-1])
     _, weights, index = layer.router(flat)
     tok = hooks.mlp.token_shape
     if hooked(hooks.mlp.hook_expert_indices):
@@ -90,7 +104,8 @@ def gemma_layer_forward(layer: nn.Module, hooks: BlockHooks, hidden_states: Tens
     dense = _h(hooks.mlp.hook_dense_out, dense)
     experts = _h(hooks.mlp.hook_experts_out, experts)
     mlp_out = _h(hooks.hook_mlp_out, layer.post_feedforward_layernorm(dense + experts))
-    hidden_states = (residual + mlp_out) * layer.layer_scalar
+    hidden_states = residual + mlp_out
+    hidden_states *= layer.layer_scalar  # in place, as transformers
     return _h(hooks.hook_resid_post, hidden_states)
 
 
@@ -124,28 +139,34 @@ def _output_hook(hp: HookPoint, shape: Callable[[Tensor, Any], tuple[int, ...]] 
     return fn
 
 
-def wrap_layer(layer: nn.Module, hooks: BlockHooks, style: str) -> list[Any]:
-    """Install the hooked forward on one transformers layer; returns handles for `unwrap_layer`."""
-    forward = gemma_layer_forward if style == "gemma" else llama_layer_forward
-    layer.forward = lambda *a, **kw: forward(layer, hooks, *a, **kw)  # instance attribute: nn.Module calls it
+def tap(point: TapPoint, module: nn.Module, shape: Callable[[Tensor, Any], tuple[int, ...]] | None = None) -> TapPoint:
+    point.bind(module, _output_hook(point, shape))
+    return point
+
+
+def wrap_layer(layer: nn.Module, hooks: BlockHooks, style: str) -> list[TapPoint]:
+    """Install the hooked forward on one transformers layer; returns the taps for `unwrap_layer`."""
+    hooked_forward = gemma_layer_forward if style == "gemma" else llama_layer_forward
+    own_forward = type(layer).forward
+
+    def forward(*a: Any, **kw: Any) -> Any:
+        if hooks.active():
+            return hooked_forward(layer, hooks, *a, **kw)
+        return own_forward(layer, *a, **kw)
+
+    layer.forward = forward  # instance attribute: nn.Module calls it
     attn = layer.self_attn
     attach(attn, hooks.attn)
-    handles = []
     if style == "gemma":  # q/k after their RMSNorm, before RoPE: [batch, pos, head, d_head] already
-        handles.append(attn.q_norm.register_forward_hook(_output_hook(hooks.attn.hook_q)))
-        handles.append(attn.k_norm.register_forward_hook(_output_hook(hooks.attn.hook_k)))
         router_shape = lambda out, m: (*hooks.mlp.token_shape, out.shape[-1])  # noqa: E731
-        handles.append(layer.router.proj.register_forward_hook(_output_hook(hooks.mlp.hook_router_logits,
-                                                                            router_shape)))
-    else:
-        head_shape = lambda out, m: (*out.shape[:-1], -1, attn.head_dim)  # noqa: E731
-        handles.append(attn.q_proj.register_forward_hook(_output_hook(hooks.attn.hook_q, head_shape)))
-        handles.append(attn.k_proj.register_forward_hook(_output_hook(hooks.attn.hook_k, head_shape)))
-    return handles
+        return [tap(hooks.attn.hook_q, attn.q_norm), tap(hooks.attn.hook_k, attn.k_norm),
+                tap(hooks.mlp.hook_router_logits, layer.router.proj, router_shape)]
+    head_shape = lambda out, m: (*out.shape[:-1], -1, attn.head_dim)  # noqa: E731
+    return [tap(hooks.attn.hook_q, attn.q_proj, head_shape), tap(hooks.attn.hook_k, attn.k_proj, head_shape)]
 
 
-def unwrap_layer(layer: nn.Module, handles: list[Any]) -> None:
+def unwrap_layer(layer: nn.Module, taps: list[TapPoint]) -> None:
     layer.__dict__.pop("forward", None)
     detach(layer.self_attn)
-    for h in handles:
-        h.remove()
+    for t in taps:
+        t.unbind()

@@ -35,7 +35,8 @@ from transformer_lens.hook_points import HookPoint
 
 from mdm_lens import validate
 from mdm_lens.bridge.attention import AttnHooks, register
-from mdm_lens.bridge.layers import BlockHooks, NormHooks, _output_hook, unwrap_layer, wrap_layer
+from mdm_lens.bridge.layers import BlockHooks, NormHooks, tap, unwrap_layer, wrap_layer
+from mdm_lens.bridge.taps import TapPoint
 from mdm_lens.bridge.spec import describe
 from mdm_lens.errors import InputError
 from mdm_lens.hook_surface import CheckedHookSurface
@@ -56,28 +57,28 @@ class TransformersBridge(CheckedHookSurface):
         self.hf = hf_model.eval()
         self.hf.set_attn_implementation(register())
         self.blocks = nn.ModuleList(BlockHooks(spec.moe) for _ in spec.decoder_layers)
-        self.hook_embed = HookPoint()
+        self.hook_embed = TapPoint()
         self.ln_final = NormHooks()
-        self._handles: list[Any] = []
+        self._taps: list[TapPoint] = []
         if spec.encoder_layers is not None:
             self.encoder = nn.ModuleList(BlockHooks(spec.moe) for _ in spec.encoder_layers)
-            self.hook_encoder_embed, self.encoder_ln_final = HookPoint(), NormHooks()
-            self.hook_soft_embed = HookPoint()
+            self.hook_encoder_embed, self.encoder_ln_final = TapPoint(), NormHooks()
+            self.hook_soft_embed = TapPoint()
             self._wrap(spec.encoder_layers, self.encoder, spec.encoder_embed, self.hook_encoder_embed,
                        spec.encoder_norm, self.encoder_ln_final)
-            self._handles.append(spec.self_conditioning.register_forward_pre_hook(self._soft_embed_hook))
+            self.hook_soft_embed.bind(spec.self_conditioning, self._soft_embed_hook, pre=True)
+            self._taps.append(self.hook_soft_embed)
         self._wrap(spec.decoder_layers, self.blocks, spec.decoder_embed, self.hook_embed, spec.decoder_norm,
                    self.ln_final)
         self.state: Any = None  # the sampler's DenoisingState while a denoising step runs
         self.setup()
 
-    def _wrap(self, layers: Sequence[nn.Module], hooks: nn.ModuleList, embed: nn.Module, hook_embed: HookPoint,
+    def _wrap(self, layers: Sequence[nn.Module], hooks: nn.ModuleList, embed: nn.Module, hook_embed: TapPoint,
               norm: nn.Module, ln: NormHooks) -> None:
         self._layer_handles = getattr(self, "_layer_handles", [])
         for layer, h in zip(layers, hooks):
             self._layer_handles.append((layer, wrap_layer(layer, h, self.spec.style)))
-        self._handles.append(embed.register_forward_hook(_output_hook(hook_embed)))
-        self._handles.append(norm.register_forward_hook(_output_hook(ln.hook_out)))
+        self._taps += [tap(hook_embed, embed), tap(ln.hook_out, norm)]
 
     def _soft_embed_hook(self, module: nn.Module, args: tuple) -> tuple | None:
         if not (self.hook_soft_embed.fwd_hooks or self.hook_soft_embed.bwd_hooks):
@@ -98,10 +99,10 @@ class TransformersBridge(CheckedHookSurface):
 
     def unbridge(self) -> nn.Module:
         """Remove every wrapper and hook from the transformers model and return it (SDPA attention)."""
-        for layer, handles in self._layer_handles:
-            unwrap_layer(layer, handles)
-        for h in self._handles:
-            h.remove()
+        for layer, taps in self._layer_handles:
+            unwrap_layer(layer, taps)
+        for t in self._taps:
+            t.unbind()
         self.hf.set_attn_implementation("sdpa")
         return self.hf
 

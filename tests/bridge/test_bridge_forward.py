@@ -196,3 +196,47 @@ def test_bridge_shares_the_checked_hook_surface():
     assert not any(hp.fwd_hooks for hp in bridge.hook_dict.values())
     _, cache = bridge.run_with_cache(ids, decoder_input_ids=canvas, names_filter="blocks.0.attn.hook_pattern")
     assert list(cache.keys()) == ["blocks.0.attn.hook_pattern"]
+
+
+def _torch_hooks(module) -> int:
+    return len(module._forward_hooks) + len(module._forward_pre_hooks)
+
+
+def test_unhooked_layers_run_transformers_own_code_and_taps_come_and_go():
+    """Speed paths: a block with no hook runs transformers' own layer forward, and submodule taps are torch
+    hooks only while hooked. Both must leave the numbers as they were."""
+    ref, bridge = _pair()
+    ids, canvas = _inputs()
+    dec = bridge.hf.model.decoder
+    q_norm, router = dec.layers[1].self_attn.q_norm, dec.layers[1].router.proj
+    assert _torch_hooks(q_norm) == _torch_hooks(router) == _torch_hooks(dec.norm) == 0
+    seen = []
+    with torch.no_grad(), bridge.hooks(fwd_hooks=[("blocks.1.attn.hook_q", lambda x, hook: seen.append(x.clone())),
+                                                  ("blocks.1.mlp.hook_router_logits", lambda x, hook: x)]):
+        assert _torch_hooks(q_norm) == 1 and _torch_hooks(router) == 1
+        assert not bridge.blocks[1].active()                # attention points and taps need no wrapper
+        bridge.add_hook("blocks.1.hook_mlp_out", lambda x, hook: seen.append(x.shape))
+        assert bridge.blocks[1].active() and not bridge.blocks[0].active()
+        mixed = bridge(ids, decoder_input_ids=canvas)      # block 1 wrapped, blocks 0 and 2 transformers'
+        assert seen[-1] == (2, 8, 32)
+    assert _torch_hooks(q_norm) == _torch_hooks(router) == 0   # the context's own hooks are gone
+    bridge.reset_hooks()                                     # and the one added by hand
+    assert not bridge.blocks[1].active()
+    assert seen and seen[0].shape == (2, 8, 4, 16)          # [batch, canvas, head, d_head]: layer 1 is full (hd 16)
+    with torch.no_grad():
+        plain = bridge(ids, decoder_input_ids=canvas)
+        theirs = ref(input_ids=ids, decoder_input_ids=canvas).logits
+        # every block through the hooked wrapper: a hook on each block that returns nothing
+        names = [n for n in bridge.hook_dict if n.startswith("blocks.") and ".attn." not in n
+                 and "router_logits" not in n]
+        fired = []
+        wrapped = bridge.run_with_hooks(ids, decoder_input_ids=canvas,
+                                        fwd_hooks=[(n, lambda x, hook: fired.append(hook.name)) for n in names])
+        assert sorted(fired) == sorted(names)               # every wrapper point fires, once
+    assert torch.equal(plain, theirs)                        # unhooked: transformers' code, the same bits
+    assert torch.equal(mixed, theirs) and torch.equal(wrapped, theirs)  # the wrapper is line for line
+    # unbridge removes the taps too
+    bridge.add_hook("ln_final.hook_out", lambda x, hook: x)
+    assert _torch_hooks(dec.norm) == 1
+    bridge.unbridge()
+    assert _torch_hooks(dec.norm) == 0 and "forward" not in dec.layers[1].__dict__
