@@ -153,7 +153,7 @@ def knockout_effect(layers_or_conditions: Sequence[Any], anchor_effect: Any, ran
     if not (len(cats) == a.size == r.size):
         raise ValueError(f"{len(cats)} conditions, {a.size} anchor effects, {r.size} random effects.")
     K = len(cats)
-    fig = _new((float(np.clip(0.42 * K + 3.2, 5.0, 16.0)), 3.6))
+    fig = _new((float(np.clip(0.42 * K + 3.2, 5.6, 16.0)), 3.8))
     ax = fig.add_subplot()
     x = np.arange(K)
     w = 0.38
@@ -162,9 +162,10 @@ def knockout_effect(layers_or_conditions: Sequence[Any], anchor_effect: Any, ran
                 label=labels[0], error_kw=ekw)
     b2 = ax.bar(x + w / 2, r, w, yerr=None if random_err is None else _np(random_err), color=RANDOM_COLOR,
                 label=labels[1], error_kw=ekw)
-    if show_values:
-        for bars in (b1, b2):
-            ax.bar_label(bars, fmt="%.2g", fontsize=6.5, padding=2, color="0.25")
+    if show_values:  # two decimals, and a plain 0.00 for float noise (not "1.7e-06")
+        for bars, v in ((b1, a), (b2, r)):
+            ax.bar_label(bars, labels=[f"{0.0 if abs(x) < 5e-3 else x:.2f}" for x in v], fontsize=6.5, padding=2,
+                         color="0.25")
     ax.axhline(0, color="0.2", linewidth=0.8)
     ax.set_xticks(x)
     ax.set_xticklabels(cats, rotation=45 if K > 10 or max(len(c) for c in cats) > 8 else 0,
@@ -175,7 +176,8 @@ def knockout_effect(layers_or_conditions: Sequence[Any], anchor_effect: Any, ran
     ax.set_xlabel(xlabel)
     ax.grid(axis="y")
     ax.set_title(title, loc="left")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    # below the axes: beside them, a two-model figure spent half its width on the legend
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16 if ax.get_xlabel() else -0.08), ncol=2, frameon=False)
     return save(fig, path)
 
 
@@ -225,5 +227,6 @@ def accuracy_curves(x: Sequence[Any], series: Mapping[str, Any], xlabel: str = "
     ax.set_ylabel(ylabel)
     ax.grid(axis="y")
     ax.set_title(title, loc="left")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    # below the axes: beside them, a two-model figure spent half its width on the legend
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16 if ax.get_xlabel() else -0.08), ncol=2, frameon=False)
     return save(fig, path)

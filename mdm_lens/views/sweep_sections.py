@@ -83,6 +83,11 @@ def flow_section(sweeps: Sequence[Any], img: Path) -> Section | None:
                    finding="Measured: " + "; ".join(finds) + ".")
 
 
+def _per_item(t: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """[item, condition] values of one knockout metric (mean over steps for per-step metrics)."""
+    return t[t.metric == metric].pivot_table(index="item_id", columns="condition", values="value")
+
+
 def knockout_section(sweeps: Sequence[Any], img: Path) -> Section | None:
     have = [s for s in sweeps if s.table("knockout") is not None]
     if not have:
@@ -90,32 +95,40 @@ def knockout_section(sweeps: Sequence[Any], img: Path) -> Section | None:
     labels, a_eff, r_eff, a_err, r_err, rows, finds, empty = [], [], [], [], [], [], [], []
     for s in have:
         t = s.table("knockout")
-        mm = t[t.metric == "metric_mean"].pivot_table(index="item_id", columns="condition", values="value")
-        ag = t[t.metric == "agreement"].groupby("condition")["value"].mean()
-        nt = t[t.metric == "n_targets"].groupby("condition")["value"].mean()
-        da, dr = mm["clean"] - mm["anchors"], mm["clean"] - mm.get("random", mm["clean"])
+        lp = _per_item(t, "answer_logprob")
+        # drop of the gold answer's log-prob along the run's own path: clean − knockout (> 0: the knockout hurts)
+        da, dr = lp["clean"] - lp["anchors"], lp["clean"] - lp.get("random", lp["clean"])
+        means = {m: t[t.metric == m].groupby("condition")["value"].mean()
+                 for m in ("tf_answer_logprob_mean", "answer_rank", "exact_match", "agreement", "n_targets")}
         labels.append(s.label)
         a_eff.append(float(da.mean()))
         r_eff.append(float(dr.mean()))
         a_err.append(float(da.std(ddof=0)))
         r_err.append(float(dr.std(ddof=0)))
-        for cond in mm.columns:
-            rows.append({"model": s.label, "condition": cond, "logit margin": float(mm[cond].mean()),
-                         "agreement with clean": float(ag.get(cond, np.nan)),
-                         "keys knocked per row": float(nt.get(cond, np.nan)), "items": len(mm)})
-        finds.append(f"{s.label}: knocking out anchors lowers the committed-token margin by {da.mean():.2f} vs "
-                     f"{dr.mean():.2f} for random keys, agreement {ag.get('anchors', np.nan):.2f} vs "
-                     f"{ag.get('random', np.nan):.2f}")
-        if float(nt.get("anchors", 0.0)) == 0.0:
+        for cond in lp.columns:
+            rows.append({"model": s.label, "condition": cond, "answer log-prob": float(lp[cond].mean()),
+                         "teacher-forced answer log-prob": float(means["tf_answer_logprob_mean"].get(cond, np.nan)),
+                         "gold rank": float(means["answer_rank"].get(cond, np.nan)),
+                         "exact match": float(means["exact_match"].get(cond, np.nan)),
+                         "agreement with clean": float(means["agreement"].get(cond, np.nan)),
+                         "keys knocked per row": float(means["n_targets"].get(cond, np.nan)), "items": len(lp)})
+        em = means["exact_match"]
+        finds.append(f"{s.label}: knocking out anchors lowers the gold answer's log-prob by {da.mean():.2f} nats vs "
+                     f"{dr.mean():.2f} for random keys; exact match {em.get('clean', np.nan):.2f} clean, "
+                     f"{em.get('anchors', np.nan):.2f} anchors, {em.get('random', np.nan):.2f} random")
+        if float(means["n_targets"].get("anchors", 0.0)) == 0.0:
             empty.append(s.label)
     path = img / "knockout.png"
     figures.knockout_effect(labels, a_eff, r_eff, a_err, r_err, path=path, xlabel="model", show_values=True,
-                            ylabel="drop of committed-token logit margin",
+                            ylabel="drop of gold-answer log-prob (nats)",
                             title="Knocking out anchors vs the same number of random keys (± std over items)")
     text = ("At every step and layer the scores from the still-masked (readout) queries to the detected anchors are "
-            "set to −∞; the control removes as many random visible keys. Effect = drop of the committed token's "
-            "logit margin (teacher-forced on the clean trajectory); agreement = share of generated tokens unchanged "
-            "after sampling with the knockout.")
+            "set to −∞; the control removes as many random visible keys. Effect = clean − knockout log-probability "
+            "of the gold answer, summed over its tokens, each read at the step that committed it in the knocked-out "
+            "run (the log-probability the sampler gave the answer along its own path; > 0 means the knockout hurts). "
+            "The table adds the teacher-forced log-prob (gold placed in the clean run's canvases), the gold tokens' "
+            "mean rank (0 = argmax), exact match of the generated answer, and the share of generated tokens "
+            "unchanged from the clean run.")
     if empty:
         text += (f" Bars at 0 for {', '.join(empty)}: the detector found no anchors there, so nothing was knocked "
                  "out and the random control removed nothing either.")
