@@ -29,7 +29,8 @@ def retrieval_heatmap(scores: Any, title: str = "Retrieval score per head", thre
     L, H = s.shape
     cell = float(np.clip(7.0 / max(L, H), 0.14, 0.42))
     fig = _new((H * cell + 3.2, L * cell + 1.3))
-    gs = fig.add_gridspec(1, 2, width_ratios=(H, max(4.0, H * 0.22)), wspace=0.02)
+    # the side strip at ~1/4 of the map (at least 1.6 head-widths): a fixed 4 made it as wide as a 4-head map
+    gs = fig.add_gridspec(1, 2, width_ratios=(H, max(1.6, H * 0.25)), wspace=0.08)
     ax = fig.add_subplot(gs[0])
     side = fig.add_subplot(gs[1], sharey=ax)
     cm = matplotlib.colormaps[cmap].with_extremes(bad="0.9")
@@ -54,7 +55,7 @@ def retrieval_heatmap(scores: Any, title: str = "Retrieval score per head", thre
     side.set_xlim(0, 1)
     side.set_xticks([0, 0.5, 1])
     side.tick_params(labelleft=False)
-    side.set_xlabel("layer mean\n● frac > thr")
+    side.set_xlabel("layer mean\n(● share > thr)")
     side.grid(axis="x")
     side.set_ylim(L - 0.5, -0.5)
     cb = fig.colorbar(im, ax=[ax, side], fraction=0.04, pad=0.02)
@@ -81,7 +82,7 @@ def region_flow(rows: Mapping[str, Any], region_labels: Sequence[str], gold_inde
     if M.shape[1] != R:
         raise ValueError(f"rows have {M.shape[1]} regions, region_labels {R}.")
     gold_index = dict(gold_index or {})
-    labels = [_short(x, 14) for x in region_labels]
+    labels = [_short(x, 20) for x in region_labels]  # 14 cut "other docs (mean)" to "other docs (m…"
     if kind == "heatmap":
         fig = _new((float(np.clip(0.62 * R + 2.8, 5.5, 16)), 0.52 * len(names) + 1.9))
         ax = fig.add_subplot()
@@ -133,8 +134,9 @@ def region_flow(rows: Mapping[str, Any], region_labels: Sequence[str], gold_inde
     ax.set_title(title, loc="left")
     if handles and kind == "bars":
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), borderaxespad=0.2)
-    elif handles:
-        ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), borderaxespad=0.2)
+    elif handles:  # beside the colour bar's foot, clear of the title (above the axes it overlapped it)
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, -0.02), borderaxespad=0.2, frameon=False,
+                  handlelength=1.2)
     return save(fig, path)
 
 
