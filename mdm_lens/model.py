@@ -93,6 +93,7 @@ class HookedMDM(CheckedHookSurface):
         super().__init__()
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.chat_template: Any = None  # mdm_lens.chat.ChatTemplate, read from the checkpoint's tokenizer files
         self.embed = Embed(cfg)
         self.hook_embed = HookPoint()
         self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))

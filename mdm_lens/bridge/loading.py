@@ -68,4 +68,9 @@ def load_bridge(cls: type, name_or_path: str, *, dtype: torch.dtype | str = torc
     if architecture is None:
         raise ConfigError(f"{folder}/config.json names no architecture the bridge serves ({', '.join(FAMILY)}).")
     model = load_hf(folder, architecture, dtype=dtype, device=device, device_map=device_map)
-    return cls(model, tokenizer=_load_tokenizer(folder) if load_tokenizer else None)
+    bridge = cls(model, tokenizer=_load_tokenizer(folder) if load_tokenizer else None)
+    if load_tokenizer:
+        from mdm_lens.chat import read_chat_template
+
+        bridge.chat_template = read_chat_template(folder)
+    return bridge

@@ -54,6 +54,7 @@ class TransformersBridge(CheckedHookSurface):
         super().__init__()
         spec = describe(hf_model)
         self.spec, self.cfg, self.tokenizer = spec, spec.cfg, tokenizer
+        self.chat_template: Any = None  # mdm_lens.chat.ChatTemplate, read from the checkpoint's tokenizer files
         self.hf = hf_model.eval()
         self.hf.set_attn_implementation(register())
         self.blocks = nn.ModuleList(BlockHooks(spec.moe) for _ in spec.decoder_layers)

@@ -9,8 +9,10 @@ Templates (``--template``, default ``auto``):
   ``Passage i:\\n{text}`` for the first ``max_passages`` (5) passages, then ``Question: {q}\\nAnswer:``
   (LLaDA: ``Question: {q}\\n\\nShort Answer:``, as its released prompt). No passages → the placeholder
   ``No relevant context available.``; the no-context variant uses the placeholder too.
-- ``chat``: the ``rag`` text as the user turn of the tokenizer's chat template (generation prompt added).
-- ``auto``: ``zoo`` for ``mdm_lens`` twins, ``chat`` where the tokenizer has a chat template, else ``rag``.
+- ``chat``: the ``rag`` text as the user turn of the checkpoint's chat template (generation prompt added),
+  read from ``chat_template.jinja`` / ``tokenizer_config.json`` by ``mdm_lens.chat`` (``tokenizer.json`` has
+  none), or a transformers tokenizer's own. A model without one raises ``InputError`` naming ``template``.
+- ``auto``: ``zoo`` for ``mdm_lens`` twins, ``chat`` where the checkpoint has a chat template, else ``rag``.
 
 Plain ``{id, prompt}`` lines are used verbatim by every template (no spans, so the probes that need the
 passages, ``retrieval`` and ``flow``, refuse them, and ``accuracy`` needs answers).
@@ -23,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mdm_lens import tokenization
+from mdm_lens.chat import has_chat_template, render_user_turn
 from mdm_lens.sweep.items import SweepItem
 from mdm_lens.zoo import data as D
 
@@ -51,8 +54,7 @@ def resolve_template(model: Any, template: str) -> str:
         return template
     if model.cfg.family == "mdm_lens":
         return "zoo"
-    tok = model.tokenizer
-    return "chat" if getattr(tok, "chat_template", None) else "rag"
+    return "chat" if has_chat_template(model) else "rag"
 
 
 def _answer_span(passage: str, start: int, answers: tuple[str, ...]) -> tuple[int, int] | None:
@@ -140,11 +142,6 @@ def _shift(qa: D.QAItem, text: str, offset: int) -> D.QAItem:
                    evidence_span=mv(qa.evidence_span))
 
 
-def _chat(tokenizer: Any, content: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
-
-
 def encode_with_offsets(model: Any, text: str, template: str) -> tuple[list[int], list[tuple[int, int]]]:
     """Token ids and char offsets of ONE tokenisation (regions and needles come from these offsets)."""
     tok = tokenization.require(model.tokenizer)
@@ -170,7 +167,7 @@ def render(model: Any, item: SweepItem, template: str, context: bool = True, max
     else:
         qa = _rag(item, context, model.cfg.family, max_passages)
         if template == "chat":
-            full = _chat(model.tokenizer, qa.prompt)
+            full = render_user_turn(model, qa.prompt)
             at = full.find(qa.prompt)
             qa = _shift(qa, full, at) if at >= 0 else replace(qa, prompt=full, passage_spans=[], marker_spans=[],
                                                                evidence_span=None, gold_index=None)
