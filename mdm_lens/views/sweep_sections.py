@@ -83,6 +83,11 @@ def flow_section(sweeps: Sequence[Any], img: Path) -> Section | None:
                    finding="Measured: " + "; ".join(finds) + ".")
 
 
+def _2f(x: float) -> str:
+    """Two decimals, float noise (±1e-6) as 0.00 rather than -0.00."""
+    return f"{0.0 if abs(x) < 5e-3 else x:.2f}"
+
+
 def _per_item(t: pd.DataFrame, metric: str) -> pd.DataFrame:
     """[item, condition] values of one knockout metric (mean over steps for per-step metrics)."""
     return t[t.metric == metric].pivot_table(index="item_id", columns="condition", values="value")
@@ -113,8 +118,8 @@ def knockout_section(sweeps: Sequence[Any], img: Path) -> Section | None:
                          "agreement with clean": float(means["agreement"].get(cond, np.nan)),
                          "keys knocked per row": float(means["n_targets"].get(cond, np.nan)), "items": len(lp)})
         em = means["exact_match"]
-        finds.append(f"{s.label}: knocking out anchors lowers the gold answer's log-prob by {da.mean():.2f} nats vs "
-                     f"{dr.mean():.2f} for random keys; exact match {em.get('clean', np.nan):.2f} clean, "
+        finds.append(f"{s.label}: knocking out anchors lowers the gold answer's log-prob by {_2f(da.mean())} nats vs "
+                     f"{_2f(dr.mean())} for random keys; exact match {em.get('clean', np.nan):.2f} clean, "
                      f"{em.get('anchors', np.nan):.2f} anchors, {em.get('random', np.nan):.2f} random")
         if float(means["n_targets"].get("anchors", 0.0)) == 0.0:
             empty.append(s.label)
