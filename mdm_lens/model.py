@@ -256,6 +256,11 @@ class HookedMDM(CheckedHookSurface):
         return self.embed.W_E
 
     @property
+    def input_device(self) -> torch.device:
+        """Where token ids go (the embedding's device)."""
+        return self.embed.W_E.device
+
+    @property
     def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
         return self.unembed.W_U
 

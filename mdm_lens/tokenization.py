@@ -79,7 +79,7 @@ def to_tokens(model: Any, text: Any, prepend_bos: bool | None, padding_side: str
         sl = slice(width - len(r), width) if padding_side == "left" else slice(0, len(r))
         ids[i, sl] = torch.tensor(r, dtype=torch.long)
         am[i, sl] = 1
-    device = model.W_E.device
+    device = model.input_device
     return (ids.to(device), am.to(device)) if return_attention_mask else ids.to(device)
 
 

@@ -147,14 +147,19 @@ def tap(point: TapPoint, module: nn.Module, shape: Callable[[Tensor, Any], tuple
 def wrap_layer(layer: nn.Module, hooks: BlockHooks, style: str) -> list[TapPoint]:
     """Install the hooked forward on one transformers layer; returns the taps for `unwrap_layer`."""
     hooked_forward = gemma_layer_forward if style == "gemma" else llama_layer_forward
-    own_forward = type(layer).forward
+    # accelerate (device_map across devices, offloading) wraps a layer's forward as `_hf_hook.pre_forward →
+    # _old_forward → post_forward`, which moves the inputs to the layer's device and loads offloaded weights:
+    # ours goes in as `_old_forward`, inside those hooks. Replacing `forward` would skip them.
+    slot = "_old_forward" if hasattr(layer, "_hf_hook") and "_old_forward" in layer.__dict__ else "forward"
+    own_forward = getattr(layer, slot) if slot == "_old_forward" else type(layer).forward.__get__(layer)
 
     def forward(*a: Any, **kw: Any) -> Any:
         if hooks.active():
             return hooked_forward(layer, hooks, *a, **kw)
-        return own_forward(layer, *a, **kw)
+        return own_forward(*a, **kw)
 
-    layer.forward = forward  # instance attribute: nn.Module calls it
+    forward.mdm_lens_restore = (slot, own_forward if slot == "_old_forward" else None)  # for unwrap_layer
+    setattr(layer, slot, forward)  # an instance attribute: nn.Module (or accelerate's new_forward) calls it
     attn = layer.self_attn
     attach(attn, hooks.attn)
     if style == "gemma":  # q/k after their RMSNorm, before RoPE: [batch, pos, head, d_head] already
@@ -166,7 +171,14 @@ def wrap_layer(layer: nn.Module, hooks: BlockHooks, style: str) -> list[TapPoint
 
 
 def unwrap_layer(layer: nn.Module, taps: list[TapPoint]) -> None:
-    layer.__dict__.pop("forward", None)
+    for slot in ("_old_forward", "forward"):
+        fn = layer.__dict__.get(slot)
+        restore = getattr(fn, "mdm_lens_restore", None)
+        if restore is not None:
+            if restore[1] is None:
+                del layer.__dict__[slot]
+            else:
+                layer.__dict__[slot] = restore[1]
     detach(layer.self_attn)
     for t in taps:
         t.unbind()

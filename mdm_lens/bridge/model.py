@@ -166,7 +166,7 @@ class TransformersBridge(CheckedHookSurface):
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.cfg.d_vocab:
             raise InputError(f"{name} must lie in [0, {self.cfg.d_vocab}), got range [{lo}, {hi}].")
-        return ids.to(self.W_E.device)
+        return ids.to(self.input_device)
 
     def _forward_block_diffusion(self, input_ids: Any, canvas: Any, attention_mask: Any, **kwargs: Any) -> Tensor:
         if canvas is None:
@@ -230,6 +230,15 @@ class TransformersBridge(CheckedHookSurface):
     @property
     def W_E(self) -> Float[Tensor, "d_vocab d_model"]:
         return self.spec.decoder_embed.weight
+
+    @property
+    def input_device(self) -> torch.device:
+        """Where token ids go: the embedding's execution device. Under accelerate offloading (device_map with
+        "cpu"/"disk" entries) the weight itself sits on the meta device and is loaded per call."""
+        embed = self.spec.encoder_embed if self.is_block_diffusion else self.spec.decoder_embed
+        hook = getattr(embed, "_hf_hook", None)
+        device = getattr(hook, "execution_device", None)
+        return torch.device(device) if device is not None else embed.weight.device
 
     @property
     def W_U(self) -> Float[Tensor, "d_model d_vocab"]:

@@ -247,7 +247,7 @@ def prompt_tokens(model: Any, prompt: Any, attention_mask: Any) -> tuple[Tensor,
                 raise ArgumentTypeError(f"prompt must be text or token ids [batch, pos] ({err}).", argument="prompt",
                                         value=prompt, allowed="str, list of str, or int token ids") from None
         ids = validate.tensor(prompt, name="prompt", ndim=(1, 2), dtype="int", nonempty=False)
-        ids = (ids[None] if ids.ndim == 1 else ids).to(model.W_E.device)
+        ids = (ids[None] if ids.ndim == 1 else ids).to(model.input_device)
         if attention_mask is None:
             am = torch.ones_like(ids)
         else:

@@ -60,7 +60,7 @@ def replay(out: Any, model: Any, step: int, *, fwd_hooks: Any = (), hook_steps: 
     from mdm_lens.hooks.runner import StepRunner
 
     state = state_at(out, step, phase)
-    device = model.W_E.device
+    device = model.input_device
     for name in ("x", "masked", "prompt", "key_visible", "query_position"):
         value = getattr(state, name)
         if value is not None:

@@ -68,7 +68,7 @@ def _canvas_batch(prompts: list[list[int]], gen_length: int, fill: int) -> tuple
 def greedy_mdm_canvas(model: Any, prompts: list[list[int]], gen_length: int) -> list[list[int]]:
     """Greedy low-confidence decoding, one token per step; returns the ``gen_length`` canvas ids per row."""
     mask_id = model.cfg.mask_token_id
-    device = model.W_E.device
+    device = model.input_device
     ids, am, starts = _canvas_batch(prompts, gen_length, mask_id)
     ids, am = ids.to(device), am.to(device)
     rows = torch.arange(len(prompts), device=device)
@@ -89,7 +89,7 @@ def greedy_mdm_canvas(model: Any, prompts: list[list[int]], gen_length: int) -> 
 @torch.no_grad()
 def greedy_arm_canvas(model: Any, prompts: list[list[int]], gen_length: int) -> list[list[int]]:
     """Greedy next-token decoding of ``gen_length`` tokens (right padding is invisible to a causal model)."""
-    device = model.W_E.device
+    device = model.input_device
     ids, _, starts = _canvas_batch(prompts, gen_length, T.PAD_ID)
     ids = ids.to(device)
     rows = torch.arange(len(prompts), device=device)
