@@ -234,9 +234,25 @@ def test_summary_is_mean_and_population_std(mdm_tables):
 
 
 def test_batches_depend_on_lengths_only():
-    assert sweep.make_batches([53, 53, 49, 54, 51, 51], 4, "length") == [[0, 1], [2], [3], [4, 5]]
-    assert sweep.make_batches([53, 53, 49, 54, 51, 51], 4, "padded") == [[2, 4, 5, 0], [1, 3]]
-    assert sweep.make_batches([5, 5, 5], 2, "length") == [[0, 1], [2]]
+    for mode in sweep.runner.BATCHING:        # both modes: stable sort by length, then full batches
+        assert sweep.make_batches([53, 53, 49, 54, 51, 51], 4, mode) == [[2, 4, 5, 0], [1, 3]]
+        assert sweep.make_batches([5, 5, 5], 2, mode) == [[0, 1], [2]]
+    with pytest.raises(ArgumentError, match="batching"):
+        sweep.make_batches([5], 2, "sorted")
+
+
+def test_length_batching_runs_equal_lengths_only(mdm, data):
+    from mdm_lens.sweep import adapter as A
+
+    from mdm_lens.sweep.items import read_items
+
+    rendered = [TM.render(mdm, it, "zoo") for it in read_items(data[0]).items]   # lengths 50 53 53 51 55 50
+    batch = A.make_batch(mdm, rendered, None, list(range(6)), list(range(6)))
+    runs = A.sub_batches(mdm, batch, exact=True)
+    assert [r.item_ids for r in runs] == [[f"zoo-{SEED}-{i:05d}" for i in g] for g in ([0, 5], [1, 2], [3], [4])]
+    assert all(r.offsets == [0] * len(r.offsets) and bool(r.attention_mask.all()) for r in runs)
+    assert [r.seeds for r in runs] == [[0, 5], [1, 2], [3], [4]] and [r.order for r in runs][0] == [0, 5]
+    assert A.sub_batches(mdm, batch, exact=False) == [batch]
 
 
 def test_padded_batches_equal_alone_to_rounding(mdm, data, tmp_path):

@@ -1,17 +1,17 @@
 """`mdm_lens.sweep.run`: a dataset-scale sweep, data-parallel over ``torch.distributed`` ranks.
 
 Batches are a function of the items and the arguments only (so they are the same whatever the world
-size): ``batching="length"`` (default) puts items with the same prompt length together (data order within a
-length, ``batch_size`` at most) so no row is ever padded and a batched item is bit-identical to the item
-alone; ``batching="padded"`` sorts by length and left-pads mixed lengths (fewer, fuller batches; each row
-equals the item alone up to fp32 rounding, ≈1e-7, which can flip the sampler's choice between two
-near-equal confidences). Batch k runs on rank ``k % world_size``. Each rank writes its batches' part files;
+size): the items sorted by prompt length (stable), ``batch_size`` at a time. ``batching="length"``
+(default) runs each equal-length group of a batch as its own model calls, so no row is ever padded and a
+batched item is bit-identical to the item alone; ``batching="padded"`` left-pads the batch's mixed lengths
+into one run (fewer, fuller model calls; each row equals the item alone up to fp32 rounding, ≈1e-7, which
+can flip the sampler's choice between two near-equal confidences). Batch k runs on rank ``k % world_size``. Each rank writes its batches' part files;
 rank 0 merges them in batch order once every rank is done, so 1 rank and N ranks give the same rows.
 Launch with ``torchrun --nproc-per-node N -m mdm_lens.sweep ...`` (gloo on CPU, nccl on GPU), or call
 :func:`run` in one process.
 
 Seeds: item i's seed is ``crc32(f"{seed}:{id}")`` (knockout's random control, retrieval's sampler run);
-a batched sampler run is seeded with the seed of its batch's first item. With the default greedy
+a batched sampler run is seeded with the seed of its first item. With the default greedy
 samplers no randomness is drawn, and every row equals the item run alone.
 """
 
@@ -61,15 +61,12 @@ def parse_probes(probes: str | Sequence[str]) -> list[str]:
 
 
 def make_batches(lengths: Sequence[int], batch_size: int, batching: str) -> list[list[int]]:
-    """Item indices per batch. ``length``: equal lengths only, first-seen length first; ``padded``: stable sort
-    by length, then chunks of ``batch_size``."""
-    if batching == "padded":
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    groups: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        groups.setdefault(n, []).append(i)
-    return [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+    """Item indices per batch: stable sort by length, then chunks of ``batch_size``, for both ``batching``
+    modes (``length`` differs in how a batch runs, see the module doc). Full batches whatever the spread of
+    lengths: the per-batch costs (part files, tables, closed-book sampler calls) do not grow with it."""
+    validate.choice(batching, BATCHING, name="batching")
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def _check_items(items: list[SweepItem], probes: list[str], path: str) -> None:
@@ -212,6 +209,7 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
             raise err
         rendered = _render(model, items, tmpl, s)
         batches = make_batches([len(r.ids) for r in rendered], batch_size, batching)
+        store.set_batches([[items[i].id for i in b] for b in batches])
         tables = _work(model, rendered, batches, names, s, seed, tmpl, store, world, progress)
         _ = t0
         info = dict(rank=tables.pop("__rank_info__"), wall_s=round(time.perf_counter() - t0, 3))

@@ -8,8 +8,9 @@
     DIR/{table}_summary.parquet
     DIR/manifest.json
 
-A batch counts only once its ``.done`` marker exists; parts without one (a run killed mid-batch) are
-recomputed and overwritten, so a killed run never loses or duplicates rows.
+A batch counts only once its ``.done`` marker exists and lists the batch's item ids (``set_batches``); parts
+without one (a run killed mid-batch, or a folder cut into other batches by an older version) are recomputed
+and overwritten, so a killed run never loses or duplicates rows.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ class SweepStore:
     def __init__(self, out: str | Path):
         self.root = Path(out)
         self.parts = self.root / "parts"
+        self.batch_ids: list[list[str]] | None = None
+
+    def set_batches(self, batch_ids: list[list[str]]) -> None:
+        """The item ids of every batch of this run, in batch order: a ``.done`` marker must list them."""
+        self.batch_ids = [list(b) for b in batch_ids]
 
     # --- arguments ---------------------------------------------------------------------------------
     def prepare(self, fingerprint: dict[str, Any], force: bool) -> None:
@@ -53,7 +59,14 @@ class SweepStore:
 
     # --- batches -----------------------------------------------------------------------------------
     def done_batches(self) -> set[int]:
-        return {int(p.name[1:7]) for p in self.parts.glob("b*.done")} if self.parts.exists() else set()
+        if not self.parts.exists():
+            return set()
+        done = set()
+        for p in self.parts.glob("b*.done"):
+            k = int(p.name[1:7])
+            if self.batch_ids is None or (k < len(self.batch_ids) and p.read_text().splitlines() == self.batch_ids[k]):
+                done.add(k)
+        return done
 
     def write_batch(self, k: int, tables: dict[str, pd.DataFrame], item_ids: list[str]) -> None:
         for name, df in tables.items():
