@@ -365,20 +365,20 @@ def qk_at_layer(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, anchor
     pre = f"blocks.{l}.attn."
     names = [pre + n for n in ("hook_rot_q", "hook_rot_k", "hook_v", "hook_pattern")]
     _, cache = model.run_with_cache(tokens, attention_mask=am, names_filter=names, return_type=None)
-    return qk_from_cache(model, cache, l, anchor, qm_check, kv, rule, share)
+    return qk_from_activations(model, cache[pre + "hook_rot_q"], cache[pre + "hook_rot_k"], cache[pre + "hook_v"],
+                               cache[pre + "hook_pattern"], anchor, qm_check, kv, rule, share)
 
 
-def qk_from_cache(model: Any, cache: Any, layer: int, anchor: Any, query_mask: Tensor | None,
-                  key_visible: Tensor | None, rule: str = "top1", share: float = 0.8) -> qk.QKDecomposition:
-    """The tail of :func:`qk_at_layer` (arguments already checked): the decomposition at ``layer`` from the
-    ``blocks.{layer}.attn.hook_rot_q / hook_rot_k / hook_v / hook_pattern`` values of its forward, so the
-    sweep can feed several layers from one forward."""
-    pre = f"blocks.{layer}.attn."
+def qk_from_activations(model: Any, rot_q: Tensor, rot_k: Tensor, v: Tensor, pattern: Tensor, anchor: Any,
+                        query_mask: Tensor | None, key_visible: Tensor | None, rule: str = "top1",
+                        share: float = 0.8) -> qk.QKDecomposition:
+    """The tail of :func:`qk_at_layer` (arguments already checked) from one layer's ``hook_rot_q``,
+    ``hook_rot_k``, ``hook_v`` and ``hook_pattern`` values, so the sweep can feed it from a shared forward."""
     causal = is_causal(model)
     if anchor is None or isinstance(anchor, str):
-        anchor = _anchor_from_pattern(cache[pre + "hook_pattern"], query_mask, key_visible, causal, anchor or rule)
-    return qk.decompose(cache[pre + "hook_rot_q"], cache[pre + "hook_rot_k"], anchor, query_mask=query_mask,
-                        key_visible=key_visible, causal=causal, v=cache[pre + "hook_v"], share=share)
+        anchor = _anchor_from_pattern(pattern, query_mask, key_visible, causal, anchor or rule)
+    return qk.decompose(rot_q, rot_k, anchor, query_mask=query_mask, key_visible=key_visible, causal=causal, v=v,
+                        share=share)
 
 
 # ----------------------------------------------------------------------------------------------

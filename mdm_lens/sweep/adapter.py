@@ -173,13 +173,29 @@ def _layer_groups(model: Any, batch: Batch, T: int) -> list[list[int]]:
     return [L[i:i + k] for i in range(0, len(L), k)]
 
 
-def _final_attention(model: Any, batch: Batch, shared: dict) -> list[tuple[list[int], Tensor]]:
-    """The explicit forward(s) of the final sequences, once per run for absorption and flow."""
-    if "attn" not in shared:
-        out = shared["out"]
-        groups = _layer_groups(model, batch, out.tokens.shape[1])
-        shared["attn"] = SH.final_attention_groups(model, out.tokens, out.attention_mask, groups)
-    return shared["attn"]
+def attention_tables(model: Any, batch: Batch, s: Settings, shared: dict, names: list[str]) -> dict[str, pd.DataFrame]:
+    """``absorption`` (both modes) and ``flow`` from ONE ``final_attention`` forward per layer group (each
+    probe ran that same forward before); a group's patterns are dropped before the next group's forward."""
+    out = shared["out"]
+    parts: list[dict] = []
+    attn = [None] * len(batch.item_ids)                                    # flow: head-mean [layer, T, T] per item
+    for group in _layer_groups(model, batch, out.tokens.shape[1]):
+        full = R.final_attention(model, out.tokens, out.attention_mask, layers=group)
+        if "absorption" in names:
+            parts += _absorption_parts(model, batch, out, group, full)
+        if "flow" in names:
+            a = full.mean(2)                                               # [b, l, T, T]
+            for b, off in enumerate(batch.offsets):
+                part = a[b, :, off:, off:]
+                attn[b] = part if attn[b] is None else torch.cat([attn[b], part])
+        del full
+    tables = {}
+    if "absorption" in names:
+        tables["absorption"] = frame(parts).sort_values(["item_id", "mode", "layer", "variant", "metric"],
+                                                        kind="stable", ignore_index=True)
+    if "flow" in names:
+        tables["flow"] = flow(model, batch, s, attn)
+    return tables
 
 
 def frame(parts: list[dict[str, Any]], columns: list[str] | None = None) -> pd.DataFrame:
@@ -200,27 +216,25 @@ def frame(parts: list[dict[str, Any]], columns: list[str] | None = None) -> pd.D
     return pd.DataFrame(cols)
 
 
-def absorption(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
-    out = shared["out"]
+def _absorption_parts(model: Any, batch: Batch, out: Any, group: list[int], attn: Tensor) -> list[dict]:
+    """Absorption rows of one layer group, both modes, from that group's ``final_attention``."""
     ids = np.asarray(batch.item_ids, object)
     parts = []
-    for group, attn in _final_attention(model, batch, shared):
-        for mode in ("default", "paper"):
-            # = R.absorption_by_layer(model, out.tokens, attention_mask=out.attention_mask, mode=mode, layers=group)
-            res = R.absorption_from_attention(model, attn, out.tokens, out.attention_mask, mode, "zscore", "mean",
-                                              group)
-            for metric, t in (("absorption", res.per_sample), ("null", res.null), ("excess", res.excess)):
-                a = t.cpu().numpy()                          # [batch, layer, variant]
-                bi, li, vi = np.indices(a.shape).reshape(3, -1)
-                parts.append(dict(item_id=ids[bi], layer=np.asarray(res.layers)[li], mode=mode,
-                                  variant=np.asarray(res.variants, object)[vi], metric=metric,
-                                  value=a.reshape(-1).astype(float)))
-            n = res.n_anchors.cpu().numpy()
-            bi, li = np.indices(n.shape).reshape(2, -1)
-            parts.append(dict(item_id=ids[bi], layer=np.asarray(res.layers)[li], mode=mode, variant="anchors",
-                              metric="n_anchors", value=n.reshape(-1).astype(float)))
-    return frame(parts).sort_values(["item_id", "mode", "layer", "variant", "metric"], kind="stable",
-                                    ignore_index=True)
+    for mode in ("default", "paper"):
+        # = R.absorption_by_layer(model, out.tokens, attention_mask=out.attention_mask, mode=mode, layers=group)
+        res = R.absorption_from_attention(model, attn, out.tokens, out.attention_mask, mode, "zscore", "mean",
+                                          group)
+        for metric, t in (("absorption", res.per_sample), ("null", res.null), ("excess", res.excess)):
+            a = t.cpu().numpy()                          # [batch, layer, variant]
+            bi, li, vi = np.indices(a.shape).reshape(3, -1)
+            parts.append(dict(item_id=ids[bi], layer=np.asarray(res.layers)[li], mode=mode,
+                              variant=np.asarray(res.variants, object)[vi], metric=metric,
+                              value=a.reshape(-1).astype(float)))
+        n = res.n_anchors.cpu().numpy()
+        bi, li = np.indices(n.shape).reshape(2, -1)
+        parts.append(dict(item_id=ids[bi], layer=np.asarray(res.layers)[li], mode=mode, variant="anchors",
+                          metric="n_anchors", value=n.reshape(-1).astype(float)))
+    return parts
 
 
 # --- temporal ---------------------------------------------------------------------------------------
@@ -314,16 +328,11 @@ def qk(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
 FLOW_ITEM_METRICS = ("gold_ratio", "gold_ratio_density", "row_spread", "bos_share")
 
 
-def flow(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
-    """Region flow (§3.8) per item, as ``probes.run.flow_for_items`` does it, on the batch's final sequences."""
+def flow(model: Any, batch: Batch, s: Settings, attn: list[Tensor]) -> pd.DataFrame:
+    """Region flow (§3.8) per item, as ``probes.run.flow_for_items`` does it, from each item's head-mean final
+    attention ``attn[b]`` ``[layer, T, T]`` (its pads cut)."""
     rows = []
     causal = R.is_causal(model)
-    attn = [None] * len(batch.item_ids)
-    for _, full in _final_attention(model, batch, shared):
-        a = full.mean(2)                                                   # [b, l, T, T]
-        for b, off in enumerate(batch.offsets):
-            part = a[b, :, off:, off:]
-            attn[b] = part if attn[b] is None else torch.cat([attn[b], part])
     for b, r in enumerate(batch.rendered):
         regs = R.regions_for_item(r.qa, s.gen_length, r.offsets)
         res = F.flow(attn[b], regs, causal=causal, mode="default", residual=0.5, warn=False)
@@ -396,7 +405,8 @@ def knockout(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFram
 
 # --- dispatch ---------------------------------------------------------------------------------------
 
-_BATCHED: dict[str, Callable] = {"accuracy": accuracy, "absorption": absorption, "qk": qk, "flow": flow}
+_BATCHED: dict[str, Callable] = {"accuracy": accuracy, "qk": qk}
+_ATTENTION = ("absorption", "flow")
 _PER_ITEM: dict[str, Callable] = {"retrieval": retrieval_rows, "knockout": knockout}
 
 
@@ -405,6 +415,8 @@ def _run_tables(model: Any, run: Batch, probes: list[str], s: Settings) -> dict[
     record = [ReceivedAttention()] if "temporal" in probes else None
     shared: dict[str, Any] = {"out": generate(model, run.ids, run.attention_mask, s, run.seeds[0], record)}
     tables: dict[str, pd.DataFrame] = {}
+    if any(p in _ATTENTION for p in probes):
+        tables.update(attention_tables(model, run, s, shared, probes))
     for p in probes:
         if p == "temporal":
             tables.update(temporal(model, run, s, shared, [o < s.keep_keys for o in run.order]))
@@ -422,7 +434,7 @@ def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
 def compute(model: Any, batch: Batch, probes: list[str], s: Settings) -> dict[str, pd.DataFrame]:
     """All requested probes on one batch → {table name: rows}, each item's rows in the order the probe gives."""
     parts: dict[str, list[pd.DataFrame]] = {}
-    if any(p in _BATCHED or p == "temporal" for p in probes):
+    if any(p in _BATCHED or p in _ATTENTION or p == "temporal" for p in probes):
         for run in sub_batches(model, batch, s.exact):
             for name, df in _run_tables(model, run, probes, s).items():
                 parts.setdefault(name, []).append(df)
