@@ -16,6 +16,8 @@ alone): retrieval, knockout.
 
 from __future__ import annotations
 
+import dataclasses
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -256,6 +258,22 @@ def _anchor_mass(mass: Tensor, anchors: Tensor) -> Tensor:
     return am
 
 
+def _step_anchors(out: Any, n_layers: int) -> list[tuple[Any, Any]]:
+    """``(anchors_over_steps(out, layer=l), drift_from_output(out, layer=l))`` per layer. When the record fits
+    ``PATTERN_BUDGET_BYTES`` in float64, from ONE call of each on all layers (rows equal the per-layer calls,
+    which tests/test_sweep.py checks); otherwise layer by layer, so the float64 copy stays one layer's."""
+    rec = out.records["received_attention"]
+    if rec.numel() * 8 > PATTERN_BUDGET_BYTES:
+        return [(R.anchors_over_steps(out, layer=l), R.drift_from_output(out, layer=l)) for l in range(n_layers)]
+    sa, drift = R.anchors_over_steps(out), R.drift_from_output(out)     # [batch, layer, ...]
+    per = []
+    for l in range(n_layers):
+        sl = dataclasses.replace(sa, anchors=sa.anchors[:, l], received=sa.received[:, l], layers=[sa.layers[l]])
+        dl = {m: torch.as_tensor(getattr(drift, m))[:, l] for m in DRIFT_METRICS}
+        per.append((sl, types.SimpleNamespace(**dl)))
+    return per
+
+
 def temporal(model: Any, batch: Batch, s: Settings, shared: dict, keep: list[bool]) -> dict[str, pd.DataFrame]:
     """Per item and layer: the step metrics at every recorded step, then the drift metrics (step = NA)."""
     out = shared["out"]
@@ -263,9 +281,7 @@ def temporal(model: Any, batch: Batch, s: Settings, shared: dict, keep: list[boo
     off = torch.tensor(batch.offsets, dtype=torch.float64)
     parts, keys = [], []
     commit = out.trajectory.commit_step
-    for layer in range(model.cfg.n_layers):
-        sa = R.anchors_over_steps(out, layer=layer)                      # [batch, step, key]
-        drift = R.drift_from_output(out, layer=layer)
+    for layer, (sa, drift) in enumerate(_step_anchors(out, model.cfg.n_layers)):   # sa: [batch, step, key]
         top = sa.received.nan_to_num(-torch.inf).argmax(-1)              # [batch, step]
         mass = torch.nan_to_num(sa.received, nan=0.0)
         step_vals = torch.stack([sa.anchors.sum(-1).double(), top.double() - off[:, None],

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from mdm_lens.errors import ArgumentError
 
@@ -33,6 +35,7 @@ class SweepStore:
         self.root = Path(out)
         self.parts = self.root / "parts"
         self.batch_ids: list[list[str]] | None = None
+        self._fresh: dict[int, dict[str, pd.DataFrame]] = {}   # batches written by this process, as read back
 
     def set_batches(self, batch_ids: list[list[str]]) -> None:
         """The item ids of every batch of this run, in batch order: a ``.done`` marker must list them."""
@@ -69,11 +72,20 @@ class SweepStore:
         return done
 
     def write_batch(self, k: int, tables: dict[str, pd.DataFrame], item_ids: list[str]) -> None:
+        fresh = {}
         for name, df in tables.items():
             tmp = self.parts / f".b{k:06d}.{name}.parquet.tmp{os.getpid()}"
-            df.to_parquet(tmp, index=False)
+            table = pa.Table.from_pandas(df, preserve_index=False)
+            pq.write_table(table, tmp)
             os.replace(tmp, self.parts / f"b{k:06d}.{name}.parquet")
+            fresh[name] = table
         _atomic_write(self.parts / f"b{k:06d}.done", "\n".join(item_ids) + "\n")
+        self._fresh[k] = fresh
+
+    def _part(self, k: int, name: str, path: Path) -> pd.DataFrame:
+        """Batch k's rows of table ``name``: the Arrow table this process wrote (no re-read), else the file."""
+        table = self._fresh.get(k, {}).get(name)
+        return pd.read_parquet(path) if table is None else table.to_pandas()
 
     def done_items(self) -> list[str]:
         ids = []
@@ -92,13 +104,13 @@ class SweepStore:
         """Concatenate the parts of ``batches`` (done ones only) → DIR/{table}.parquet, rows in data order of
         their items (``order``: item id → index; stable within an item), the same for any world size."""
         done = self.done_batches()
-        names: dict[str, list[Path]] = {}
+        names: dict[str, list[tuple[int, Path]]] = {}
         for k in sorted(b for b in batches if b in done):
             for p in sorted(self.parts.glob(f"b{k:06d}.*.parquet")):
-                names.setdefault(p.name.split(".")[1], []).append(p)
+                names.setdefault(p.name.split(".")[1], []).append((k, p))
         tables = {}
         for name, paths in names.items():
-            frames = [pd.read_parquet(p) for p in paths]
+            frames = [self._part(k, name, p) for k, p in paths]
             df = pd.concat([f for f in frames if len(f)], ignore_index=True) if any(len(f) for f in frames) else frames[0]
             if len(df):
                 rank = df["item_id"].map(order)
