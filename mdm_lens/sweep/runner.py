@@ -1,11 +1,11 @@
 """`mdm_lens.sweep.run`: a dataset-scale sweep, data-parallel over ``torch.distributed`` ranks.
 
 Batches are a function of the items and the arguments only (so they are the same whatever the world
-size): the items sorted by prompt length (stable), ``batch_size`` at a time. ``batching="length"``
-(default) runs each equal-length group of a batch as its own model calls, so no row is ever padded and a
-batched item is bit-identical to the item alone; ``batching="padded"`` left-pads the batch's mixed lengths
-into one run (fewer, fuller model calls; each row equals the item alone up to fp32 rounding, ≈1e-7, which
-can flip the sampler's choice between two near-equal confidences). Batch k runs on rank ``k % world_size``. Each rank writes its batches' part files;
+size), see :func:`make_batches`. ``batching="length"`` (default) runs each equal-length group of a batch
+as its own model calls, so no row is ever padded and a batched item is bit-identical to the item alone;
+``batching="padded"`` left-pads the batch's mixed lengths into one run (fewer, fuller model calls; each row
+equals the item alone up to fp32 rounding, ≈1e-7, which can flip the sampler's choice between two
+near-equal confidences). Batch k runs on rank ``k % world_size``. Each rank writes its batches' part files;
 rank 0 merges them in batch order once every rank is done, so 1 rank and N ranks give the same rows.
 Launch with ``torchrun --nproc-per-node N -m mdm_lens.sweep ...`` (gloo on CPU, nccl on GPU), or call
 :func:`run` in one process.
@@ -61,12 +61,28 @@ def parse_probes(probes: str | Sequence[str]) -> list[str]:
 
 
 def make_batches(lengths: Sequence[int], batch_size: int, batching: str) -> list[list[int]]:
-    """Item indices per batch: stable sort by length, then chunks of ``batch_size``, for both ``batching``
-    modes (``length`` differs in how a batch runs, see the module doc). Full batches whatever the spread of
-    lengths: the per-batch costs (part files, tables, closed-book sampler calls) do not grow with it."""
+    """Item indices per batch, each sorted by (length, data order).
+
+    ``padded``: stable sort by length, then chunks of ``batch_size``. ``length``: every equal-length group
+    (cut into chunks of ``batch_size``) is one run of the model, so the pieces are packed whole into batches
+    of at most ``batch_size`` items (first-fit decreasing): as few runs as there are lengths, in full batches
+    (per-batch costs, part files and closed-book sampler calls, do not grow with the spread of lengths)."""
     validate.choice(batching, BATCHING, name="batching")
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    if batching == "padded":
+        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    groups: dict[int, list[int]] = {}
+    for i in order:
+        groups.setdefault(lengths[i], []).append(i)
+    pieces = [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+    bins: list[list[int]] = []
+    for piece in sorted(pieces, key=len, reverse=True):              # stable: ties stay in length order
+        dest = next((b for b in bins if len(b) + len(piece) <= batch_size), None)
+        if dest is None:
+            bins.append(dest := [])
+        dest.extend(piece)
+    key = lambda i: (lengths[i], i)  # noqa: E731
+    return sorted((sorted(b, key=key) for b in bins), key=lambda b: key(b[0]))
 
 
 def _check_items(items: list[SweepItem], probes: list[str], path: str) -> None:
