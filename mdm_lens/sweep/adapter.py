@@ -193,17 +193,19 @@ def attention_tables(model: Any, batch: Batch, s: Settings, shared: dict, names:
         del full
     tables = {}
     if "absorption" in names:
-        tables["absorption"] = frame(parts).sort_values(["item_id", "mode", "layer", "variant", "metric"],
-                                                        kind="stable", ignore_index=True)
+        tables["absorption"] = frame(parts, sort_by=["item_id", "mode", "layer", "variant", "metric"])
     if "flow" in names:
         tables["flow"] = flow(model, batch, s, attn)
     return tables
 
 
-def frame(parts: list[dict[str, Any]], columns: list[str] | None = None) -> pd.DataFrame:
-    """One DataFrame from column blocks (rows in block order): each block maps every column to a 1-d array or
-    a scalar repeated over the block's rows. One frame per run instead of one per metric and layer: pandas'
-    per-frame cost (str columns are converted on construction) dominated the table building."""
+def frame(parts: list[dict[str, Any]], columns: list[str] | None = None,
+          sort_by: list[str] | None = None) -> pd.DataFrame:
+    """One DataFrame from column blocks (rows in block order, or sorted by the ``sort_by`` columns): each
+    block maps every column to a 1-d array or a scalar repeated over the block's rows. One frame per run
+    instead of one per metric and layer: pandas' per-frame cost (str columns are converted on construction)
+    dominated the table building. ``sort_by`` keys must be unique per row (then any sort gives one order);
+    it sorts numpy codes (``np.unique`` order: lexicographic, as pandas sorts str) before the frame is built."""
     if not parts:
         return pd.DataFrame(columns=columns)
     sizes = [next(len(v) for v in p.values() if isinstance(v, np.ndarray)) for p in parts]
@@ -215,6 +217,10 @@ def frame(parts: list[dict[str, Any]], columns: list[str] | None = None) -> pd.D
             blocks.append(v if isinstance(v, np.ndarray) else
                           np.full(n, v, dtype=object if v is None or isinstance(v, str) else None))
         cols[c] = np.concatenate(blocks)
+    if sort_by:
+        keys = [np.unique(cols[c], return_inverse=True)[1] if cols[c].dtype == object else cols[c] for c in sort_by]
+        order = np.lexsort(keys[::-1])
+        cols = {c: v[order] for c, v in cols.items()}
     return pd.DataFrame(cols)
 
 
