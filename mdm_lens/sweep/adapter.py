@@ -8,8 +8,10 @@ are reported relative to the item's first real token, so a row does not depend o
 
 Batched: accuracy, absorption, temporal, qk, flow. A batch is cut into runs of equal prompt length
 (``Settings.exact``, ``--batching length``) or run whole, left-padded (``padded``). Per run: one sampler call
-(shared by all of them) and two clean forwards of the final sequences (:mod:`shared`): the explicit-attention
-one serves absorption (both modes) and flow, the SDPA one serves qk at every layer. The closed-book runs of
+(shared by all of them) and two clean forwards of the final sequences: ``final_attention`` (per layer
+group, :func:`attention_tables`) serves absorption in both modes and flow, and one SDPA forward
+(:func:`shared.qk_all_layers`) serves qk at every layer, each bit-identical to the probe's own forward. The
+table rows are built as numpy columns, one DataFrame per run and table. The closed-book runs of
 ``accuracy`` group the whole batch by closed-book prompt length. Per item (the probes generate each item
 alone): retrieval, knockout.
 """

@@ -2,7 +2,8 @@
 
 Batches are a function of the items and the arguments only (so they are the same whatever the world
 size), see :func:`make_batches`. ``batching="length"`` (default) runs each equal-length group of a batch
-as its own model calls, so no row is ever padded and a batched item is bit-identical to the item alone;
+as its own model calls, so no row is ever padded and a batched item's rows are bit-identical to the item
+alone (temporal's excepted: the ``ReceivedAttention`` record's reduction depends on the batch size, ≈1e-8);
 ``batching="padded"`` left-pads the batch's mixed lengths into one run (fewer, fuller model calls; each row
 equals the item alone up to fp32 rounding, ≈1e-7, which can flip the sampler's choice between two
 near-equal confidences). Batch k runs on rank ``k % world_size``. Each rank writes its batches' part files;
