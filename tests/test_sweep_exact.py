@@ -17,6 +17,7 @@ from mdm_lens.sweep import adapter as A
 from mdm_lens.sweep import shared as SH
 from mdm_lens.sweep import templates as TM
 from mdm_lens.sweep.store import SweepStore
+from mdm_lens.sweep.summary import summarize
 from mdm_lens.zoo import jsonl
 from mdm_lens.zoo import tokenizer as ZT
 
@@ -197,6 +198,20 @@ def test_padded_qk_anchor_is_relative_to_the_first_real_token(mdm, data, tmp_pat
             got = _rows(tabs["qk"], item_id=f"zoo-{SEED}-{i:05d}", layer=layer, metric="anchor").sort_values("head")
             want = R.qk_at_layer(mdm, toks, layer, attention_mask=am).anchor[0]
             assert got.value.tolist() == want.double().tolist()
+
+
+def test_merge_from_memory_equals_merge_from_the_part_files(mdm, data, tmp_path):
+    tabs = sweep.run(mdm, data[0], "accuracy,absorption,temporal,flow", tmp_path / "m", batch_size=4,
+                     progress=False)
+    items = sweep.read_items(data[0]).items
+    store = SweepStore(tmp_path / "m")                    # a fresh store holds nothing: it reads every part
+    store.set_batches([[items[i].id for i in b] for b in sweep.make_batches([50, 53, 53, 51, 55, 50], 4, "length")])
+    again = store.merge([0, 1], {it.id: i for i, it in enumerate(items)})
+    assert set(again) == {"accuracy", "absorption", "temporal", "temporal_keys", "flow"}
+    for name, df in again.items():
+        pd.testing.assert_frame_equal(tabs[name], df, check_exact=True)
+    for name, df in summarize(again).items():             # the summaries were made from the in-memory merge
+        pd.testing.assert_frame_equal(tabs[f"{name}_summary"], df, check_exact=True)
 
 
 def test_done_markers_of_other_batches_are_not_trusted(tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
 import json
 import os
 import platform
@@ -77,11 +78,20 @@ def make_batches(lengths: Sequence[int], batch_size: int, batching: str) -> list
         groups.setdefault(lengths[i], []).append(i)
     pieces = [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
     bins: list[list[int]] = []
+    room: list[list[int]] = [[] for _ in range(batch_size + 1)]     # free places -> heap of bin indices
     for piece in sorted(pieces, key=len, reverse=True):              # stable: ties stay in length order
-        dest = next((b for b in bins if len(b) + len(piece) <= batch_size), None)
-        if dest is None:
-            bins.append(dest := [])
-        dest.extend(piece)
+        n = len(piece)
+        # first fit: the lowest-numbered bin with room for n (O(batch_size) per piece, not O(bins))
+        fits = [(h[0], f) for f in range(n, batch_size + 1) if (h := room[f])]
+        if fits:
+            k, f = min(fits)
+            heapq.heappop(room[f])
+        else:
+            k, f = len(bins), batch_size
+            bins.append([])
+        bins[k].extend(piece)
+        if f > n:
+            heapq.heappush(room[f - n], k)
     key = lambda i: (lengths[i], i)  # noqa: E731
     return sorted((sorted(b, key=key) for b in bins), key=lambda b: key(b[0]))
 
@@ -215,6 +225,7 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
                            skip_bad=skip_bad, keep_keys=keep_keys, n_random=n_random, limit=limit,
                            batching=batching)
         store = SweepStore(out)
+        store.keep_written = world.rank == 0
         err = None
         if world.rank == 0:
             try:

@@ -35,7 +35,8 @@ class SweepStore:
         self.root = Path(out)
         self.parts = self.root / "parts"
         self.batch_ids: list[list[str]] | None = None
-        self._fresh: dict[int, dict[str, pd.DataFrame]] = {}   # batches written by this process, as read back
+        self.keep_written = True        # keep what write_batch wrote for merge (the merging rank only)
+        self._fresh: dict[int, dict[str, pa.Table]] = {}
 
     def set_batches(self, batch_ids: list[list[str]]) -> None:
         """The item ids of every batch of this run, in batch order: a ``.done`` marker must list them."""
@@ -80,12 +81,15 @@ class SweepStore:
             os.replace(tmp, self.parts / f"b{k:06d}.{name}.parquet")
             fresh[name] = table
         _atomic_write(self.parts / f"b{k:06d}.done", "\n".join(item_ids) + "\n")
-        self._fresh[k] = fresh
+        if self.keep_written:
+            self._fresh[k] = fresh
 
     def _part(self, k: int, name: str, path: Path) -> pd.DataFrame:
         """Batch k's rows of table ``name``: the Arrow table this process wrote (no re-read), else the file."""
-        table = self._fresh.get(k, {}).get(name)
-        return pd.read_parquet(path) if table is None else table.to_pandas()
+        table = self._fresh.get(k, {}).pop(name, None)
+        if table is None or _to_pandas is None:
+            return pd.read_parquet(path)
+        return _to_pandas(table)            # what pd.read_parquet does with the table it reads
 
     def done_items(self) -> list[str]:
         ids = []
@@ -129,6 +133,12 @@ class SweepStore:
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         _atomic_write(self.root / "manifest.json", json.dumps(manifest, indent=1, default=str))
+
+
+try:  # pandas' own Arrow → DataFrame step of read_parquet (same dtypes); without it, parts are re-read
+    from pandas.io._util import arrow_table_to_pandas as _to_pandas
+except ImportError:  # pragma: no cover
+    _to_pandas = None
 
 
 def _atomic_write(path: Path, text: str) -> None:
