@@ -8,7 +8,12 @@ torchrun speed-up on this machine.
 flow; batch 16; `--batching length` and `padded`) against a loop that calls, per item, the public probe
 functions a user would call without the sweep: `model.generate` (with `ReceivedAttention`),
 `absorption_by_layer` (default and paper), `anchors_over_steps` + `drift_from_output` and `qk_at_layer` at every
-layer, `flow_for_items`, and the closed-book generation. The sweep's time includes writing its Parquet files.
+layer, `flow_for_items`, and the closed-book generation, each answer scored (substring / EM / F1) as the
+sweep's accuracy rows are. The sweep's time includes what the loop does not do: building its tables, writing
+and merging its Parquet files, the summaries and the manifest. The sweep shares work the loop repeats (one
+sampler run serves accuracy, temporal, absorption, qk and flow, where `flow_for_items` generates again; one
+clean forward serves absorption in both modes and flow; one serves qk at every layer); every row still
+equals the probe called alone (bit for bit with `--batching length`, tests/test_sweep_exact.py).
 (2) wall time of `python -m mdm_lens.sweep` (1 process, 1 and 2 threads) vs `torchrun --nproc-per-node 2`
 (1 thread per rank), process start-up included, and the ranks' own compute time from manifest.json.
 """
@@ -34,6 +39,7 @@ PROBES = "accuracy,absorption,temporal,qk,flow"
 
 def item_by_item(model, items) -> None:
     from mdm_lens import ReceivedAttention
+    from mdm_lens.probes import retrieval
     from mdm_lens.probes import run as R
     from mdm_lens.zoo import data as D
     from mdm_lens.zoo import tokenizer as ZT
@@ -44,7 +50,11 @@ def item_by_item(model, items) -> None:
         out = model.generate(ids, steps=g, gen_length=g, record=[ReceivedAttention()], progress=False)
         toks, am = out.tokens, out.attention_mask
         nb = ids.new_tensor(ZT.encode(f"{D.BOS} {D.QUESTION_CUE} {it.question} {D.ANSWER_PREFIX}"))
-        model.generate(nb, steps=g, gen_length=g, progress=False)
+        closed = model.generate(nb, steps=g, gen_length=g, progress=False)
+        for run, n in ((out, len(ids)), (closed, len(nb))):                # score both answers, as the sweep does
+            gen = run.tokens[0, n:].tolist()
+            pred = ZT.decode(gen)
+            retrieval.answer_correct(model, gen, it.answer), D.exact_match(pred, it.answer), D.token_f1(pred, it.answer)
         for mode in ("default", "paper"):
             R.absorption_by_layer(model, toks, attention_mask=am, mode=mode)
         for layer in range(model.cfg.n_layers):

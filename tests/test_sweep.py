@@ -19,7 +19,7 @@ from mdm_lens.zoo import data as D
 from mdm_lens.zoo import jsonl
 from mdm_lens.zoo import tokenizer as ZT
 
-SEED = 34    # zoo items 0..5 of seed 34: prompt lengths 50 53 53 51 55 50 → batches [0 5] [1 2] [3] [4];
+SEED = 34    # zoo items 0..5 of seed 34: prompt lengths 50 53 53 51 55 50 → batch_size 4: [0 5 1 2] [3 4];
 #              tiny-mdm answers items 1, 2 and 4 (so retrieval scores are counted, batched and alone)
 
 
@@ -234,9 +234,34 @@ def test_summary_is_mean_and_population_std(mdm_tables):
 
 
 def test_batches_depend_on_lengths_only():
-    assert sweep.make_batches([53, 53, 49, 54, 51, 51], 4, "length") == [[0, 1], [2], [3], [4, 5]]
+    # length: equal-length groups packed whole (first-fit decreasing); padded: sorted chunks
+    assert sweep.make_batches([53, 53, 49, 54, 51, 51], 4, "length") == [[2, 3], [4, 5, 0, 1]]
     assert sweep.make_batches([53, 53, 49, 54, 51, 51], 4, "padded") == [[2, 4, 5, 0], [1, 3]]
-    assert sweep.make_batches([5, 5, 5], 2, "length") == [[0, 1], [2]]
+    assert sweep.make_batches([5, 5, 5, 6], 2, "length") == [[0, 1], [2, 3]]
+    for mode in sweep.runner.BATCHING:
+        assert sweep.make_batches([5, 5, 5], 2, mode) == [[0, 1], [2]]
+        lengths = [(7 * i) % 5 + 50 for i in range(23)]
+        batches = sweep.make_batches(lengths, 4, mode)
+        assert sorted(sum(batches, [])) == list(range(23)) and max(map(len, batches)) == 4
+        assert all(b == sorted(b, key=lambda i: (lengths[i], i)) for b in batches)
+    runs = sum(len({lengths[i] for i in b}) for b in sweep.make_batches(lengths, 4, "length"))
+    assert runs == 5 + 3     # 5 lengths (sizes 5 5 5 4 4); each group of 5 must be cut once at batch_size 4
+    with pytest.raises(ArgumentError, match="batching"):
+        sweep.make_batches([5], 2, "sorted")
+
+
+def test_length_batching_runs_equal_lengths_only(mdm, data):
+    from mdm_lens.sweep import adapter as A
+
+    from mdm_lens.sweep.items import read_items
+
+    rendered = [TM.render(mdm, it, "zoo") for it in read_items(data[0]).items]   # lengths 50 53 53 51 55 50
+    batch = A.make_batch(mdm, rendered, None, list(range(6)), list(range(6)))
+    runs = A.sub_batches(mdm, batch, exact=True)
+    assert [r.item_ids for r in runs] == [[f"zoo-{SEED}-{i:05d}" for i in g] for g in ([0, 5], [1, 2], [3], [4])]
+    assert all(r.offsets == [0] * len(r.offsets) and bool(r.attention_mask.all()) for r in runs)
+    assert [r.seeds for r in runs] == [[0, 5], [1, 2], [3], [4]] and [r.order for r in runs][0] == [0, 5]
+    assert A.sub_batches(mdm, batch, exact=False) == [batch]
 
 
 def test_padded_batches_equal_alone_to_rounding(mdm, data, tmp_path):

@@ -146,7 +146,16 @@ def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_
     rule = validate.choice(rule, floating.RULES, name="rule")
     head = validate.choice(head, ("mean", "each"), name="head")
     layer_ids = layer_list(model, layers)
-    attn = final_attention(model, tokens, attention_mask, layer_ids).to(torch.float64)   # [b, l, h, q, k]
+    attn = final_attention(model, tokens, attention_mask, layer_ids)
+    return absorption_from_attention(model, attn, tokens, attention_mask, mode, rule, head, layer_ids)
+
+
+def absorption_from_attention(model: Any, attn: Float[Tensor, "batch layer head query key"], tokens: Tensor,
+                              attention_mask: Tensor | None, mode: str, rule: str, head: str,
+                              layer_ids: list[int]) -> AbsorptionByLayer:
+    """:func:`absorption_by_layer` from ``attn = final_attention(model, tokens, attention_mask, layer_ids)``
+    (arguments already checked), so one forward can serve both modes (the sweep does)."""
+    attn = attn.to(torch.float64)                                                        # [b, l, h, q, k]
     kv = _attention_mask(attention_mask, _tokens(tokens, device=attn.device))
     kv = None if kv is None else kv.bool()
     causal = is_causal(model)
@@ -324,7 +333,7 @@ def _anchor_from_pattern(pattern: Tensor, query_mask: Tensor | None, key_visible
         return top1
     anc = floating.detect_anchors(rec, rule=rule, key_visible=key_visible, causal=causal)
     if not bool(anc.any(-1).all()):
-        warnings.warn(f"qk_at_layer: no {rule} anchor in some rows; using the top-1 key there", stacklevel=3)
+        warnings.warn(f"qk_at_layer: no {rule} anchor in some rows; using the top-1 key there", stacklevel=4)
     best = masked.masked_fill(~anc, -torch.inf).argmax(-1)
     return torch.where(anc.any(-1), best, top1)
 
@@ -356,12 +365,20 @@ def qk_at_layer(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, anchor
     pre = f"blocks.{l}.attn."
     names = [pre + n for n in ("hook_rot_q", "hook_rot_k", "hook_v", "hook_pattern")]
     _, cache = model.run_with_cache(tokens, attention_mask=am, names_filter=names, return_type=None)
-    qm = qm_check
+    return qk_from_activations(model, cache[pre + "hook_rot_q"], cache[pre + "hook_rot_k"], cache[pre + "hook_v"],
+                               cache[pre + "hook_pattern"], anchor, qm_check, kv, rule, share)
+
+
+def qk_from_activations(model: Any, rot_q: Tensor, rot_k: Tensor, v: Tensor, pattern: Tensor, anchor: Any,
+                        query_mask: Tensor | None, key_visible: Tensor | None, rule: str = "top1",
+                        share: float = 0.8) -> qk.QKDecomposition:
+    """The tail of :func:`qk_at_layer` (arguments already checked) from one layer's ``hook_rot_q``,
+    ``hook_rot_k``, ``hook_v`` and ``hook_pattern`` values, so the sweep can feed it from a shared forward."""
     causal = is_causal(model)
     if anchor is None or isinstance(anchor, str):
-        anchor = _anchor_from_pattern(cache[pre + "hook_pattern"], qm, kv, causal, anchor or rule)
-    return qk.decompose(cache[pre + "hook_rot_q"], cache[pre + "hook_rot_k"], anchor, query_mask=qm,
-                        key_visible=kv, causal=causal, v=cache[pre + "hook_v"], share=share)
+        anchor = _anchor_from_pattern(pattern, query_mask, key_visible, causal, anchor or rule)
+    return qk.decompose(rot_q, rot_k, anchor, query_mask=query_mask, key_visible=key_visible, causal=causal, v=v,
+                        share=share)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
     tables["absorption_summary"]     # layer mean ± std over items
 
 See ``runner`` (sharding, seeds, resume), ``items`` (input formats), ``templates`` (prompts), ``adapter``
-(which probe makes which rows) and ``store`` (the folder layout).
+(which probe makes which rows), ``shared`` (qk at every layer from one forward) and ``store`` (the folder
+layout).
 """
 
 from mdm_lens.sweep.adapter import PROBES

@@ -27,8 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
     p.add_argument("--template", default="auto", choices=TEMPLATES)
     p.add_argument("--batching", default="length", choices=("length", "padded"),
-                   help="length: equal-length prompts per batch, never padded (bit-identical to one item alone); "
-                        "padded: sort by length and left-pad (fuller batches, equal up to fp32 rounding)")
+                   help="length: model calls on equal-length prompts only, never padded (rows bit-identical to "
+                        "one item alone; temporal's received-attention record to ~1e-8); padded: left-pad a "
+                        "batch's mixed lengths (fewer model calls, equal up to fp32 rounding)")
     p.add_argument("--keep-keys", type=int, default=1, help="items whose per-key temporal rows are kept")
     p.add_argument("--force", action="store_true", help="overwrite a folder made with other arguments")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed lines (counted in manifest.json)")

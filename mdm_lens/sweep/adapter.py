@@ -6,8 +6,14 @@ sweep settings, and returns one long DataFrame: ``item_id`` first, then the prob
 (``layer`` / ``head`` / ``step`` / ``variant`` / ``condition`` ...), ``metric`` and ``value``. Positions
 are reported relative to the item's first real token, so a row does not depend on its batch's padding.
 
-Batched (one sampler run and one clean forward for the whole batch): accuracy, absorption, temporal, qk,
-flow. Per item (the probes generate each item alone): retrieval, knockout.
+Batched: accuracy, absorption, temporal, qk, flow. A batch is cut into runs of equal prompt length
+(``Settings.exact``, ``--batching length``) or run whole, left-padded (``padded``). Per run: one sampler call
+(shared by all of them) and two clean forwards of the final sequences: ``final_attention`` (per layer
+group, :func:`attention_tables`) serves absorption in both modes and flow, and one SDPA forward
+(:func:`shared.qk_all_layers`) serves qk at every layer, each bit-identical to the probe's own forward. The
+table rows are built as numpy columns, one DataFrame per run and table. The closed-book runs of
+``accuracy`` group the whole batch by closed-book prompt length. Per item (the probes generate each item
+alone): retrieval, knockout.
 """
 
 from __future__ import annotations
@@ -24,16 +30,18 @@ from mdm_lens import ReceivedAttention, tokenization
 from mdm_lens.probes import flow as F
 from mdm_lens.probes import patching, retrieval
 from mdm_lens.probes import run as R
+from mdm_lens.sweep import shared as SH
+from mdm_lens.sweep.tables import (DRIFT_METRICS, KEY_COLUMNS, PATTERN_BUDGET_BYTES, STEP_METRICS,  # noqa: F401
+                                   _anchor_mass, frame, temporal)
 from mdm_lens.sweep.templates import Rendered
 from mdm_lens.zoo import data as D
 from mdm_lens.zoo.tokenizer import char_span_to_token_span
 
-__all__ = ["PROBES", "NEEDS_QA", "Batch", "Settings", "make_batch", "compute"]
+__all__ = ["PROBES", "NEEDS_QA", "Batch", "Settings", "make_batch", "sub_batches", "compute"]
 
 PROBES = ("accuracy", "absorption", "temporal", "qk", "retrieval", "flow", "knockout")
 NEEDS_QA = {"accuracy": "answers", "retrieval": "a question with passages and answers",
             "flow": "a question with passages"}
-PATTERN_BUDGET_BYTES = 256 * 2 ** 20  # absorption/flow read full patterns: layers are taken in groups under this
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,20 @@ def make_batch(model: Any, rendered: list[Rendered], nocontext: list[Rendered] |
                order: list[int]) -> Batch:
     ids, am, off = _pad(model, [r.ids for r in rendered])
     return Batch(rendered, nocontext, ids, am, off, [r.item.id for r in rendered], seeds, order)
+
+
+def sub_batches(model: Any, batch: Batch, exact: bool) -> list[Batch]:
+    """The runs of a batch: its equal-length groups (first-seen length first) when ``exact``, else itself."""
+    if not exact:
+        return [batch]
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(batch.rendered):
+        groups.setdefault(len(r.ids), []).append(i)
+    if len(groups) == 1:
+        return [batch]
+    pick = lambda xs, idx: None if xs is None else [xs[i] for i in idx]  # noqa: E731
+    return [make_batch(model, pick(batch.rendered, g), pick(batch.nocontext, g), pick(batch.seeds, g),
+                       pick(batch.order, g)) for g in groups.values()]
 
 
 def _gen_kwargs(model: Any, s: Settings) -> dict[str, Any]:
@@ -135,10 +157,14 @@ def _generate_rows(model: Any, rendered: list[Rendered], s: Settings, seed: int)
 
 
 def accuracy(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
-    rows = _accuracy_rows(model, batch, batch.rendered, _generated(shared["out"]), "with_context")
+    """With-context rows of one run (its shared sampler output)."""
+    return pd.DataFrame(_accuracy_rows(model, batch, batch.rendered, _generated(shared["out"]), "with_context"))
+
+
+def accuracy_closed_book(model: Any, batch: Batch, s: Settings) -> pd.DataFrame:
+    """No-context rows of a whole batch: one sampler call per closed-book prompt length (``exact``) or one."""
     closed = _generate_rows(model, batch.nocontext, s, batch.seeds[0])
-    rows += _accuracy_rows(model, batch, batch.nocontext, closed, "no_context")
-    return pd.DataFrame(rows)
+    return pd.DataFrame(_accuracy_rows(model, batch, batch.nocontext, closed, "no_context"))
 
 
 # --- absorption -------------------------------------------------------------------------------------
@@ -150,71 +176,49 @@ def _layer_groups(model: Any, batch: Batch, T: int) -> list[list[int]]:
     return [L[i:i + k] for i in range(0, len(L), k)]
 
 
-def absorption(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
+def attention_tables(model: Any, batch: Batch, s: Settings, shared: dict, names: list[str]) -> dict[str, pd.DataFrame]:
+    """``absorption`` (both modes) and ``flow`` from ONE ``final_attention`` forward per layer group (each
+    probe ran that same forward before); a group's patterns are dropped before the next group's forward."""
     out = shared["out"]
-    frames = []
+    parts: list[dict] = []
+    attn = [None] * len(batch.item_ids)                                    # flow: head-mean [layer, T, T] per item
     for group in _layer_groups(model, batch, out.tokens.shape[1]):
-        for mode in ("default", "paper"):
-            res = R.absorption_by_layer(model, out.tokens, attention_mask=out.attention_mask, mode=mode, layers=group)
-            for metric, t in (("absorption", res.per_sample), ("null", res.null), ("excess", res.excess)):
-                a = t.cpu().numpy()                          # [batch, layer, variant]
-                bi, li, vi = np.indices(a.shape).reshape(3, -1)
-                frames.append(pd.DataFrame(dict(item_id=np.asarray(batch.item_ids, object)[bi],
-                                                layer=np.asarray(res.layers)[li], mode=mode,
-                                                variant=np.asarray(res.variants, object)[vi], metric=metric,
-                                                value=a.reshape(-1).astype(float))))
-            n = res.n_anchors.cpu().numpy()
-            bi, li = np.indices(n.shape).reshape(2, -1)
-            frames.append(pd.DataFrame(dict(item_id=np.asarray(batch.item_ids, object)[bi],
-                                            layer=np.asarray(res.layers)[li], mode=mode, variant="anchors",
-                                            metric="n_anchors", value=n.reshape(-1).astype(float))))
-    df = pd.concat(frames, ignore_index=True)
-    return df.sort_values(["item_id", "mode", "layer", "variant", "metric"], kind="stable", ignore_index=True)
+        full = R.final_attention(model, out.tokens, out.attention_mask, layers=group)
+        if "absorption" in names:
+            parts += _absorption_parts(model, batch, out, group, full)
+        if "flow" in names:
+            a = full.mean(2)                                               # [b, l, T, T]
+            for b, off in enumerate(batch.offsets):
+                part = a[b, :, off:, off:]
+                attn[b] = part if attn[b] is None else torch.cat([attn[b], part])
+        del full
+    tables = {}
+    if "absorption" in names:
+        tables["absorption"] = frame(parts, sort_by=["item_id", "mode", "layer", "variant", "metric"])
+    if "flow" in names:
+        tables["flow"] = flow(model, batch, s, attn)
+    return tables
 
 
-# --- temporal ---------------------------------------------------------------------------------------
-
-DRIFT_METRICS = ("mean_jaccard", "drift_index", "n_distinct", "stability", "modal_anchor", "empty_fraction",
-                 "top1_change_rate", "centroid_slope", "mean_w1")
-_POSITION_METRICS = {"modal_anchor", "top1_key"}
-
-
-def temporal(model: Any, batch: Batch, s: Settings, shared: dict, keep: list[bool]) -> dict[str, pd.DataFrame]:
-    out = shared["out"]
-    rows, keys = [], []
-    commit = out.trajectory.commit_step
-    for layer in range(model.cfg.n_layers):
-        sa = R.anchors_over_steps(out, layer=layer)                      # [batch, step, key]
-        drift = R.drift_from_output(out, layer=layer)
-        rec = sa.received.nan_to_num(-torch.inf)
-        top = rec.argmax(-1)                                             # [batch, step]
-        mass = torch.nan_to_num(sa.received, nan=0.0)
-        for b, item in enumerate(batch.item_ids):
-            off = batch.offsets[b]
-            for si, st in enumerate(sa.steps):
-                an = sa.anchors[b, si]
-                vals = dict(n_anchors=float(an.sum()), top1_key=float(top[b, si]) - off,
-                            top1_mass=float(mass[b, si, top[b, si]]), anchor_mass=float(mass[b, si][an].sum()))
-                rows += [dict(item_id=item, layer=layer, step=st, metric=k, value=v) for k, v in vals.items()]
-            for m in DRIFT_METRICS:
-                v = float(getattr(drift, m)[b])
-                if m in _POSITION_METRICS and v >= 0:
-                    v -= off
-                rows.append(dict(item_id=item, layer=layer, step=pd.NA, metric=m, value=v))
-            if keep[b]:
-                toks = out.tokens[b, off:].tolist()
-                labels = model.to_str_tokens(out.tokens[b, off:])
-                for si, st in enumerate(sa.steps):
-                    for k in range(off, sa.received.shape[-1]):
-                        keys.append(dict(item_id=item, layer=layer, step=st, key=k - off, token=toks[k - off],
-                                         token_str=labels[k - off], received=float(sa.received[b, si, k]),
-                                         anchor=bool(sa.anchors[b, si, k]), commit_step=int(commit[b, k]),
-                                         prompt_length=out.prompt_length - off))
-    df = pd.DataFrame(rows)
-    df["step"] = df["step"].astype("Int64")
-    kd = pd.DataFrame(keys, columns=["item_id", "layer", "step", "key", "token", "token_str", "received", "anchor",
-                                     "commit_step", "prompt_length"])
-    return {"temporal": df, "temporal_keys": kd}
+def _absorption_parts(model: Any, batch: Batch, out: Any, group: list[int], attn: Tensor) -> list[dict]:
+    """Absorption rows of one layer group, both modes, from that group's ``final_attention``."""
+    ids = np.asarray(batch.item_ids, object)
+    parts = []
+    for mode in ("default", "paper"):
+        # = R.absorption_by_layer(model, out.tokens, attention_mask=out.attention_mask, mode=mode, layers=group)
+        res = R.absorption_from_attention(model, attn, out.tokens, out.attention_mask, mode, "zscore", "mean",
+                                          group)
+        for metric, t in (("absorption", res.per_sample), ("null", res.null), ("excess", res.excess)):
+            a = t.cpu().numpy()                          # [batch, layer, variant]
+            bi, li, vi = np.indices(a.shape).reshape(3, -1)
+            parts.append(dict(item_id=ids[bi], layer=np.asarray(res.layers)[li], mode=mode,
+                              variant=np.asarray(res.variants, object)[vi], metric=metric,
+                              value=a.reshape(-1).astype(float)))
+        n = res.n_anchors.cpu().numpy()
+        bi, li = np.indices(n.shape).reshape(2, -1)
+        parts.append(dict(item_id=ids[bi], layer=np.asarray(res.layers)[li], mode=mode, variant="anchors",
+                          metric="n_anchors", value=n.reshape(-1).astype(float)))
+    return parts
 
 
 # --- qk ---------------------------------------------------------------------------------------------
@@ -225,18 +229,19 @@ QK_METRICS = ("norm_term", "angle_term", "advantage", "norm_share", "angle_share
 
 def qk(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
     out = shared["out"]
-    frames = []
-    for layer in range(model.cfg.n_layers):
-        dec = R.qk_at_layer(model, out.tokens, layer, attention_mask=out.attention_mask)
+    ids = np.asarray(batch.item_ids, object)
+    parts = []
+    # = [R.qk_at_layer(model, out.tokens, layer, attention_mask=out.attention_mask) for layer in layers]
+    for layer, dec in enumerate(SH.qk_all_layers(model, out.tokens, out.attention_mask)):
         labels = np.asarray(dec.labels, dtype=object)                    # [batch, head]
         for m in QK_METRICS:
             a = dec.__dict__[m].cpu().numpy().astype(float)
             if m == "anchor":
                 a = a - np.asarray(batch.offsets, float)[:, None]
             bi, hi = np.indices(a.shape).reshape(2, -1)
-            frames.append(pd.DataFrame(dict(item_id=np.asarray(batch.item_ids, object)[bi], layer=layer, head=hi,
-                                            metric=m, value=a.reshape(-1), label=labels[bi, hi])))
-    return pd.concat(frames, ignore_index=True)
+            parts.append(dict(item_id=ids[bi], layer=layer, head=hi, metric=m, value=a.reshape(-1),
+                              label=labels[bi, hi]))
+    return frame(parts)
 
 
 # --- flow -------------------------------------------------------------------------------------------
@@ -244,28 +249,25 @@ def qk(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
 FLOW_ITEM_METRICS = ("gold_ratio", "gold_ratio_density", "row_spread", "bos_share")
 
 
-def flow(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
-    """Region flow (§3.8) per item, as ``probes.run.flow_for_items`` does it, on the batch's final sequences."""
-    out = shared["out"]
+def flow(model: Any, batch: Batch, s: Settings, attn: list[Tensor]) -> pd.DataFrame:
+    """Region flow (§3.8) per item, as ``probes.run.flow_for_items`` does it, from each item's head-mean final
+    attention ``attn[b]`` ``[layer, T, T]`` (its pads cut)."""
     rows = []
     causal = R.is_causal(model)
-    attn = [None] * len(batch.item_ids)
-    for group in _layer_groups(model, batch, out.tokens.shape[1]):
-        a = R.final_attention(model, out.tokens, out.attention_mask, layers=group).mean(2)   # [b, l, T, T]
-        for b, off in enumerate(batch.offsets):
-            part = a[b, :, off:, off:]
-            attn[b] = part if attn[b] is None else torch.cat([attn[b], part])
     for b, r in enumerate(batch.rendered):
         regs = R.regions_for_item(r.qa, s.gen_length, r.offsets)
         res = F.flow(attn[b], regs, causal=causal, mode="default", residual=0.5, warn=False)
+        names = np.asarray([g.name for g in res.regions], object)
+        kinds = np.asarray([g.kind for g in res.regions], object)
         for m in ("answer_row", "answer_density", "answer_no_bos"):
-            vals = res.__dict__[m].reshape(-1).tolist()
-            rows += [dict(item_id=batch.item_ids[b], gold_index=r.qa.gold_index, region=g.name, kind=g.kind,
-                          metric=m, value=float(v)) for g, v in zip(res.regions, vals)]
-        for m in FLOW_ITEM_METRICS:
-            rows.append(dict(item_id=batch.item_ids[b], gold_index=r.qa.gold_index, region=None, kind=None, metric=m,
-                             value=float(torch.as_tensor(res.__dict__[m]).reshape(-1)[0])))
-    df = pd.DataFrame(rows)
+            vals = torch.as_tensor(res.__dict__[m]).reshape(-1).double().cpu().numpy()
+            n = min(len(vals), len(names))
+            rows.append(dict(item_id=batch.item_ids[b], gold_index=r.qa.gold_index, region=names[:n], kind=kinds[:n],
+                             metric=m, value=vals[:n]))
+        item_vals = [float(torch.as_tensor(res.__dict__[m]).reshape(-1)[0]) for m in FLOW_ITEM_METRICS]
+        rows.append(dict(item_id=batch.item_ids[b], gold_index=r.qa.gold_index, region=None, kind=None,
+                         metric=np.asarray(FLOW_ITEM_METRICS, object), value=np.asarray(item_vals, float)))
+    df = frame(rows)
     df["gold_index"] = df["gold_index"].astype("Int64")
     return df
 
@@ -324,24 +326,42 @@ def knockout(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFram
 
 # --- dispatch ---------------------------------------------------------------------------------------
 
-_BATCHED: dict[str, Callable] = {"accuracy": accuracy, "absorption": absorption, "qk": qk, "flow": flow}
+_BATCHED: dict[str, Callable] = {"accuracy": accuracy, "qk": qk}
+_ATTENTION = ("absorption", "flow")
 _PER_ITEM: dict[str, Callable] = {"retrieval": retrieval_rows, "knockout": knockout}
+
+
+def _run_tables(model: Any, run: Batch, probes: list[str], s: Settings) -> dict[str, pd.DataFrame]:
+    """The batched probes on one run: one sampler call and the shared clean forwards."""
+    record = [ReceivedAttention()] if "temporal" in probes else None
+    shared: dict[str, Any] = {"out": generate(model, run.ids, run.attention_mask, s, run.seeds[0], record)}
+    tables: dict[str, pd.DataFrame] = {}
+    if any(p in _ATTENTION for p in probes):
+        tables.update(attention_tables(model, run, s, shared, probes))
+    for p in probes:
+        if p == "temporal":
+            tables.update(temporal(model, run, s, shared, [o < s.keep_keys for o in run.order]))
+        elif p in _BATCHED:
+            tables[p] = _BATCHED[p](model, run, s, shared)
+    return tables
+
+
+def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    full = [f for f in frames if len(f)]
+    return frames[0] if not full else full[0] if len(full) == 1 else pd.concat(full, ignore_index=True)
 
 
 @torch.no_grad()
 def compute(model: Any, batch: Batch, probes: list[str], s: Settings) -> dict[str, pd.DataFrame]:
-    """All requested probes on one batch → {table name: rows}. One sampler run is shared by the batched ones."""
-    shared: dict[str, Any] = {}
-    if any(p in _BATCHED or p == "temporal" for p in probes):
-        record = [ReceivedAttention()] if "temporal" in probes else None
-        shared["out"] = generate(model, batch.ids, batch.attention_mask, s, batch.seeds[0], record)
-    tables: dict[str, pd.DataFrame] = {}
+    """All requested probes on one batch → {table name: rows}, each item's rows in the order the probe gives."""
+    parts: dict[str, list[pd.DataFrame]] = {}
+    if any(p in _BATCHED or p in _ATTENTION or p == "temporal" for p in probes):
+        for run in sub_batches(model, batch, s.exact):
+            for name, df in _run_tables(model, run, probes, s).items():
+                parts.setdefault(name, []).append(df)
+    if "accuracy" in probes:
+        parts["accuracy"].append(accuracy_closed_book(model, batch, s))
     for p in probes:
-        if p == "temporal":
-            keep = [o < s.keep_keys for o in batch.order]
-            tables.update(temporal(model, batch, s, shared, keep))
-        elif p in _BATCHED:
-            tables[p] = _BATCHED[p](model, batch, s, shared)
-        else:
-            tables[p] = _PER_ITEM[p](model, batch, s, shared)
-    return tables
+        if p in _PER_ITEM:
+            parts[p] = [_PER_ITEM[p](model, batch, s, {})]
+    return {name: _concat(frames) for name, frames in parts.items()}

@@ -1,9 +1,10 @@
 """`mdm_lens.sweep.run`: a dataset-scale sweep, data-parallel over ``torch.distributed`` ranks.
 
 Batches are a function of the items and the arguments only (so they are the same whatever the world
-size): ``batching="length"`` (default) puts items with the same prompt length together (data order within a
-length, ``batch_size`` at most) so no row is ever padded and a batched item is bit-identical to the item
-alone; ``batching="padded"`` sorts by length and left-pads mixed lengths (fewer, fuller batches; each row
+size), see :func:`make_batches`. ``batching="length"`` (default) runs each equal-length group of a batch
+as its own model calls, so no row is ever padded and a batched item's rows are bit-identical to the item
+alone (temporal's excepted: the ``ReceivedAttention`` record's reduction depends on the batch size, ≈1e-8);
+``batching="padded"`` left-pads the batch's mixed lengths into one run (fewer, fuller model calls; each row
 equals the item alone up to fp32 rounding, ≈1e-7, which can flip the sampler's choice between two
 near-equal confidences). Batch k runs on rank ``k % world_size``. Each rank writes its batches' part files;
 rank 0 merges them in batch order once every rank is done, so 1 rank and N ranks give the same rows.
@@ -11,7 +12,7 @@ Launch with ``torchrun --nproc-per-node N -m mdm_lens.sweep ...`` (gloo on CPU, 
 :func:`run` in one process.
 
 Seeds: item i's seed is ``crc32(f"{seed}:{id}")`` (knockout's random control, retrieval's sampler run);
-a batched sampler run is seeded with the seed of its batch's first item. With the default greedy
+a batched sampler run is seeded with the seed of its first item. With the default greedy
 samplers no randomness is drawn, and every row equals the item run alone.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
 import json
 import os
 import platform
@@ -61,15 +63,37 @@ def parse_probes(probes: str | Sequence[str]) -> list[str]:
 
 
 def make_batches(lengths: Sequence[int], batch_size: int, batching: str) -> list[list[int]]:
-    """Item indices per batch. ``length``: equal lengths only, first-seen length first; ``padded``: stable sort
-    by length, then chunks of ``batch_size``."""
+    """Item indices per batch, each sorted by (length, data order).
+
+    ``padded``: stable sort by length, then chunks of ``batch_size``. ``length``: every equal-length group
+    (cut into chunks of ``batch_size``) is one run of the model, so the pieces are packed whole into batches
+    of at most ``batch_size`` items (first-fit decreasing): as few runs as there are lengths, in full batches
+    (per-batch costs, part files and closed-book sampler calls, do not grow with the spread of lengths)."""
+    validate.choice(batching, BATCHING, name="batching")
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     if batching == "padded":
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
         return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     groups: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        groups.setdefault(n, []).append(i)
-    return [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+    for i in order:
+        groups.setdefault(lengths[i], []).append(i)
+    pieces = [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+    bins: list[list[int]] = []
+    room: list[list[int]] = [[] for _ in range(batch_size + 1)]     # free places -> heap of bin indices
+    for piece in sorted(pieces, key=len, reverse=True):              # stable: ties stay in length order
+        n = len(piece)
+        # first fit: the lowest-numbered bin with room for n (O(batch_size) per piece, not O(bins))
+        fits = [(h[0], f) for f in range(n, batch_size + 1) if (h := room[f])]
+        if fits:
+            k, f = min(fits)
+            heapq.heappop(room[f])
+        else:
+            k, f = len(bins), batch_size
+            bins.append([])
+        bins[k].extend(piece)
+        if f > n:
+            heapq.heappush(room[f - n], k)
+    key = lambda i: (lengths[i], i)  # noqa: E731
+    return sorted((sorted(b, key=key) for b in bins), key=lambda b: key(b[0]))
 
 
 def _check_items(items: list[SweepItem], probes: list[str], path: str) -> None:
@@ -201,6 +225,7 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
                            skip_bad=skip_bad, keep_keys=keep_keys, n_random=n_random, limit=limit,
                            batching=batching)
         store = SweepStore(out)
+        store.keep_written = world.rank == 0
         err = None
         if world.rank == 0:
             try:
@@ -212,6 +237,7 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
             raise err
         rendered = _render(model, items, tmpl, s)
         batches = make_batches([len(r.ids) for r in rendered], batch_size, batching)
+        store.set_batches([[items[i].id for i in b] for b in batches])
         tables = _work(model, rendered, batches, names, s, seed, tmpl, store, world, progress)
         _ = t0
         info = dict(rank=tables.pop("__rank_info__"), wall_s=round(time.perf_counter() - t0, 3))

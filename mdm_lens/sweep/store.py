@@ -8,8 +8,9 @@
     DIR/{table}_summary.parquet
     DIR/manifest.json
 
-A batch counts only once its ``.done`` marker exists; parts without one (a run killed mid-batch) are
-recomputed and overwritten, so a killed run never loses or duplicates rows.
+A batch counts only once its ``.done`` marker exists and lists the batch's item ids (``set_batches``); parts
+without one (a run killed mid-batch, or a folder cut into other batches by an older version) are recomputed
+and overwritten, so a killed run never loses or duplicates rows.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from mdm_lens.errors import ArgumentError
 
@@ -31,6 +34,13 @@ class SweepStore:
     def __init__(self, out: str | Path):
         self.root = Path(out)
         self.parts = self.root / "parts"
+        self.batch_ids: list[list[str]] | None = None
+        self.keep_written = True        # keep what write_batch wrote for merge (the merging rank only)
+        self._fresh: dict[int, dict[str, pa.Table]] = {}
+
+    def set_batches(self, batch_ids: list[list[str]]) -> None:
+        """The item ids of every batch of this run, in batch order: a ``.done`` marker must list them."""
+        self.batch_ids = [list(b) for b in batch_ids]
 
     # --- arguments ---------------------------------------------------------------------------------
     def prepare(self, fingerprint: dict[str, Any], force: bool) -> None:
@@ -53,14 +63,33 @@ class SweepStore:
 
     # --- batches -----------------------------------------------------------------------------------
     def done_batches(self) -> set[int]:
-        return {int(p.name[1:7]) for p in self.parts.glob("b*.done")} if self.parts.exists() else set()
+        if not self.parts.exists():
+            return set()
+        done = set()
+        for p in self.parts.glob("b*.done"):
+            k = int(p.name[1:7])
+            if self.batch_ids is None or (k < len(self.batch_ids) and p.read_text().splitlines() == self.batch_ids[k]):
+                done.add(k)
+        return done
 
     def write_batch(self, k: int, tables: dict[str, pd.DataFrame], item_ids: list[str]) -> None:
+        fresh = {}
         for name, df in tables.items():
             tmp = self.parts / f".b{k:06d}.{name}.parquet.tmp{os.getpid()}"
-            df.to_parquet(tmp, index=False)
+            table = pa.Table.from_pandas(df, preserve_index=False)
+            pq.write_table(table, tmp)
             os.replace(tmp, self.parts / f"b{k:06d}.{name}.parquet")
+            fresh[name] = table
         _atomic_write(self.parts / f"b{k:06d}.done", "\n".join(item_ids) + "\n")
+        if self.keep_written:
+            self._fresh[k] = fresh
+
+    def _part(self, k: int, name: str, path: Path) -> pd.DataFrame:
+        """Batch k's rows of table ``name``: the Arrow table this process wrote (no re-read), else the file."""
+        table = self._fresh.get(k, {}).pop(name, None)
+        if table is None or _to_pandas is None:
+            return pd.read_parquet(path)
+        return _to_pandas(table)            # what pd.read_parquet does with the table it reads
 
     def done_items(self) -> list[str]:
         ids = []
@@ -79,13 +108,13 @@ class SweepStore:
         """Concatenate the parts of ``batches`` (done ones only) → DIR/{table}.parquet, rows in data order of
         their items (``order``: item id → index; stable within an item), the same for any world size."""
         done = self.done_batches()
-        names: dict[str, list[Path]] = {}
+        names: dict[str, list[tuple[int, Path]]] = {}
         for k in sorted(b for b in batches if b in done):
             for p in sorted(self.parts.glob(f"b{k:06d}.*.parquet")):
-                names.setdefault(p.name.split(".")[1], []).append(p)
+                names.setdefault(p.name.split(".")[1], []).append((k, p))
         tables = {}
         for name, paths in names.items():
-            frames = [pd.read_parquet(p) for p in paths]
+            frames = [self._part(k, name, p) for k, p in paths]
             df = pd.concat([f for f in frames if len(f)], ignore_index=True) if any(len(f) for f in frames) else frames[0]
             if len(df):
                 rank = df["item_id"].map(order)
@@ -104,6 +133,12 @@ class SweepStore:
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         _atomic_write(self.root / "manifest.json", json.dumps(manifest, indent=1, default=str))
+
+
+try:  # pandas' own Arrow → DataFrame step of read_parquet (same dtypes); without it, parts are re-read
+    from pandas.io._util import arrow_table_to_pandas as _to_pandas
+except ImportError:  # pragma: no cover
+    _to_pandas = None
 
 
 def _atomic_write(path: Path, text: str) -> None:
