@@ -177,6 +177,9 @@ class RowTopK(RowConsumer):
 
     def start(self, rows: PatternRows) -> None:
         self._parts: list[tuple[Tensor, Tensor]] = []
+        # absolute position of query row 0: the queries are the last rows of the keys (0 when every position
+        # queries; DiffusionGemma's decoder: the canvas after the cached prefix)
+        self.query_offset = rows.n_keys - rows.n_queries
 
     def consume(self, pattern: Tensor, start: int) -> None:
         self._parts.append(pattern.float().topk(min(self.k, pattern.shape[-1]), dim=-1))

@@ -44,6 +44,29 @@ from mdm_lens.hook_surface import CheckedHookSurface
 ReturnType = Literal["logits", "aligned", None]
 
 
+def _dg_settings(model: Any, kwargs: dict) -> dict:
+    """The LLaDA-style names the probes pass (`gen_length`, `steps`, `block_length`) in DiffusionGemma's terms:
+    `gen_length` → `max_new_tokens`; `steps` → `max_denoising_steps` (DiffusionGemma's budget per canvas);
+    `block_length` must be the canvas length (the model's own block). Both names for one setting is an error."""
+    from mdm_lens.errors import SamplerConfigError
+
+    kw = dict(kwargs)
+    for ours, theirs in (("gen_length", "max_new_tokens"), ("steps", "max_denoising_steps")):
+        if ours in kw:
+            if theirs in kw:
+                raise SamplerConfigError(f"pass {ours}= or {theirs}=, not both (DiffusionGemma reads {ours} as "
+                                         f"{theirs}).", argument=ours, value=kw[ours], allowed=f"one of {ours}/{theirs}")
+            kw[theirs] = validate.integer(kw.pop(ours), name=ours, min=1)
+    if "block_length" in kw:
+        block = kw.pop("block_length")
+        canvas = int(model.cfg.extra["canvas_length"])
+        if block is not None and validate.integer(block, name="block_length", min=1) != canvas:
+            raise SamplerConfigError(f"block_length={block}: DiffusionGemma denoises canvases of {canvas} tokens, its "
+                                     "own block; leave block_length unset.", argument="block_length", value=block,
+                                     allowed=f"None or {canvas}")
+    return kw
+
+
 class TransformersBridge(CheckedHookSurface):
     """Hooks on a transformers model. Build with `TransformersBridge(hf_model)` or
     `TransformersBridge.from_pretrained(folder)` (also reached through `HookedMDM.from_pretrained`)."""
@@ -172,10 +195,9 @@ class TransformersBridge(CheckedHookSurface):
         if canvas is None:
             raise InputError(
                 "DiffusionGemma is an encoder-decoder: a forward needs the canvas, model(input_ids, "
-                "decoder_input_ids=canvas). Probes that run one clean forward of a whole sequence "
-                "(absorption_by_layer, qk_at_layer, flow_for_items, retrieval_scores, knockout) do not apply to it; "
-                "use generate(..., record=[ReceivedAttention()]) with anchors_over_steps / drift_from_output, and "
-                "mdm_lens.bridge.probes.qk_at_step for the QK split.")
+                "decoder_input_ids=canvas). For one forward of a whole sequence (prompt + answer) use "
+                "mdm_lens.bridge.sequence.sequence_forward, or pass prompt_length= to the probes "
+                "(absorption_by_layer, qk_at_layer, final_attention).")
         canvas = self._check_ids(canvas, "decoder_input_ids")
         cache = kwargs.get("cache")
         past = int(cache.get_seq_length()) if cache is not None else 0
@@ -217,7 +239,7 @@ class TransformersBridge(CheckedHookSurface):
 
             sampler = kwargs.pop("sampler", "diffusion_gemma")
             validate.choice(sampler, ("diffusion_gemma", "auto"), name="sampler")
-            return dg_generate(self, prompt, **kwargs)
+            return dg_generate(self, prompt, **_dg_settings(self, kwargs))
         from mdm_lens.diffusion.generate import generate
 
         return generate(self, prompt, **kwargs)

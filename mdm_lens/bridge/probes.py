@@ -1,13 +1,21 @@
 """Probes on DiffusionGemma runs, where the decoder's queries (the canvas) are a suffix of its keys
 (prompt, earlier canvases, the canvas) and nothing is masked.
 
-Which probes apply: everything that reads a run's records — `ReceivedAttention` (query sets "all",
-"masked" = not yet accepted at that step, "committed" = accepted at that step, "generated" = the
-canvas), `probes.run.anchors_over_steps`, `drift_from_output` (absorption and temporal floating) —
-runs unchanged; keys that do not exist yet at a step are NaN in the records. The QK split reads a
-`TrajectoryCache` step through `qk_at_step`. Probes built on one clean forward of a whole sequence
-(`absorption_by_layer`, `qk_at_layer`, region `flow_for_items`, `retrieval_scores`, `knockout`) raise
-an `InputError` saying so: an encoder-decoder has no single forward over prompt and answer.
+Which probes apply, and over which queries and keys:
+
+* the run's records — `ReceivedAttention` (query sets "all", "masked" = **not yet accepted** at that
+  step, "committed" = **accepted** at that step, "generated" = the canvas), `TopKKeys` (query rows at the
+  canvas's absolute positions), `probes.run.anchors_over_steps`, `drift_from_output` (temporal floating) —
+  run unchanged; keys that do not exist yet at a step are NaN in the records;
+* `qk_at_step` (here): the QK split from a `TrajectoryCache` step;
+* the whole-sequence probes — `absorption_by_layer`, `qk_at_layer`, `final_attention`, `flow_for_items`
+  and `retrieval_scores` — run on the forward of `mdm_lens.bridge.sequence` (prompt → encoder, answer →
+  decoder canvas, the sampler's masks), with `prompt_length=` where they take token ids: Q = the answer
+  rows (the decoder's queries), keys = what each decoder layer lets them see (prompt + answer; a sliding
+  layer only the last window − 1 prompt keys), which also sets the uniform nulls. A clean forward has no
+  not-yet-accepted rows, so `query="masked"` is refused there;
+* `knockout` and `patch_anchor_activations` raise `InputError` saying why (their per-step replays are
+  one forward of the whole canvas with mask tokens).
 """
 
 from __future__ import annotations

@@ -213,6 +213,10 @@ class TopKKeys(Reducer):
             extra = self.k - vals.shape[-1]
             vals = torch.cat([vals, vals.new_zeros(*vals.shape[:-1], extra)], -1)
             idx = torch.cat([idx, idx.new_full((*idx.shape[:-1], extra), -1)], -1)
+        offset = tops[0].query_offset  # queries that are a suffix of the keys sit at their absolute positions
+        if offset:
+            vals = torch.cat([vals.new_zeros(*vals.shape[:-2], offset, vals.shape[-1]), vals], dim=-2)
+            idx = torch.cat([idx.new_full((*idx.shape[:-2], offset, idx.shape[-1]), -1), idx], dim=-2)
         vals, idx = self._pad(vals, dim=-2), self._pad(idx + 1, dim=-2) - 1  # absent query rows → -1
         self._rows.append({"topk_attention": vals.cpu(), "topk_keys": idx.cpu()})
         self.steps_seen.append(state.step)

@@ -17,6 +17,30 @@ from . import _checks as C
 # small shared helpers
 # ----------------------------------------------------------------------------------------------
 
+def is_block_diffusion(model: Any) -> bool:
+    """An encoder-decoder diffusion model (DiffusionGemma through the bridge): prompt → encoder, answer → canvas."""
+    return bool(getattr(model, "is_block_diffusion", False))
+
+
+def require_single_stack(model: Any, probe: str, why: str) -> None:
+    """A clear `InputError` where a probe cannot apply to a block-diffusion model (and says why)."""
+    if is_block_diffusion(model):
+        from mdm_lens.errors import InputError
+
+        raise InputError(f"{probe} does not apply to {model.cfg.model_name} (block diffusion: prompt → encoder, "
+                         f"answer → decoder canvas): {why}", argument="model", value=model.cfg.model_name,
+                         allowed="a single-stack model (LLaDA, Dream, Llama, Qwen2)")
+
+
+def sequence_view(model: Any, tokens: Tensor, attention_mask: Tensor | None, layers: Sequence[int],
+                  prompt_length: Any, hooks: Sequence[str] = ("hook_pattern",), encoder_patterns: bool = False) -> Any:
+    """The whole-sequence forward of a block-diffusion model (:func:`mdm_lens.bridge.sequence.sequence_forward`)."""
+    from mdm_lens.bridge.sequence import sequence_forward, split_point
+
+    P = split_point(model, tokens, prompt_length)
+    return sequence_forward(model, tokens, P, attention_mask, layers, hooks=hooks, encoder_patterns=encoder_patterns)
+
+
 def is_causal(model: Any) -> bool:
     return model.cfg.attention == "causal"
 
@@ -96,7 +120,7 @@ def generate_final(model: Any, prompts: Sequence[Any], gen_length: int | None = 
     steps = _optional_length(steps, "steps")
     rows = []
     for p in prompts:
-        out = model.generate(_batch(p, model.W_E.device), steps=steps or g, gen_length=g, **generate_kwargs)
+        out = model.generate(_batch(p, model.input_device), steps=steps or g, gen_length=g, **generate_kwargs)
         rows.append(out.tokens[0].cpu())
     pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
     width = max(len(r) for r in rows)
@@ -105,6 +129,6 @@ def generate_final(model: Any, prompts: Sequence[Any], gen_length: int | None = 
     for i, r in enumerate(rows):
         toks[i, : len(r)], am[i, : len(r)] = r, 1
     lengths = [len(torch.as_tensor(p).flatten()) for p in prompts]
-    return toks.to(model.W_E.device), am.to(model.W_E.device), lengths
+    return toks.to(model.input_device), am.to(model.input_device), lengths
 
 

@@ -48,6 +48,7 @@ from mdm_lens.hooks import at_steps
 from . import _causal as C
 from ._results import ResultMixin
 from .retrieval import _decode, answer_correct
+from ._runtools import require_single_stack
 from .run import is_causal, step_canvas
 
 __all__ = ["knockout", "KnockoutResult", "KnockoutHooks", "ANSWER_METRICS"]
@@ -348,7 +349,11 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
     outside the run, ``ArgumentError`` / ``ArgumentTypeError`` for other invalid arguments, and
     ``NonFiniteError`` when the model's logits are NaN or inf.
     """
-    dev = model.W_E.device
+    require_single_stack(model, "knockout", "its anchor pre-pass, gold scoring and teacher-forced replays re-run "
+                         "a step as one forward of the whole canvas with mask tokens; on DiffusionGemma that pass needs "
+                         "the step's KV cache and self-conditioning (not built yet). Knock out keys in a run with "
+                         "generate(..., fwd_hooks=[('blocks.L.attn.hook_attn_scores', fn)]) instead.")
+    dev = model.input_device
     prompt = C.prompt_batch(prompt_ids, "prompt_ids", dev)
     g = validate.integer(gen_length if gen_length is not None else model.cfg.extra.get("gen_length", 4),
                          name="gen_length", min=1)

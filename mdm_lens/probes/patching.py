@@ -45,6 +45,7 @@ from . import _causal as C
 from ._causal import anchor_mask_from_scores
 from ._results import ResultMixin
 from .knockout import ANSWER_METRICS, KnockoutHooks, KnockoutResult, knockout
+from ._runtools import require_single_stack
 from .run import is_causal, step_canvas
 
 __all__ = ["knockout", "KnockoutResult", "KnockoutHooks", "ANSWER_METRICS", "patch_anchor_activations",
@@ -207,8 +208,10 @@ def patch_anchor_activations(model: Any, clean_ids: Any, corrupt_ids: Any, *, st
     token), normalised (M − M_corr)/(M_clean − M_corr).  Raises ``OutOfRangeError`` for a step, layer or
     position outside the run and ``ArgumentError`` when nothing is committed at the step.
     """
+    require_single_stack(model, "patch_anchor_activations", "it replays a step as one forward of the whole canvas "
+                         "(matched clean and corrupted canvases with mask tokens); DiffusionGemma has no such forward.")
     _check_patch_args(model, component, direction, metric, tokens, n_random, seed)
-    dev = model.W_E.device
+    dev = model.input_device
     clean_p = C.prompt_batch(clean_ids, "clean_ids", dev)
     corrupt_p = C.prompt_batch(corrupt_ids, "corrupt_ids", dev)
     validate.same_shape(clean_p, corrupt_p, names=("clean_ids", "corrupt_ids"))

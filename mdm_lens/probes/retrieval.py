@@ -275,7 +275,7 @@ def _generate(model: Any, item: RetrievalItem, method: str, layers: list[int], g
     kw = dict(generate_kwargs)
     if method == "wu":
         kw.update(sampler="arm", temperature=0.0)
-    return model.generate(_batch(item.prompt_ids, model.W_E.device), steps=steps or gen_length, gen_length=gen_length,
+    return model.generate(_batch(item.prompt_ids, model.input_device), steps=steps or gen_length, gen_length=gen_length,
                           record=record, fwd_hooks=list(fwd_hooks), seed=seed, **kw)
 
 

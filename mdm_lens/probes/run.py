@@ -32,7 +32,7 @@ from mdm_lens.errors import ArgumentError, ArgumentTypeError
 from . import _checks as C
 from . import flow as F
 from ._runtools import (_attention_mask, _batch, _nonempty, _optional_length, _tokens, generate_final,  # noqa: F401
-                        is_causal, layer_list, readout_shift, step_canvas)
+                        is_block_diffusion, is_causal, layer_list, readout_shift, sequence_view, step_canvas)
 from . import floating, qk
 from ._results import ResultMixin, to_numpy
 
@@ -47,15 +47,29 @@ __all__ = ["final_attention", "absorption_by_layer", "AbsorptionByLayer", "ancho
 
 @torch.no_grad()
 def final_attention(model: Any, tokens: Int[Tensor, "batch pos"], attention_mask: Tensor | None = None,
-                    layers: int | Sequence[int] | None = None) -> Float[Tensor, "batch layer head query key"]:
+                    layers: int | Sequence[int] | None = None,
+                    prompt_length: int | None = None) -> Float[Tensor, "batch layer head query key"]:
     """A^l = softmax(q kᵀ/√d_h + mask) of one clean forward (the paper's "full sequence" mode).
 
     Reads ``blocks.{l}.attn.hook_pattern`` via ``run_with_cache(names_filter=...)``, which forces the
     explicit attention path.  Rows sum to 1 over the visible keys (pad rows under a pair mask are 0).
+    Block-diffusion models (DiffusionGemma) need ``prompt_length``: the answer rows are the decoder's
+    (bidirectional over prompt + answer), the prompt rows the encoder's own causal attention over the
+    prompt (:mod:`mdm_lens.bridge.sequence`); other models ignore it.
     """
-    tokens = _tokens(tokens, device=model.W_E.device)
-    names = [f"blocks.{l}.attn.hook_pattern" for l in layer_list(model, layers)]
+    tokens = _tokens(tokens, device=model.input_device)
+    layer_ids = layer_list(model, layers)
     am = _attention_mask(attention_mask, tokens)
+    if is_block_diffusion(model):
+        view = sequence_view(model, tokens, am, layer_ids, prompt_length, encoder_patterns=True)
+        P, T = view.prompt_length, tokens.shape[1]
+        rows = []
+        for l in layer_ids:
+            a = view.cache[f"blocks.{l}.attn.hook_pattern"].clone()
+            a[:, :, :P, :P] = view.encoder_patterns[l]
+            rows.append(a)
+        return torch.stack(rows, dim=1)
+    names = [f"blocks.{l}.attn.hook_pattern" for l in layer_ids]
     _, cache = model.run_with_cache(tokens, attention_mask=am, names_filter=names, return_type=None)
     return torch.stack([cache[n] for n in names], dim=1)
 
@@ -133,7 +147,8 @@ def _absorption_from_received(received: Tensor, key_visible: Tensor | None, caus
 def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_mask: Tensor | None = None,
                         mode: Literal["default", "paper"] = "default", rule: str = "zscore",
                         head: Literal["mean", "each"] = "mean",
-                        layers: int | Sequence[int] | None = None) -> AbsorptionByLayer:
+                        layers: int | Sequence[int] | None = None,
+                        prompt_length: int | None = None) -> AbsorptionByLayer:
     """Absorb(S, l) = 100 · Σ_{j∈S} m^l_j on the clean final sequence, per sample and layer (§1.b, §3.3).
 
     m^l_j = (1/|Q|) Σ_{i∈Q} Ā^l_ij with Ā the head-mean attention and Q all non-pad rows.
@@ -141,28 +156,46 @@ def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_
     token).  ``default``: the three variants pos0 / top1 / anchors (``rule``, zscore by default), each
     with its uniform null (bidirectional 100/n; causal pos0/top1 100·H_n/n) and excess = value − null.
     ``head="each"`` (default mode only) computes per head and averages the percentages over heads.
+    Block-diffusion models (DiffusionGemma, ``prompt_length`` required): Q = the answer rows, i.e. the decoder's
+    queries, over the keys each decoder layer lets them see (prompt + answer; a sliding layer only the last
+    window − 1 prompt keys), which also set the nulls.
     """
     mode = validate.choice(mode, ("default", "paper"), name="mode")
     rule = validate.choice(rule, floating.RULES, name="rule")
     head = validate.choice(head, ("mean", "each"), name="head")
     layer_ids = layer_list(model, layers)
+    if is_block_diffusion(model):
+        toks = _tokens(tokens, device=model.input_device)
+        view = sequence_view(model, toks, _attention_mask(attention_mask, toks), layer_ids, prompt_length)
+        attn = torch.stack([view.cache[f"blocks.{l}.attn.hook_pattern"] for l in layer_ids], dim=1)
+        kv = torch.stack([view.key_visible[l] for l in layer_ids], dim=1)           # [batch, layer, key]
+        return absorption_from_attention(model, attn, toks, attention_mask, mode, rule, head, layer_ids,
+                                         query_rows=view.query_rows, key_visible=kv)
     attn = final_attention(model, tokens, attention_mask, layer_ids)
     return absorption_from_attention(model, attn, tokens, attention_mask, mode, rule, head, layer_ids)
 
 
 def absorption_from_attention(model: Any, attn: Float[Tensor, "batch layer head query key"], tokens: Tensor,
                               attention_mask: Tensor | None, mode: str, rule: str, head: str,
-                              layer_ids: list[int]) -> AbsorptionByLayer:
+                              layer_ids: list[int], query_rows: Tensor | None = None,
+                              key_visible: Tensor | None = None) -> AbsorptionByLayer:
     """:func:`absorption_by_layer` from ``attn = final_attention(model, tokens, attention_mask, layer_ids)``
-    (arguments already checked), so one forward can serve both modes (the sweep does)."""
+    (arguments already checked), so one forward can serve both modes (the sweep does). ``query_rows``
+    ``[batch, query]`` / ``key_visible`` ``[batch, layer, key]``: the query set and per-layer key sets where
+    they are not "every non-pad row / key" (block-diffusion models)."""
     attn = attn.to(torch.float64)                                                        # [b, l, h, q, k]
-    kv = _attention_mask(attention_mask, _tokens(tokens, device=attn.device))
-    kv = None if kv is None else kv.bool()
+    if key_visible is None:
+        kv = _attention_mask(attention_mask, _tokens(tokens, device=attn.device))
+        kv = None if kv is None else kv.bool()
+    else:
+        kv = key_visible.to(attn.device)
     causal = is_causal(model)
     per_head = head == "each" and mode == "default"
     pattern = attn if per_head else attn.mean(2)
     kvb = None if kv is None else floating.align_mask(kv, pattern.ndim - 1, batch_dim=0)
-    received = floating.received_attention(pattern, key_visible=kvb, causal=causal)
+    qm = None if query_rows is None else floating.align_mask(query_rows.to(attn.device), pattern.ndim - 1,
+                                                             batch_dim=0)
+    received = floating.received_attention(pattern, query_mask=qm, key_visible=kvb, causal=causal)
     names, vals, nulls, n_anc = _absorption_from_received(received, kvb, causal, mode, rule)
     if per_head:
         vals, nulls, n_anc = vals.mean(2), nulls.mean(2), n_anc.mean(2)
@@ -340,15 +373,19 @@ def _anchor_from_pattern(pattern: Tensor, query_mask: Tensor | None, key_visible
 
 @torch.no_grad()
 def qk_at_layer(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, anchor: Any = None, query: Any = "all",
-                attention_mask: Tensor | None = None, rule: str = "top1", share: float = 0.8) -> qk.QKDecomposition:
+                attention_mask: Tensor | None = None, rule: str = "top1", share: float = 0.8,
+                prompt_length: int | None = None) -> qk.QKDecomposition:
     """§3.6 norm/angle split of the anchor key's QK advantage at one layer of one clean forward.
 
     Reads post-RoPE ``hook_rot_q`` / ``hook_rot_k`` and ``hook_v`` (for ‖v*‖ / mean ‖v‖).  ``anchor``:
     an int / ``[batch]`` / ``[batch, head]`` tensor, or None → detected on the head-mean pattern of the
     same layer over the query set: ``rule="top1"`` (most received key) or e.g. ``"zscore"`` (the most
     received zscore anchor, top-1 where there is none).  ``query``: "all", "masked", "unmasked" or a mask.
+    Block-diffusion models (``prompt_length`` required): the queries are the decoder's (the answer rows;
+    "all" = every answer row, or a mask inside them; a clean forward has no masked rows), the keys those the
+    layer lets them see.
     """
-    tokens = _tokens(tokens, device=model.W_E.device)
+    tokens = _tokens(tokens, device=model.input_device)
     l = validate.index(layer, model.cfg.n_layers, name="layer", what="layer")
     share = validate.number(share, name="share", min=0.5, max=1)
     rule = validate.choice(rule, ("top1",) + floating.RULES, name="rule")
@@ -358,6 +395,8 @@ def qk_at_layer(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, anchor
         anchor = validate.choice(anchor, ("top1",) + floating.RULES, name="anchor")
     elif anchor is not None and not isinstance(anchor, Tensor):
         anchor = validate.index(anchor, tokens.shape[1], name="anchor", what="position")
+    if is_block_diffusion(model):
+        return _qk_block_diffusion(model, tokens, l, anchor, query, am, rule, share, prompt_length)
     qm_check = _query_mask(model, tokens, query, kv)                       # validate before the forward
     if qm_check is not None and not bool(qm_check.any(-1).all()):
         raise ArgumentError(f"query={query if isinstance(query, str) else 'mask'!r} selects no query position in "
@@ -367,6 +406,30 @@ def qk_at_layer(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, anchor
     _, cache = model.run_with_cache(tokens, attention_mask=am, names_filter=names, return_type=None)
     return qk_from_activations(model, cache[pre + "hook_rot_q"], cache[pre + "hook_rot_k"], cache[pre + "hook_v"],
                                cache[pre + "hook_pattern"], anchor, qm_check, kv, rule, share)
+
+
+def _qk_block_diffusion(model: Any, tokens: Tensor, l: int, anchor: Any, query: Any, am: Tensor | None, rule: str,
+                        share: float, prompt_length: Any) -> qk.QKDecomposition:
+    if isinstance(query, str) and query != "all":
+        raise ArgumentError(f"query={query!r}: a clean forward of a block-diffusion model has no masked (not yet "
+                            "accepted) rows; pass 'all' (every answer row) or a [batch, pos] mask inside the answer.",
+                            argument="query", value=query, allowed="'all' or a bool mask")
+    names = ("hook_rot_q", "hook_rot_k", "hook_v", "hook_pattern")
+    view = sequence_view(model, tokens, am, [l], prompt_length, hooks=names)
+    qm = view.query_rows
+    if isinstance(query, Tensor):
+        sub = C.mask(_batch(query, tokens.device), name="query", size=tokens.shape[-1], against=tokens.shape)
+        if bool((sub & ~qm).any()):
+            raise ArgumentError("query selects prompt rows: on a block-diffusion model only the answer rows (the "
+                                f"decoder's queries, positions >= {view.prompt_length}) have a QK score.",
+                                argument="query", value=query, allowed=f"a mask inside positions >= {view.prompt_length}")
+        qm = qm & sub
+    if not bool(qm.any(-1).all()):
+        raise ArgumentError("query selects no answer row in some batch rows.", argument="query", value=query,
+                            allowed="a non-empty query set")
+    c = {n: view.cache[f"blocks.{l}.attn.{n}"] for n in names}
+    return qk_from_activations(model, c["hook_rot_q"], c["hook_rot_k"], c["hook_v"], c["hook_pattern"], anchor, qm,
+                               view.key_visible[l], rule, share)
 
 
 def qk_from_activations(model: Any, rot_q: Tensor, rot_k: Tensor, v: Tensor, pattern: Tensor, anchor: Any,
@@ -480,6 +543,9 @@ def flow_for_items(model: Any, items: Sequence[Any], mode: Literal["default", "p
 
     ``paper`` mode also rebuilds the boundaries the AF way (``flow.paper_region_shift``: off by one
     after BOS).  Diagnostics warnings are off; read ``row_spread`` / ``bos_absorbing`` on each result.
+    Block-diffusion models: the answer rows are the decoder's, the prompt rows the encoder's (causal) own
+    attention (:func:`final_attention`); generation maps ``gen_length`` / ``steps`` to DiffusionGemma's
+    ``max_new_tokens`` / ``max_denoising_steps``.
     """
     from mdm_lens.zoo import data as D
     from mdm_lens.zoo import tokenizer as ZT
@@ -493,8 +559,9 @@ def flow_for_items(model: Any, items: Sequence[Any], mode: Literal["default", "p
     for item in items:
         ids, offsets = ZT.encode_with_offsets(item.prompt)
         toks, _, _ = generate_final(model, [torch.tensor(ids)], g, steps, **generate_kwargs)
-        attn = final_attention(model, toks)[0].mean(1)                     # [layer, T, T]
-        regs = regions_for_item(item, g, offsets)
+        attn = final_attention(model, toks, prompt_length=len(ids))[0].mean(1)       # [layer, T, T]
+        # the answer as generated: DiffusionGemma fills whole canvases, so it can be longer than gen_length
+        regs = regions_for_item(item, toks.shape[1] - len(ids), offsets)
         if mode == "paper":
             regs = F.paper_region_shift(regs)
         results.append(F.flow(attn, regs, causal=is_causal(model), mode=mode, residual=residual, warn=False))

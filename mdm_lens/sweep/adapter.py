@@ -73,7 +73,7 @@ def _pad(model: Any, rows: list[list[int]]) -> tuple[Tensor, Tensor, list[int]]:
     am = torch.zeros_like(ids)
     for i, r in enumerate(rows):
         ids[i, width - len(r):], am[i, width - len(r):] = torch.tensor(r, dtype=torch.long), 1
-    dev = model.W_E.device
+    dev = model.input_device
     return ids.to(dev), am.to(dev), [width - len(r) for r in rows]
 
 

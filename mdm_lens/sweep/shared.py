@@ -65,7 +65,7 @@ def qk_all_layers(model: Any, tokens: Tensor, attention_mask: Tensor | None) -> 
     n = model.cfg.n_layers
     if not streams_rows(model):
         return [R.qk_at_layer(model, tokens, l, attention_mask=attention_mask) for l in range(n)]
-    tokens = R._tokens(tokens, device=model.W_E.device)
+    tokens = R._tokens(tokens, device=model.input_device)
     am = R._attention_mask(attention_mask, tokens)
     kv = None if am is None else am.bool()
     qm = R._query_mask(model, tokens, "all", kv)

@@ -1,7 +1,10 @@
 """The floating probes on DiffusionGemma runs: planted anchors are found over steps (absent keys are
-never anchors), the QK split at a step equals its closed form, and whole-sequence probes refuse clearly."""
+never anchors), the QK split at a step equals its closed form; the whole-sequence probes (prompt through the
+encoder, the answer as the decoder's canvas) equal hand computations from transformers' eager attentions."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ from mdm_lens import ReceivedAttention, steps
 from mdm_lens.bridge import TransformersBridge
 from mdm_lens.bridge.probes import qk_at_step
 from mdm_lens.bridge.tiny import tiny_diffusion_gemma
-from mdm_lens.errors import InputError
+from mdm_lens.errors import ArgumentError, InputError
 from mdm_lens.probes import run
 
 
@@ -64,9 +67,135 @@ def test_qk_at_step_equals_closed_form(bridge):
         qk_at_step(out, 2, layer=1)
 
 
-def test_whole_sequence_probes_refuse_clearly(bridge):
-    tokens = torch.randint(0, 128, (1, 12))
-    with pytest.raises(InputError, match="do not apply"):
-        run.absorption_by_layer(bridge, tokens)
-    with pytest.raises(InputError, match="do not apply"):
-        run.qk_at_layer(bridge, tokens, layer=0)
+def _eager_pair(seed=1, **kw):
+    ref = tiny_diffusion_gemma(seed=seed, **kw)
+    eager = copy.deepcopy(ref)
+    eager.set_attn_implementation("eager")
+    return TransformersBridge(ref), eager
+
+
+def test_absorption_equals_a_hand_computation_from_eager_attentions():
+    """Q = the answer rows (the decoder's queries); keys = what each decoder layer lets them see, which sets the
+    null: eager output_attentions of the sliding layer keep only the last window - 1 prompt keys."""
+    bridge, eager = _eager_pair(sliding_window=4)
+    g = torch.Generator().manual_seed(5)
+    prompt, answer = torch.randint(2, 128, (2, 7), generator=g), torch.randint(2, 128, (2, 5), generator=g)
+    with torch.no_grad():
+        atts = eager(input_ids=prompt, decoder_input_ids=answer, output_attentions=True).attentions
+    res = run.absorption_by_layer(bridge, torch.cat([prompt, answer], 1), prompt_length=7)
+    assert [a.shape[-1] for a in atts] == [8, 12, 12]                   # layer 0 slides: 3 prompt keys + 5
+    for l, a in enumerate(atts):
+        m = a.double().mean(1).mean(1)                                   # [batch, visible key]
+        n = a.shape[-1]
+        first = 12 - n                                                   # the first key this layer sees
+        assert torch.allclose(res.per_sample[:, l, 0], 100 * m[:, 0], atol=1e-4)          # pos0: first visible key
+        assert torch.allclose(res.per_sample[:, l, 1], 100 * m.max(-1).values, atol=1e-4)  # top1
+        assert torch.allclose(res.null[:, l, :2], torch.full((2, 2), 100 / n, dtype=torch.float64))
+        assert first == (4 if l == 0 else 0)
+    with pytest.raises(ArgumentError, match="prompt_length"):
+        run.absorption_by_layer(bridge, torch.cat([prompt, answer], 1))
+    with pytest.raises(ArgumentError, match=r"prompt_length=12 .*\[1, 11\]"):
+        run.absorption_by_layer(bridge, torch.cat([prompt, answer], 1), prompt_length=12)
+
+
+def test_planted_decoder_pattern_gives_the_closed_form_absorption():
+    bridge, _ = _eager_pair()
+    tokens = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(6))
+
+    def plant(pattern, hook):  # every answer row: 0.6 on key 3, the rest spread evenly over the other keys
+        out = torch.full_like(pattern, 0.4 / (pattern.shape[-1] - 1))
+        out[..., 3] = 0.6
+        return out
+
+    with bridge.hooks(fwd_hooks=[("blocks.2.attn.hook_pattern", plant)]):
+        res = run.absorption_by_layer(bridge, tokens, prompt_length=7, layers=[2])
+    top1, pos0 = res.per_sample[:, 0, 1], res.per_sample[:, 0, 0]
+    assert torch.allclose(top1, torch.full((2,), 60.0, dtype=torch.float64))
+    assert torch.allclose(pos0, torch.full((2,), 40 / 11, dtype=torch.float64))
+    assert not any(h.fwd_hooks for h in bridge.hook_dict.values())
+
+
+def test_left_padding_is_hidden_and_prompt_rows_are_no_queries():
+    bridge, _ = _eager_pair(sliding_window=64)
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(2, 128, (2, 12), generator=g)
+    am = torch.ones(2, 12, dtype=torch.long)
+    am[1, :3] = 0
+    alone = run.absorption_by_layer(bridge, tokens[1:, 3:], prompt_length=4)
+    padded = run.absorption_by_layer(bridge, tokens, attention_mask=am, prompt_length=7)
+    assert torch.allclose(padded.per_sample[1], alone.per_sample[0], atol=1e-5)
+    assert torch.allclose(padded.null[1, :, :2], torch.full((3, 2), 100 / 9, dtype=torch.float64))
+    attn = run.final_attention(bridge, tokens, prompt_length=7)          # [b, l, h, T, T]
+    assert torch.allclose(attn.sum(-1), torch.ones(()).double().float(), atol=1e-5)  # every row is a distribution
+    assert attn[..., :7, 7:].abs().max() == 0                             # prompt rows: the causal encoder's own
+    assert attn[..., :7, :7].triu(1).abs().max() == 0
+
+
+def test_qk_at_layer_equals_the_closed_form_over_visible_keys():
+    bridge, _ = _eager_pair(sliding_window=4)
+    tokens = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(8))
+    from mdm_lens.bridge.sequence import sequence_forward
+
+    for layer in (0, 1):                                                 # sliding, full
+        res = run.qk_at_layer(bridge, tokens, layer, prompt_length=7)
+        view = sequence_forward(bridge, tokens, 7, layers=[layer], hooks=("hook_rot_q", "hook_rot_k"))
+        q = view.cache[f"blocks.{layer}.attn.hook_rot_q"][:, 7:].double()   # the answer rows
+        k = view.cache[f"blocks.{layer}.attn.hook_rot_k"].double()
+        k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+        dots = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+        seen = view.key_visible[layer]
+        assert int(seen[0].sum()) == (8 if layer == 0 else 12)
+        for b in range(2):
+            a = int(res.anchor[b, 0])
+            others = [j for j in range(12) if seen[b, j] and j != a]
+            expected = (dots[b, ..., a: a + 1] - dots[b, ..., others]).mean(-1).mean(-1)
+            assert torch.allclose(res.advantage[b], expected, atol=1e-10)
+    with pytest.raises(ArgumentError, match="no masked"):
+        run.qk_at_layer(bridge, tokens, 1, query="masked", prompt_length=7)
+    prompt_rows = torch.zeros(2, 12, dtype=torch.bool)
+    prompt_rows[:, 2] = True
+    with pytest.raises(ArgumentError, match="prompt rows"):
+        run.qk_at_layer(bridge, tokens, 1, query=prompt_rows, prompt_length=7)
+
+
+def test_flow_runs_on_diffusion_gemma_with_the_generated_answer():
+    from mdm_lens.zoo import data as D
+
+    bridge = TransformersBridge(tiny_diffusion_gemma(seed=0, vocab_size=322, sliding_window=16))
+    items = D.make_dataset(2, seed=3, n_distractors=2)
+    res = run.flow_for_items(bridge, items, gen_length=4, steps=2)
+    df = res.to_frame()
+    rows = df[df.metric == "answer_row"].groupby("item").value.sum()
+    assert all(abs(v - 1.0) < 1e-6 for v in rows) and torch.isfinite(res.gold_ratio).all()
+    # DiffusionGemma fills whole canvases: the answer region is the 8 generated tokens, not gen_length
+    assert all(len(a.split()) == 8 for a in res.answers)
+
+
+def test_topk_keys_index_canvas_queries_by_absolute_position(bridge):
+    """TopKKeys on the decoder: query rows sit at the canvas's absolute positions (retrieval reads them there)."""
+    from mdm_lens.hooks.reducers import TopKKeys
+
+    def plant(pattern, hook):  # query row i (absolute position start + i) attends to key start + i - 1 only
+        n_q, n_k = pattern.shape[-2:]
+        out = torch.zeros_like(pattern)
+        rows = torch.arange(n_q)
+        out[..., rows, n_k - n_q + rows - 1] = 1.0
+        return out
+
+    out = bridge.generate(_ids(), seed=2, max_new_tokens=16, max_denoising_steps=2, record=[TopKKeys(k=1, layers=[1])],
+                          fwd_hooks=[("blocks.1.attn.hook_pattern", plant)])
+    top = out.records["topk_keys"][:, 0, 0, 0, :, 0]                      # [step, query]
+    assert top.shape == (4, 21)
+    for s, start in ((0, 5), (1, 5), (2, 13), (3, 13)):                  # two canvases of 8 after a 5-token prompt
+        expected = torch.full((21,), -1)
+        expected[start:start + 8] = torch.arange(start, start + 8) - 1
+        assert torch.equal(top[s], expected)
+
+
+def test_probes_that_cannot_apply_say_why(bridge):
+    from mdm_lens.probes import patching
+
+    with pytest.raises(InputError, match="knockout does not apply .*KV cache"):
+        patching.knockout(bridge, _ids()[:1])
+    with pytest.raises(InputError, match="patch_anchor_activations does not apply"):
+        patching.patch_anchor_activations(bridge, _ids()[:1], _ids()[:1])

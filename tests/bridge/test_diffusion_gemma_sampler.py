@@ -135,7 +135,15 @@ def test_settings_are_checked_before_compute(pair):
     with pytest.raises(SamplerConfigError, match="t_max"):
         bridge.generate(ids, t_min=0.9, t_max=0.5)
     with pytest.raises(SamplerConfigError, match="unknown DiffusionGemma setting"):
-        bridge.generate(ids, steps=4)
+        bridge.generate(ids, alg="entropy")
+    # the probes' LLaDA-style names, in DiffusionGemma's terms
+    a = bridge.generate(ids, gen_length=8, steps=3, block_length=8, seed=1)
+    b = bridge.generate(ids, max_new_tokens=8, max_denoising_steps=3, seed=1)
+    assert torch.equal(a.tokens, b.tokens) and a.settings["max_denoising_steps"] == 3
+    with pytest.raises(SamplerConfigError, match="not both"):
+        bridge.generate(ids, steps=3, max_denoising_steps=3)
+    with pytest.raises(SamplerConfigError, match="block_length=4"):
+        bridge.generate(ids, gen_length=8, block_length=4)
     with pytest.raises(SamplerConfigError, match="entropy_bound"):
         bridge.generate(ids, entropy_bound=-1.0)
     with pytest.raises(SamplerConfigError, match="counted from the end"):
