@@ -54,6 +54,8 @@ def _rows(df, **eq):
 
 def test_length_rows_are_bit_identical_to_the_probes_alone(mdm, data, tables):
     items = data[1]
+    acc = tables["accuracy"]
+    assert len(acc) == len(items) * 2 * 3 and not acc.duplicated(["item_id", "condition", "metric"]).any()
     flows = R.flow_for_items(mdm, items).to_frame()
     for i, item in enumerate(items):
         iid = f"zoo-{SEED}-{i:05d}"
@@ -82,6 +84,10 @@ def test_length_rows_are_bit_identical_to_the_probes_alone(mdm, data, tables):
         np.testing.assert_array_equal(mine.value.to_numpy(), want.value.to_numpy())
         pred = _rows(tables["accuracy"], item_id=iid, condition="with_context", metric="acc").prediction.iloc[0]
         assert pred == A._answer_text(mdm, toks[0, len(ids):].tolist())        # the same generation as alone
+        nb = torch.tensor(TM.render(mdm, sweep.read_items(data[0]).items[i], "zoo", context=False).ids)
+        closed, _, _ = R.generate_final(mdm, [nb])                               # closed-book units: alone too
+        pred = _rows(tables["accuracy"], item_id=iid, condition="no_context", metric="acc").prediction.iloc[0]
+        assert pred == A._answer_text(mdm, closed[0, len(nb):].tolist())
 
 
 @pytest.mark.parametrize("which", ["mdm", "arm"])
@@ -205,8 +211,12 @@ def test_merge_from_memory_equals_merge_from_the_part_files(mdm, data, tmp_path)
                      progress=False)
     items = sweep.read_items(data[0]).items
     store = SweepStore(tmp_path / "m")                    # a fresh store holds nothing: it reads every part
-    store.set_batches([[items[i].id for i in b] for b in sweep.make_batches([50, 53, 53, 51, 55, 50], 4, "length")])
-    again = store.merge([0, 1], {it.id: i for i, it in enumerate(items)})
+    lengths = [len(TM.render(mdm, it, "zoo").ids) for it in items]
+    closed = [len(TM.render(mdm, it, "zoo", context=False).ids) for it in items]
+    units = sweep.make_batches(lengths, 4, "length") + sweep.make_batches(closed, 4, "length")  # + closed-book units
+    store.set_batches([[items[i].id for i in u] for u in units])
+    assert store.done_batches() == set(range(len(units)))
+    again = store.merge(list(range(len(units))), {it.id: i for i, it in enumerate(items)})
     assert set(again) == {"accuracy", "absorption", "temporal", "temporal_keys", "flow"}
     for name, df in again.items():
         pd.testing.assert_frame_equal(tabs[name], df, check_exact=True)

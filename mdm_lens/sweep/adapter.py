@@ -352,14 +352,16 @@ def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
 
 
 @torch.no_grad()
-def compute(model: Any, batch: Batch, probes: list[str], s: Settings) -> dict[str, pd.DataFrame]:
-    """All requested probes on one batch → {table name: rows}, each item's rows in the order the probe gives."""
+def compute(model: Any, batch: Batch, probes: list[str], s: Settings, closed_book: bool = True
+            ) -> dict[str, pd.DataFrame]:
+    """All requested probes on one batch → {table name: rows}, each item's rows in the order the probe gives.
+    ``closed_book=False``: accuracy's no-context rows are left to a closed-book unit (:func:`accuracy_closed_book`)."""
     parts: dict[str, list[pd.DataFrame]] = {}
     if any(p in _BATCHED or p in _ATTENTION or p == "temporal" for p in probes):
         for run in sub_batches(model, batch, s.exact):
             for name, df in _run_tables(model, run, probes, s).items():
                 parts.setdefault(name, []).append(df)
-    if "accuracy" in probes:
+    if "accuracy" in probes and closed_book:
         parts["accuracy"].append(accuracy_closed_book(model, batch, s))
     for p in probes:
         if p in _PER_ITEM:

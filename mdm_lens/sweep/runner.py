@@ -6,7 +6,9 @@ as its own model calls, so no row is ever padded and a batched item's rows are b
 alone (temporal's excepted: the ``ReceivedAttention`` record's reduction depends on the batch size, ≈1e-8);
 ``batching="padded"`` left-pads the batch's mixed lengths into one run (fewer, fuller model calls; each row
 equals the item alone up to fp32 rounding, ≈1e-7, which can flip the sampler's choice between two
-near-equal confidences). Batch k runs on rank ``k % world_size``. Each rank writes its batches' part files;
+near-equal confidences). With ``length``, accuracy's closed-book runs are units of their own after the
+batches, cut the same way by closed-book prompt length (one sampler call per length, not per length and
+batch). Unit k (batch or closed-book unit) runs on rank ``k % world_size``. Each rank writes its batches' part files;
 rank 0 merges them in batch order once every rank is done, so 1 rank and N ranks give the same rows.
 Launch with ``torchrun --nproc-per-node N -m mdm_lens.sweep ...`` (gloo on CPU, nccl on GPU), or call
 :func:`run` in one process.
@@ -43,6 +45,7 @@ from mdm_lens.sweep.summary import summarize
 __all__ = ["run", "parse_probes", "item_seed", "make_batches", "DTYPES", "BATCHING"]
 
 BATCHING = ("length", "padded")
+LAYOUT = 2   # how items are cut into units (batches, closed-book units); part files of another layout are refused
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -223,7 +226,7 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
                            data_hash=_file_hash(str(data)), probes=names, batch_size=batch_size, steps=s.steps,
                            gen_length=g, block_length=block_length, seed=seed, dtype=dtype, template=tmpl,
                            skip_bad=skip_bad, keep_keys=keep_keys, n_random=n_random, limit=limit,
-                           batching=batching)
+                           batching=batching, layout=LAYOUT)
         store = SweepStore(out)
         store.keep_written = world.rank == 0
         err = None
@@ -236,19 +239,23 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
         if err is not None:
             raise err
         rendered = _render(model, items, tmpl, s)
+        closed = [TM.render(model, r.item, tmpl, context=False) for r in rendered] if "accuracy" in names else None
         batches = make_batches([len(r.ids) for r in rendered], batch_size, batching)
-        store.set_batches([[items[i].id for i in b] for b in batches])
-        tables = _work(model, rendered, batches, names, s, seed, tmpl, store, world, progress)
+        # length: the closed-book runs are units of their own, packed by closed-book prompt length over all items
+        # (one sampler call per length instead of per length and batch); padded: they run with their batch
+        books = make_batches([len(c.ids) for c in closed], batch_size, batching) if closed and s.exact else []
+        store.set_batches([[items[i].id for i in b] for b in batches + books])
+        tables = _work(model, rendered, closed, batches, books, names, s, seed, store, world, progress)
         _ = t0
         info = dict(rank=tables.pop("__rank_info__"), wall_s=round(time.perf_counter() - t0, 3))
         store.write_rank(world.rank, {**info["rank"], "wall_s": info["wall_s"]})
         world.barrier()
         if world.rank == 0:
-            merged = store.merge(list(range(len(batches))), {it.id: i for i, it in enumerate(items)})
+            merged = store.merge(list(range(len(batches) + len(books))), {it.id: i for i, it in enumerate(items)})
             summaries = summarize(merged)
             store.write_tables(summaries, "_summary")
             store.write_manifest(_manifest(fingerprint, read, items, store, world, model, device, out, data, limit,
-                                           tmpl, merged, time.perf_counter() - t0))
+                                           tmpl, merged, time.perf_counter() - t0, len(batches)))
         world.barrier()
         return _read_tables(Path(out), names)
     finally:
@@ -267,21 +274,29 @@ def _render(model: Any, items: list[SweepItem], tmpl: str, s: A.Settings) -> lis
     return out
 
 
-def _work(model: Any, rendered: list[TM.Rendered], batches: list[list[int]], names: list[str], s: A.Settings,
-          seed: int, tmpl: str, store: SweepStore, world: _Dist, progress: bool | None) -> dict[str, Any]:
+def _work(model: Any, rendered: list[TM.Rendered], closed: list[TM.Rendered] | None, batches: list[list[int]],
+          books: list[list[int]], names: list[str], s: A.Settings, seed: int, store: SweepStore, world: _Dist,
+          progress: bool | None) -> dict[str, Any]:
+    """This rank's units: the batches (``k < len(batches)``), then the closed-book units ``books`` (their
+    ``accuracy`` no-context rows only); unit k runs on rank ``k % world_size``."""
+    units = batches + books
     done = store.done_batches()
-    mine = [k for k in range(len(batches)) if k % world.world == world.rank and k not in done]
-    total = sum(len(batches[k]) for k in mine)
+    mine = [k for k in range(len(units)) if k % world.world == world.rank and k not in done]
+    total = sum(len(batches[k]) for k in mine if k < len(batches))
     show = world.rank == 0 and (progress if progress is not None else True)
     bar = _progress(show, total, world.world)
     t = time.perf_counter()
     n_items = 0
     try:
         for k in mine:
-            rows = [rendered[i] for i in batches[k]]
-            closed = [TM.render(model, r.item, tmpl, context=False) for r in rows] if "accuracy" in names else None
-            batch = A.make_batch(model, rows, closed, [item_seed(seed, r.item.id) for r in rows], batches[k])
-            store.write_batch(k, A.compute(model, batch, names, s), batch.item_ids)
+            idx = units[k]
+            rows = [rendered[i] for i in idx]
+            nocontext = None if closed is None else [closed[i] for i in idx]
+            batch = A.make_batch(model, rows, nocontext, [item_seed(seed, r.item.id) for r in rows], idx)
+            if k >= len(batches):
+                store.write_batch(k, {"accuracy": A.accuracy_closed_book(model, batch, s)}, batch.item_ids)
+                continue
+            store.write_batch(k, A.compute(model, batch, names, s, closed_book=not books), batch.item_ids)
             n_items += len(rows)
             if bar is not None:
                 bar.update(len(rows))
@@ -293,8 +308,9 @@ def _work(model: Any, rendered: list[TM.Rendered], batches: list[list[int]], nam
 
 
 def _manifest(fp: dict, read: Any, items: list[SweepItem], store: SweepStore, world: _Dist, model: Any, device: str,
-              out: Any, data: Any, limit: int | None, tmpl: str, merged: dict[str, pd.DataFrame], wall: float) -> dict:
-    done = store.done_items()
+              out: Any, data: Any, limit: int | None, tmpl: str, merged: dict[str, pd.DataFrame], wall: float,
+              n_batches: int) -> dict:
+    done = store.done_items(range(n_batches))
     return {
         "arguments": {**fp, "out": str(out), "device": device},
         "versions": _versions(),

@@ -91,9 +91,11 @@ class SweepStore:
             return pd.read_parquet(path)
         return _to_pandas(table)            # what pd.read_parquet does with the table it reads
 
-    def done_items(self) -> list[str]:
+    def done_items(self, batches: Any = None) -> list[str]:
+        """Item ids of the done batches (of ``batches`` only, when given)."""
         ids = []
-        for k in sorted(self.done_batches()):
+        keep = None if batches is None else set(batches)
+        for k in sorted(b for b in self.done_batches() if keep is None or b in keep):
             ids += (self.parts / f"b{k:06d}.done").read_text().split()
         return ids
 
