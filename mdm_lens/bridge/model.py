@@ -46,20 +46,32 @@ ReturnType = Literal["logits", "aligned", None]
 
 def _dg_settings(model: Any, kwargs: dict) -> dict:
     """The LLaDA-style names the probes pass (`gen_length`, `steps`, `block_length`) in DiffusionGemma's terms:
-    `gen_length` → `max_new_tokens`; `steps` → `max_denoising_steps` (DiffusionGemma's budget per canvas);
-    `block_length` must be the canvas length (the model's own block). Both names for one setting is an error."""
+    `gen_length` → `max_new_tokens`; `steps` (the total, as in LLaDA) → `max_denoising_steps` = steps per canvas,
+    so `steps` must split evenly over the ceil(length / canvas_length) canvases; `block_length` must be the canvas
+    length (the model's own block). Both names for one setting is an error."""
     from mdm_lens.errors import SamplerConfigError
 
     kw = dict(kwargs)
+    canvas = int(model.cfg.extra["canvas_length"])
     for ours, theirs in (("gen_length", "max_new_tokens"), ("steps", "max_denoising_steps")):
         if ours in kw:
             if theirs in kw:
                 raise SamplerConfigError(f"pass {ours}= or {theirs}=, not both (DiffusionGemma reads {ours} as "
                                          f"{theirs}).", argument=ours, value=kw[ours], allowed=f"one of {ours}/{theirs}")
             kw[theirs] = validate.integer(kw.pop(ours), name=ours, min=1)
+            if ours == "steps":
+                if "max_new_tokens" not in kw:
+                    raise SamplerConfigError("steps= (the total over all canvases) needs gen_length= / max_new_tokens= "
+                                             "to count the canvases; or pass max_denoising_steps= (per canvas).",
+                                             argument="steps", value=kw[theirs], allowed="steps with gen_length")
+                n = -(-kw["max_new_tokens"] // canvas)
+                if kw[theirs] % n:
+                    raise SamplerConfigError(f"steps={kw[theirs]} does not split over the {n} canvases of "
+                                             f"{kw['max_new_tokens']} tokens (canvas {canvas}).", argument="steps",
+                                             value=kw[theirs], allowed=f"a multiple of {n}")
+                kw[theirs] //= n
     if "block_length" in kw:
         block = kw.pop("block_length")
-        canvas = int(model.cfg.extra["canvas_length"])
         if block is not None and validate.integer(block, name="block_length", min=1) != canvas:
             raise SamplerConfigError(f"block_length={block}: DiffusionGemma denoises canvases of {canvas} tokens, its "
                                      "own block; leave block_length unset.", argument="block_length", value=block,

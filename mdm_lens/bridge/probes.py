@@ -60,7 +60,10 @@ def qk_at_step(out: Any, step: int, layer: int, anchor: Any = None, rows: Tensor
         rows = torch.ones(batch, canvas, dtype=torch.bool)
     validate.tensor(rows, name="rows", shape=(batch, canvas), dtype="bool")
     query_mask[:, n_keys - canvas:] = rows.cpu()
+    # A sliding-window layer reads only the prefix keys its cache kept; the bridge left-pads the dropped ones
+    # with exact zero keys (see mdm_lens.bridge.attention), which a real post-norm, post-RoPE key never is.
+    key_visible = k.abs().sum((-1, -2)) > 0                                 # [batch, key]
     if anchor is None:
         received = floating.received_attention(pattern.mean(1), query_mask=rows.cpu())  # [batch, key]
-        anchor = received.argmax(-1)
-    return qk.decompose(q_full, k, anchor, query_mask=query_mask, v=v, share=share)
+        anchor = received.masked_fill(~key_visible, -1.0).argmax(-1)
+    return qk.decompose(q_full, k, anchor, query_mask=query_mask, key_visible=key_visible, v=v, share=share)

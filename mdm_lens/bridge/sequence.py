@@ -64,7 +64,7 @@ def _collect(model: Any, names: Sequence[str], fwd_hooks: Sequence[Any], run: An
         model.check_hook_name(n)
     wanted = set(names)
     store, caching, _ = model.get_caching_hooks(names_filter=lambda n: n in wanted)
-    with model.hooks(fwd_hooks=caching + list(fwd_hooks)):
+    with model.hooks(fwd_hooks=list(fwd_hooks) + caching):  # the cache sees what the given hooks made
         run()
     return store
 

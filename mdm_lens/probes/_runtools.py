@@ -33,12 +33,14 @@ def require_single_stack(model: Any, probe: str, why: str) -> None:
 
 
 def sequence_view(model: Any, tokens: Tensor, attention_mask: Tensor | None, layers: Sequence[int],
-                  prompt_length: Any, hooks: Sequence[str] = ("hook_pattern",), encoder_patterns: bool = False) -> Any:
+                  prompt_length: Any, hooks: Sequence[str] = ("hook_pattern",), encoder_patterns: bool = False,
+                  fwd_hooks: Sequence[Any] = ()) -> Any:
     """The whole-sequence forward of a block-diffusion model (:func:`mdm_lens.bridge.sequence.sequence_forward`)."""
     from mdm_lens.bridge.sequence import sequence_forward, split_point
 
     P = split_point(model, tokens, prompt_length)
-    return sequence_forward(model, tokens, P, attention_mask, layers, hooks=hooks, encoder_patterns=encoder_patterns)
+    return sequence_forward(model, tokens, P, attention_mask, layers, hooks=hooks, encoder_patterns=encoder_patterns,
+                            fwd_hooks=fwd_hooks)
 
 
 def is_causal(model: Any) -> bool:

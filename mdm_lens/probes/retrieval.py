@@ -36,7 +36,7 @@ from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, OutOfRangeError
 
 from ._results import ResultMixin, to_numpy
-from ._runtools import _batch, _nonempty, _optional_length, layer_list, readout_shift
+from ._runtools import _batch, _nonempty, _optional_length, is_block_diffusion, layer_list, readout_shift, sequence_view
 
 __all__ = ["RetrievalItem", "from_qa_item", "retrieval_scores", "RetrievalScores", "METHODS", "answer_correct",
            "head_mask_hooks", "mask_heads", "answer_accuracy", "ablation_accuracy", "AblationResult"]
@@ -201,9 +201,15 @@ def _answer_positions(model: Any, tokens: Tensor, prompt_length: int) -> list[in
 
 
 @torch.no_grad()
-def _final_argmax(model: Any, tokens: Tensor, layers: list[int], fwd_hooks: Sequence[Any]) -> Tensor:
-    """argmax_j A^{l,h}_{i,j} of one clean forward: ``[layer, head, query]``."""
+def _final_argmax(model: Any, tokens: Tensor, layers: list[int], fwd_hooks: Sequence[Any],
+                  prompt_length: int) -> Tensor:
+    """argmax_j A^{l,h}_{i,j} of one clean forward: ``[layer, head, query]`` (block-diffusion models: the
+    encoder over the prompt + the decoder over the answer, query rows at absolute positions)."""
     got: dict[int, Tensor] = {}
+    if is_block_diffusion(model):
+        hooks = [(n, fn) for name, fn in _plain(fwd_hooks) for n in expand_names(model, name)]
+        view = sequence_view(model, tokens[None], None, layers, prompt_length, fwd_hooks=hooks)
+        return torch.stack([view.cache[f"blocks.{l}.attn.hook_pattern"][0].argmax(-1).cpu() for l in layers])
 
     def make(l: int):
         def hook(pattern: Tensor, hook: Any) -> None:
@@ -232,7 +238,7 @@ def _keys_per_position(method: str, out: Any, positions: list[int], shift: int, 
                        model: Any, fwd_hooks: Sequence[Any]) -> list[Tensor]:
     """For each answer position p, the argmax keys ``[n_events, layer, head]`` of the readout row q(p)."""
     if method == "copy@final":
-        am = _final_argmax(model, out.tokens[0], layers, fwd_hooks)        # [layer, head, query]
+        am = _final_argmax(model, out.tokens[0], layers, fwd_hooks, out.prompt_length)  # [layer, head, query]
         return [am[:, :, p - shift][None] for p in positions]
     top = out.records["topk_keys"][:, 0, :, :, :, 0]                       # [step, layer, head, query]
     row_of = {s: i for i, s in enumerate(out.record_meta["topk_keys"]["steps"])}

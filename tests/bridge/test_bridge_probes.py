@@ -67,6 +67,23 @@ def test_qk_at_step_equals_closed_form(bridge):
         qk_at_step(out, 2, layer=1)
 
 
+def test_qk_at_step_on_a_sliding_layer_skips_the_keys_its_cache_dropped(bridge):
+    """Layer 0 slides (window 4): at canvas 0 it reads prompt keys 2..4 only (cache of W-1 = 3) + the canvas."""
+    names = [f"blocks.0.attn.{n}" for n in ("hook_rot_q", "hook_rot_k", "hook_v", "hook_pattern")]
+    out = bridge.generate(_ids(), seed=3, max_new_tokens=8, max_denoising_steps=2, cache=names @ steps(1))
+    res = qk_at_step(out, 1, layer=0)
+    c = out.cache[1]
+    q, k = c["blocks.0.attn.hook_rot_q"].double(), c["blocks.0.attn.hook_rot_k"].double()
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    dots = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+    for b in range(2):
+        a = int(res.anchor[b, 0])
+        assert 2 <= a < 13
+        vis = [j for j in range(2, 13) if j != a]
+        expected = (dots[b, ..., a:a + 1] - dots[b][..., vis]).mean(-1).mean(-1)
+        assert torch.allclose(res.advantage[b], expected, atol=1e-10)
+
+
 def _eager_pair(seed=1, **kw):
     ref = tiny_diffusion_gemma(seed=seed, **kw)
     eager = copy.deepcopy(ref)
@@ -199,3 +216,102 @@ def test_probes_that_cannot_apply_say_why(bridge):
         patching.knockout(bridge, _ids()[:1])
     with pytest.raises(InputError, match="patch_anchor_activations does not apply"):
         patching.patch_anchor_activations(bridge, _ids()[:1], _ids()[:1])
+
+
+@pytest.fixture(scope="module")
+def zoo_pair():
+    from mdm_lens.zoo import tokenizer as ZT
+
+    hf = tiny_diffusion_gemma(seed=2, vocab_size=ZT.vocab_size())
+    ref = copy.deepcopy(hf)
+    ref.set_attn_implementation("eager")
+    return ref, TransformersBridge(hf)
+
+
+@torch.no_grad()
+def _eager_sequence(ref, tokens, P):
+    """transformers' eager attentions placed on the whole sequence: decoder rows at the answer positions (absolute
+    keys), encoder rows (causal) at the prompt positions: [b, layer, head, T, T]."""
+    from transformers import DynamicCache
+
+    T = tokens.shape[1]
+    out = ref(input_ids=tokens[:, :P], decoder_input_ids=tokens[:, P:],
+              cache=DynamicCache(config=ref.config.text_config), output_attentions=True)
+    enc = ref.model.encoder(input_ids=tokens[:, :P], cache=DynamicCache(config=ref.config.text_config),
+                            output_attentions=True).attentions
+    full = torch.zeros(tokens.shape[0], len(out.attentions), out.attentions[0].shape[1], T, T, dtype=torch.float64)
+    for l, (a, e) in enumerate(zip(out.attentions, enc)):
+        full[:, l, :, P:, T - a.shape[-1]:] = a.double()
+        full[:, l, :, :P, :P] = e.double()
+    return full
+
+
+def test_flow_equals_the_rollout_of_eager_encoder_and_decoder_attentions(zoo_pair):
+    from mdm_lens.probes import flow as F
+    from mdm_lens.zoo import data as D
+    from mdm_lens.zoo import tokenizer as ZT
+
+    ref, bridge = zoo_pair
+    item = D.make_dataset(1, seed=3, n_distractors=2)[0]
+    res = run.flow_for_items(bridge, [item], gen_length=4, steps=2)
+    ids, offsets = ZT.encode_with_offsets(item.prompt)
+    tokens = bridge.generate(torch.tensor([ids]), gen_length=4, steps=2).tokens
+    p, T = len(ids), tokens.shape[1]
+    assert T == p + 8                                                    # one whole canvas, not gen_length
+    full = _eager_sequence(ref, tokens, p)[0]
+    assert torch.allclose(run.final_attention(bridge, tokens, prompt_length=p)[0].double(), full, atol=1e-6)
+    hand = F.flow(full.mean(1), run.regions_for_item(item, T - p, offsets), warn=False)
+    got = res.results[0]
+    assert [r.name for r in got.regions] == [r.name for r in hand.regions]
+    assert torch.allclose(got.answer_row, hand.answer_row, atol=1e-6)
+    assert torch.allclose(got.flow, hand.flow, atol=1e-6)
+    assert res.answers == [ZT.decode(tokens[0, p:].tolist())]
+
+
+def test_retrieval_finds_a_planted_copy_head_on_the_decoder(zoo_pair):
+    from mdm_lens.probes import retrieval as RT
+
+    _, bridge = zoo_pair
+    p = torch.arange(10) + 40                                            # distinct prompt tokens
+    needle, other = 4, 7
+    w = int(p[needle])
+
+    def copy_to(head, key):
+        def hook(pattern, hook):                                         # every canvas row of `head` → key
+            new = pattern.clone()
+            new[:, head] = 0
+            new[:, head, :, key] = 1
+            return new
+        return hook
+
+    def emit(x, hook):                                                   # canvas row 0 emits w (tied embeddings)
+        y = x.clone()
+        y[:, 0] = bridge.W_E[w] / bridge.W_E[w].norm() * 1e3
+        return y
+
+    hooks = [("blocks.1.attn.hook_pattern", copy_to(2, needle)), ("blocks.0.attn.hook_pattern", copy_to(1, other)),
+             ("ln_final.hook_out", emit)]
+    for method in ("copy@commit", "copy@any", "copy@final"):
+        res = RT.retrieval_scores(bridge, [RT.RetrievalItem(p, [(needle, needle + 1)], [w])], method=method,
+                                  gen_length=4, steps=2, fwd_hooks=hooks)
+        assert res.n_counted == 1, method
+        assert float(res.scores[1, 2]) == 1.0 and float(res.scores[0, 1]) == 0.0, method
+
+
+def test_the_knockout_workaround_cuts_edges_inside_generate(bridge):
+    """What knockout's error suggests: a score hook inside generate changes the output; an empty cut does not."""
+    def cut(keys):
+        def hook(scores, hook):
+            s = scores.clone()
+            s[..., keys] = -torch.inf
+            return s
+        return hook
+
+    prompt = _ids()[:1]
+    clean = bridge.generate(prompt, seed=4, gen_length=8, steps=2)
+    noop = bridge.generate(prompt, seed=4, gen_length=8, steps=2,
+                           fwd_hooks=[(f"blocks.{l}.attn.hook_attn_scores", cut([])) for l in range(3)])
+    cutp = bridge.generate(prompt, seed=4, gen_length=8, steps=2,     # every canvas row loses the whole prompt
+                           fwd_hooks=[(f"blocks.{l}.attn.hook_attn_scores", cut(list(range(5)))) for l in range(3)])
+    assert torch.equal(noop.tokens, clean.tokens)
+    assert not torch.equal(cutp.tokens, clean.tokens)

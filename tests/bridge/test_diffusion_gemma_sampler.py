@@ -144,6 +144,13 @@ def test_settings_are_checked_before_compute(pair):
         bridge.generate(ids, steps=3, max_denoising_steps=3)
     with pytest.raises(SamplerConfigError, match="block_length=4"):
         bridge.generate(ids, gen_length=8, block_length=4)
+    # steps is the total, as in LLaDA: 6 steps over two canvases = 3 per canvas
+    a = bridge.generate(ids, gen_length=16, steps=6, seed=1)
+    assert torch.equal(a.tokens, bridge.generate(ids, max_new_tokens=16, max_denoising_steps=3, seed=1).tokens)
+    with pytest.raises(SamplerConfigError, match="does not split over the 2 canvases"):
+        bridge.generate(ids, gen_length=16, steps=5)
+    with pytest.raises(SamplerConfigError, match="needs gen_length"):
+        bridge.generate(ids, steps=4)
     with pytest.raises(SamplerConfigError, match="entropy_bound"):
         bridge.generate(ids, entropy_bound=-1.0)
     with pytest.raises(SamplerConfigError, match="counted from the end"):
