@@ -148,7 +148,7 @@ def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_
                         mode: Literal["default", "paper"] = "default", rule: str = "zscore",
                         head: Literal["mean", "each"] = "mean",
                         layers: int | Sequence[int] | None = None,
-                        prompt_length: int | None = None) -> AbsorptionByLayer:
+                        prompt_length: int | None = None, chunked: bool | None = None) -> AbsorptionByLayer:
     """Absorb(S, l) = 100 · Σ_{j∈S} m^l_j on the clean final sequence, per sample and layer (§1.b, §3.3).
 
     m^l_j = (1/|Q|) Σ_{i∈Q} Ā^l_ij with Ā the head-mean attention and Q all non-pad rows.
@@ -159,6 +159,10 @@ def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_
     Block-diffusion models (DiffusionGemma, ``prompt_length`` required): Q = the answer rows, i.e. the decoder's
     queries, over the keys each decoder layer lets them see (prompt + answer; a sliding layer only the last
     window − 1 prompt keys), which also set the nulls.
+    ``chunked``: sum the received mass over query chunks inside the attention (row consumers) instead of
+    holding every ``[batch, head, T, T]`` pattern: memory O(T·chunk), equal to the pattern path to float64
+    rounding. None (default) = chunked when the float64 patterns of the requested layers would exceed
+    ``PATTERN_BUDGET_BYTES`` (256 MiB), so short inputs keep the pattern path's exact bits.
     """
     mode = validate.choice(mode, ("default", "paper"), name="mode")
     rule = validate.choice(rule, floating.RULES, name="rule")
@@ -171,8 +175,36 @@ def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_
         kv = torch.stack([view.key_visible[l] for l in layer_ids], dim=1)           # [batch, layer, key]
         return absorption_from_attention(model, attn, toks, attention_mask, mode, rule, head, layer_ids,
                                          query_rows=view.query_rows, key_visible=kv)
-    attn = final_attention(model, tokens, attention_mask, layer_ids)
-    return absorption_from_attention(model, attn, tokens, attention_mask, mode, rule, head, layer_ids)
+    toks = _tokens(tokens, device=model.input_device)
+    if chunked is None:
+        chunked = patterns_exceed_budget(model, toks.shape, len(layer_ids))
+    if validate.boolean(chunked, name="chunked"):
+        return absorption_chunked(model, toks, _attention_mask(attention_mask, toks), mode, rule, head, layer_ids)
+    attn = final_attention(model, toks, attention_mask, layer_ids)
+    return absorption_from_attention(model, attn, toks, attention_mask, mode, rule, head, layer_ids)
+
+
+PATTERN_BUDGET_BYTES = 256 * 2 ** 20  # above this, whole-pattern statistics reduce over query chunks instead
+
+
+def patterns_exceed_budget(model: Any, shape: Sequence[int], n_layers: int) -> bool:
+    """Would ``n_layers`` float64 patterns ``[batch, head, T, T]`` of tokens ``shape`` exceed the budget?"""
+    batch, T = shape
+    return batch * n_layers * model.cfg.n_heads * T * T * 8 > PATTERN_BUDGET_BYTES
+
+
+def absorption_chunked(model: Any, tokens: Tensor, am: Tensor | None, mode: str, rule: str, head: str,
+                       layer_ids: list[int], received: Tensor | None = None) -> AbsorptionByLayer:
+    """:func:`absorption_by_layer` without patterns: the received mass of one forward, reduced over query chunks
+    inside the attention (``hooks.reducers.received_by_layer``; pass ``received`` to reuse one)."""
+    from mdm_lens.hooks.reducers import received_by_layer
+
+    if received is None:
+        received = received_by_layer(model, tokens, am, layers=layer_ids)           # [b, l, h, T] float64
+    received = validate.finite(received, name="received attention")
+    per_head = head == "each" and mode == "default"
+    return absorption_from_received(model, received if per_head else received.mean(2),
+                                    None if am is None else am.bool(), mode, rule, per_head, layer_ids)
 
 
 def absorption_from_attention(model: Any, attn: Float[Tensor, "batch layer head query key"], tokens: Tensor,
@@ -196,6 +228,16 @@ def absorption_from_attention(model: Any, attn: Float[Tensor, "batch layer head 
     qm = None if query_rows is None else floating.align_mask(query_rows.to(attn.device), pattern.ndim - 1,
                                                              batch_dim=0)
     received = floating.received_attention(pattern, query_mask=qm, key_visible=kvb, causal=causal)
+    return absorption_from_received(model, received, kv, mode, rule, per_head, layer_ids)
+
+
+def absorption_from_received(model: Any, received: Float[Tensor, "batch layer *head key"], kv: Tensor | None,
+                             mode: str, rule: str, per_head: bool, layer_ids: list[int]) -> AbsorptionByLayer:
+    """The absorption variants from the received mass ``[batch, layer, (head,) key]`` and the key visibility
+    ``kv`` (``[batch, key]`` or per layer ``[batch, layer, key]``; None = all keys)."""
+    causal = is_causal(model)
+    received = received.to(torch.float64)
+    kvb = None if kv is None else floating.align_mask(kv.to(received.device), received.ndim, batch_dim=0)
     names, vals, nulls, n_anc = _absorption_from_received(received, kvb, causal, mode, rule)
     if per_head:
         vals, nulls, n_anc = vals.mean(2), nulls.mean(2), n_anc.mean(2)

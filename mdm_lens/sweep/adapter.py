@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens import ReceivedAttention, tokenization
+from mdm_lens.errors import MemoryBudgetError
 from mdm_lens.probes import flow as F
 from mdm_lens.probes import patching, retrieval
 from mdm_lens.probes import run as R
@@ -181,8 +182,11 @@ def attention_tables(model: Any, batch: Batch, s: Settings, shared: dict, names:
     probe ran that same forward before); a group's patterns are dropped before the next group's forward."""
     out = shared["out"]
     parts: list[dict] = []
+    T = out.tokens.shape[1]
+    if R.patterns_exceed_budget(model, (len(batch.item_ids), T), 1):   # one layer's patterns do not fit
+        return _long_context_tables(model, batch, out, names)
     attn = [None] * len(batch.item_ids)                                    # flow: head-mean [layer, T, T] per item
-    for group in _layer_groups(model, batch, out.tokens.shape[1]):
+    for group in _layer_groups(model, batch, T):
         full = R.final_attention(model, out.tokens, out.attention_mask, layers=group)
         if "absorption" in names:
             parts += _absorption_parts(model, batch, out, group, full)
@@ -200,14 +204,36 @@ def attention_tables(model: Any, batch: Batch, s: Settings, shared: dict, names:
     return tables
 
 
-def _absorption_parts(model: Any, batch: Batch, out: Any, group: list[int], attn: Tensor) -> list[dict]:
-    """Absorption rows of one layer group, both modes, from that group's ``final_attention``."""
+def _long_context_tables(model: Any, batch: Batch, out: Any, names: list[str]) -> dict[str, pd.DataFrame]:
+    """Absorption when even one layer's patterns exceed the budget: the received mass over query chunks (one
+    forward, O(T·chunk) memory, = the pattern path to float64 rounding). Flow reads whole patterns: refused."""
+    if "flow" in names:
+        raise MemoryBudgetError(f"flow needs each layer's [batch, head, T, T] pattern ({len(batch.item_ids)} x "
+                                f"{model.cfg.n_heads} x {out.tokens.shape[1]}^2 float64 > "
+                                f"{R.PATTERN_BUDGET_BYTES // 2 ** 20} MiB); sweep flow with --batch-size 1 or "
+                                "shorter inputs, and absorption (query-chunked) separately.")
+    from mdm_lens.hooks.reducers import received_by_layer
+
+    layers = list(range(model.cfg.n_layers))
+    received = received_by_layer(model, out.tokens, out.attention_mask, layers=layers)
+    return {"absorption": frame(_absorption_parts(model, batch, out, layers, received=received),
+                                sort_by=["item_id", "mode", "layer", "variant", "metric"])}
+
+
+def _absorption_parts(model: Any, batch: Batch, out: Any, group: list[int], attn: Tensor | None = None,
+                      received: Tensor | None = None) -> list[dict]:
+    """Absorption rows of one layer group, both modes, from that group's ``final_attention`` (or, at long
+    contexts, its query-chunked received mass)."""
     ids = np.asarray(batch.item_ids, object)
     parts = []
     for mode in ("default", "paper"):
         # = R.absorption_by_layer(model, out.tokens, attention_mask=out.attention_mask, mode=mode, layers=group)
-        res = R.absorption_from_attention(model, attn, out.tokens, out.attention_mask, mode, "zscore", "mean",
-                                          group)
+        if received is not None:
+            am = None if out.attention_mask is None else out.attention_mask.bool()
+            res = R.absorption_chunked(model, out.tokens, am, mode, "zscore", "mean", group, received=received)
+        else:
+            res = R.absorption_from_attention(model, attn, out.tokens, out.attention_mask, mode, "zscore", "mean",
+                                              group)
         for metric, t in (("absorption", res.per_sample), ("null", res.null), ("excess", res.excess)):
             a = t.cpu().numpy()                          # [batch, layer, variant]
             bi, li, vi = np.indices(a.shape).reshape(3, -1)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["frame", "temporal", "PATTERN_BUDGET_BYTES", "DRIFT_METRICS", "STEP_METRICS", "KEY_COLUMNS"]
 
-PATTERN_BUDGET_BYTES = 256 * 2 ** 20  # absorption/flow read full patterns: layers are taken in groups under this
+from mdm_lens.probes.run import PATTERN_BUDGET_BYTES  # noqa: E402  (absorption/flow: layer groups under this)
 
 
 def frame(parts: list[dict[str, Any]], columns: list[str] | None = None,
