@@ -10,6 +10,7 @@ import torch
 from mdm_lens import HookedMDM, sweep
 from mdm_lens.errors import MemoryBudgetError
 from mdm_lens.pattern_rows import set_query_chunk
+from mdm_lens.probes import absorption as A
 from mdm_lens.probes import run as R
 from mdm_lens.zoo import jsonl
 
@@ -44,8 +45,8 @@ def test_chunked_equals_the_pattern_path(model, mode, head):
 def test_long_inputs_go_chunked_on_their_own(model, monkeypatch):
     toks, am = _batch()
     expected = R.absorption_by_layer(model, toks, attention_mask=am, chunked=False)
-    monkeypatch.setattr(R, "PATTERN_BUDGET_BYTES", 3 * model.cfg.n_heads * 40 * 40 * 8 - 1)   # one layer too many
-    monkeypatch.setattr(R, "final_attention", lambda *a, **k: pytest.fail("held the whole patterns"))
+    monkeypatch.setattr(A, "PATTERN_BUDGET_BYTES", 3 * model.cfg.n_heads * 40 * 40 * 8 - 1)   # one layer too many
+    monkeypatch.setattr(A, "final_attention", lambda *a, **k: pytest.fail("held the whole patterns"))
     got = R.absorption_by_layer(model, toks, attention_mask=am)
     assert torch.allclose(got.per_sample, expected.per_sample, atol=1e-9, rtol=0)
 
@@ -54,8 +55,9 @@ def test_sweep_absorption_at_a_context_whose_patterns_do_not_fit(model, tmp_path
     data = tmp_path / "items.jsonl"
     jsonl.export(data, 2, seed=34)
     normal = sweep.run(model, data, "absorption", tmp_path / "a", progress=False)["absorption"]
-    monkeypatch.setattr(R, "PATTERN_BUDGET_BYTES", 1)
-    monkeypatch.setattr(R, "final_attention", lambda *a, **k: pytest.fail("held the whole patterns"))
+    monkeypatch.setattr(A, "PATTERN_BUDGET_BYTES", 1)
+    for module in (A, R):
+        monkeypatch.setattr(module, "final_attention", lambda *a, **k: pytest.fail("held the whole patterns"))
     long = sweep.run(model, data, "absorption", tmp_path / "b", progress=False)["absorption"]
     assert list(long.columns) == list(normal.columns) and len(long) == len(normal)
     keys = [c for c in normal.columns if c != "value"]
