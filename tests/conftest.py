@@ -12,3 +12,19 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def mdm():
+    """The shipped tiny MDM twin (sweep tests)."""
+    from mdm_lens import HookedMDM
+
+    return HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+
+
+@pytest.fixture(scope="module")
+def arm():
+    """The shipped tiny ARM twin (sweep tests)."""
+    from mdm_lens import HookedMDM
+
+    return HookedMDM.from_pretrained("mdm-lens/tiny-arm")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mdm_lens import HookedMDM, ReceivedAttention
+from mdm_lens import ReceivedAttention
 from mdm_lens.errors import ArgumentError, InputError
 from mdm_lens.probes import patching, retrieval
 from mdm_lens.probes import run as R
@@ -21,16 +21,6 @@ from mdm_lens.zoo import tokenizer as ZT
 
 SEED = 34    # zoo items 0..5 of seed 34: prompt lengths 50 53 53 51 55 50 → batch_size 4: [0 5 1 2] [3 4];
 #              tiny-mdm answers items 1, 2 and 4 (so retrieval scores are counted, batched and alone)
-
-
-@pytest.fixture(scope="module")
-def mdm():
-    return HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
-
-
-@pytest.fixture(scope="module")
-def arm():
-    return HookedMDM.from_pretrained("mdm-lens/tiny-arm")
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,8 @@ import time
 from pathlib import Path
 
 import pandas as pd
-import pytest
 
-from mdm_lens import HookedMDM, sweep
+from mdm_lens import sweep
 from mdm_lens.zoo import jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,11 +27,6 @@ def _env():
 
 def _tables(folder: Path) -> dict[str, pd.DataFrame]:
     return {p.stem: pd.read_parquet(p) for p in sorted(folder.glob("*.parquet"))}
-
-
-@pytest.fixture(scope="module")
-def mdm():
-    return HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
 
 
 def test_two_gloo_ranks_give_the_rows_of_one_process(mdm, tmp_path):

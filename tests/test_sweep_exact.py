@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from mdm_lens import HookedMDM, ReceivedAttention, pattern_rows as PR
+from mdm_lens import ReceivedAttention, pattern_rows as PR
 from mdm_lens import sweep
 from mdm_lens.probes import run as R
 from mdm_lens.sweep import adapter as A
@@ -22,16 +22,6 @@ from mdm_lens.zoo import jsonl
 from mdm_lens.zoo import tokenizer as ZT
 
 SEED = 34   # prompt lengths 50 53 53 51 55 50; batch_size 4 → batches [0 5 1 2] [3 4] → runs [0 5] [1 2] [3] [4]
-
-
-@pytest.fixture(scope="module")
-def mdm():
-    return HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
-
-
-@pytest.fixture(scope="module")
-def arm():
-    return HookedMDM.from_pretrained("mdm-lens/tiny-arm")
 
 
 @pytest.fixture(scope="module")
