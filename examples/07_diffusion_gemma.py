@@ -15,7 +15,7 @@ from mdm_lens import HookedMDM, ReceivedAttention, steps
 from mdm_lens.bridge import TransformersBridge
 from mdm_lens.bridge.probes import qk_at_step
 from mdm_lens.bridge.tiny import tiny_diffusion_gemma
-from mdm_lens.probes.run import anchors_over_steps, drift_from_output
+from mdm_lens.probes.run import absorption_by_layer, anchors_over_steps, drift_from_output, qk_at_layer
 
 
 def main(model_name: str | None, device_map: str | None) -> None:
@@ -50,6 +50,12 @@ def main(model_name: str | None, device_map: str | None) -> None:
     print("mean Jaccard of consecutive anchor sets:", drift.mean_jaccard)
     qk = qk_at_step(out, 1, layer)
     print("QK split at step 1: anchor", qk.anchor[0].tolist(), "norm share", qk.norm_share_mean)
+
+    # whole-sequence probes on the final sequence: prompt -> encoder, answer -> decoder canvas
+    P = out.prompt_length
+    print(absorption_by_layer(model, out.tokens, prompt_length=P).table().round(2))
+    final = qk_at_layer(model, out.tokens, layer, prompt_length=P)
+    print("QK split on the final sequence: anchor", final.anchor[0].tolist(), "norm share", final.norm_share_mean)
 
 
 if __name__ == "__main__":
