@@ -50,6 +50,21 @@ def test_right_padded_rows_equal_each_row_alone(tmp_path, family):
     assert (again[1, :5] - batch[1, :5]).abs().max().item() <= 1e-6
 
 
+@pytest.mark.parametrize("padding_mask", ["pair", "key"])
+def test_pad_query_rows_see_nothing_under_the_pair_mask_only(padding_mask):
+    """Dream's pair mask hides pad *queries* too (their rows are all zero); LLaDA's key padding lets them attend."""
+    model = tiny(padding_mask=padding_mask)
+    tokens = torch.tensor([[0, 0, 5, 6, 7], [4, 5, 6, 7, 8]])
+    am = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    _, cache = model.run_with_cache(tokens, attention_mask=am, names_filter="blocks.0.attn.hook_pattern")
+    pat = cache["blocks.0.attn.hook_pattern"]                      # [batch, head, query, key]
+    assert pat[0, ..., :2].abs().max().item() == 0.0                # pad keys are hidden either way
+    pad_rows = pat[0, :, :2].sum(-1)
+    expected = torch.zeros_like(pad_rows) if padding_mask == "pair" else torch.ones_like(pad_rows)
+    assert torch.allclose(pad_rows, expected, atol=1e-6)
+    assert torch.allclose(pat[:, :, 2:].sum(-1), torch.ones(2, 2, 3), atol=1e-6)
+
+
 def test_leading_pads_without_a_mask_warn_and_with_a_mask_do_not():
     model = tiny()
     tokens = torch.tensor([[0, 0, 5, 6], [4, 5, 6, 7]])
