@@ -267,6 +267,16 @@ def test_cache_refuses_when_over_budget_before_compute():
                        cache=TrajectoryCache("blocks.*.attn.hook_pattern", steps(blocks=[1]), budget_bytes=10_000))
 
 
+def test_cache_estimate_equals_the_bytes_it_holds():
+    """The budget check's estimate is the exact size of what the cache then holds (names × steps × shape)."""
+    model = model_for()
+    cache = TrajectoryCache(["blocks.0.attn.hook_pattern", "blocks.1.hook_resid_post"], steps(0, 2, 5))
+    out = model.generate(PROMPT, steps=8, gen_length=8, cache=cache)
+    held = sum(t.numel() * t.element_size() for s in out.cache.steps for t in out.cache[s].values())
+    assert out.cache.steps == [0, 2, 5] and held > 0
+    assert cache.estimated_bytes == held
+
+
 @pytest.mark.parametrize("kind", ["llada", "arm"])
 @pytest.mark.parametrize("query", ["all", "prompt", "masked", "generated", "committed"])
 def test_received_attention_equals_the_full_cache_statistic(kind, query):
