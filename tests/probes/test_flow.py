@@ -149,6 +149,17 @@ def test_gold_ratio_above_one_on_planted_case(mode):
     assert abs(ctrl.gold_ratio_density.item() - 1) < 0.2
 
 
+def test_gold_ratio_with_two_gold_passages_is_the_mean_over_them():
+    """Multi-hop items (HotpotQA, 2Wiki) have two gold passages: the ratio averages the gold regions' shares and
+    divides by the mean distractor share (a sum over gold would double it)."""
+    regs = [Region("bos", 0, 1, "bos"), Region("query", 1, 5, "query"), Region("gold1", 5, 12, "gold"),
+            Region("doc2", 12, 18, "doc"), Region("gold3", 18, 26, "gold"), Region("answer", 26, 30, "answer")]
+    res = flow.flow(stochastic((2, 30, 30), 3), regs, warn=False)
+    row, dens = res.answer_row, res.answer_density
+    assert torch.allclose(res.gold_ratio, (row[2] + row[4]) / 2 / row[3])
+    assert torch.allclose(res.gold_ratio_density, (dens[2] + dens[4]) / 2 / dens[3])
+
+
 def test_density_normalisation_removes_length_bias():
     # uniform bidirectional attention (no residual): raw shares ∝ length, densities all equal 1
     T = 30
