@@ -224,14 +224,16 @@ class TransformersBridge(CheckedHookSurface):
             if attention_mask is not None:
                 validate.tensor(attention_mask, name="attention_mask", shape=tuple(input_ids.shape))
             prefix = past + input_ids.shape[1]
+        # saved and restored, not reset: a forward may run inside another's hook (knockout's pre-pass)
+        saved = [(h.attn, h.attn.total_keys) for hs in (self.encoder, self.blocks) for h in hs]
         self._set_total_keys(self.encoder, prefix)
         self._set_total_keys(self.blocks, prefix + canvas.shape[1])
         try:
             return self.hf(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=canvas,
                            **kwargs).logits
         finally:
-            self._set_total_keys(self.encoder, None)
-            self._set_total_keys(self.blocks, None)
+            for attn, total in saved:
+                attn.total_keys = total
 
     def encode(self, input_ids: Tensor, cache: Any, attention_mask: Any = None, position_ids: Any = None) -> Any:
         """DiffusionGemma's encoder pass alone (writes `cache`), with the `encoder.*` hooks."""
@@ -264,6 +266,13 @@ class TransformersBridge(CheckedHookSurface):
     @property
     def W_E(self) -> Float[Tensor, "d_vocab d_model"]:
         return self.spec.decoder_embed.weight
+
+    def final_logits(self, x: Tensor) -> Float[Tensor, "batch pos d_vocab"]:
+        """Logits from `ln_final.hook_out` as transformers computes them: lm_head, fp32, then DiffusionGemma's
+        final softcapping (when the config has one)."""
+        logits = self.hf.lm_head(x).to(torch.float32)
+        cap = getattr(self.hf.config.get_text_config(), "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @property
     def input_device(self) -> torch.device:

@@ -14,8 +14,9 @@ Which probes apply, and over which queries and keys:
   rows (the decoder's queries), keys = what each decoder layer lets them see (prompt + answer; a sliding
   layer only the last window − 1 prompt keys), which also sets the uniform nulls. A clean forward has no
   not-yet-accepted rows, so `query="masked"` is refused there;
-* `knockout` and `patch_anchor_activations` raise `InputError` saying why (their per-step replays are
-  one forward of the whole canvas with mask tokens).
+* `knockout` runs its sampled metrics (`mdm_lens.probes.knockout_bd`: canvas queries, anchors on a pre-pass
+  of the step's own decoder call, gold scores from the softcapped logits); its teacher-forced metrics are NaN
+  (no masked canvas to place the gold in). `patch_anchor_activations` raises `InputError` saying why.
 """
 
 from __future__ import annotations

@@ -248,6 +248,10 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
                                            torch.zeros_like(accepted_prev), torch.ones_like(accepted_prev),
                                            block_slice=slice(start, start + canvas_len))
                     state.extra.update(canvas_start=start, cur_step=cur_step, finished=finished.clone())
+                    # this step's decoder call again (same cache, self-conditioning, mask): knockout's pre-pass
+                    state.extra["rerun"] = (lambda c=canvas, sc=self_cond: model(
+                        decoder_input_ids=c, self_conditioning_logits=sc, decoder_attention_mask=mask_mapping,
+                        cache=kv_cache, decoder_position_ids=decoder_position_ids, return_type=None))
                     raw = runner.forward(state, None, decoder_input_ids=canvas, self_conditioning_logits=self_cond,
                                          decoder_attention_mask=mask_mapping, cache=kv_cache,
                                          decoder_position_ids=decoder_position_ids)

@@ -46,11 +46,11 @@ def anchor_mask_from_scores(scores: Float[Tensor, "batch head query key"], rule:
                             **detect_kwargs: Any) -> tuple[Bool[Tensor, "batch key"], Bool[Tensor, "batch key"]]:
     """(anchors [batch, key], key_visible [batch, key]) of one layer from its pre-softmax scores
     ``[batch, head, query, key]``: head-mean softmax pattern → mass received over the query rows that
-    see any key → ``floating.detect_anchors(rule)``.  A key is visible when some query gives it a finite
-    score (−inf marks masked keys)."""
+    see any key → ``floating.detect_anchors(rule)``.  A key is visible when some query gives it a score
+    above the dtype's minimum (−inf, or transformers' additive minimum, marks masked keys)."""
     validate.tensor(scores, name="scores", ndim=4, dtype="float")
     no_nan(scores, "scores")
-    finite = torch.isfinite(scores)
+    finite = scores > torch.finfo(scores.dtype).min  # -inf or the dtype's minimum (transformers' masks) = hidden
     kv, rows = finite.any(1).any(1), finite.any(1).any(-1)                 # [b, key], [b, query]
     pattern = torch.nan_to_num(torch.softmax(scores.float(), -1), nan=0.0).mean(1).to(torch.float64)
     rec = floating.received_attention(pattern, query_mask=rows, key_visible=kv, causal=causal)

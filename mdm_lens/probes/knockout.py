@@ -48,7 +48,7 @@ from mdm_lens.hooks import at_steps
 from . import _causal as C
 from ._results import ResultMixin
 from .retrieval import _decode, answer_correct
-from ._runtools import require_single_stack
+from ._runtools import is_block_diffusion
 from .run import is_causal, step_canvas
 
 __all__ = ["knockout", "KnockoutResult", "KnockoutHooks", "ANSWER_METRICS"]
@@ -349,10 +349,6 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
     outside the run, ``ArgumentError`` / ``ArgumentTypeError`` for other invalid arguments, and
     ``NonFiniteError`` when the model's logits are NaN or inf.
     """
-    require_single_stack(model, "knockout", "its anchor pre-pass, gold scoring and teacher-forced replays re-run "
-                         "a step as one forward of the whole canvas with mask tokens; on DiffusionGemma that pass needs "
-                         "the step's KV cache and self-conditioning (not built yet). Knock out keys in a run with "
-                         "generate(..., fwd_hooks=[('blocks.L.attn.hook_attn_scores', fn)]) instead.")
     dev = model.input_device
     prompt = C.prompt_batch(prompt_ids, "prompt_ids", dev)
     g = validate.integer(gen_length if gen_length is not None else model.cfg.extra.get("gen_length", 4),
@@ -375,6 +371,9 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
     else:
         validate.choice(metric, ANSWER_METRICS + C.POSITION_METRICS, name="metric")
     step_metric = C.check_position_metric(step_metric, "step_metric")
+    if is_block_diffusion(model):
+        return _block_diffusion(model, prompt, step_list, chosen, ls, targets, queries, rule, n_random, seed, metric,
+                                answer, off, g, ns, decode, generate_kwargs)
 
     def gen(hooks: Sequence[Any] = ()) -> Any:
         return model.generate(prompt, steps=ns, gen_length=g, fwd_hooks=list(hooks), **generate_kwargs)
@@ -436,3 +435,26 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
         tf_answer_rank_mean=tf_rank.nanmean(-1), step_metric_name=C.metric_name(step_metric), step_metric=sm,
         metric_mean=sm.nanmean(-1), n_targets=t("nt"), agreement=t("agreement"), accuracy=t("accuracy"),
         gold=gold_ids, gold_source=source, notes=notes)
+
+
+def _block_diffusion(model: Any, prompt: Tensor, step_list: list[int], chosen: list[int] | None, ls: list[int],
+                     targets: Any, queries: str, rule: str, n_random: int, seed: int, metric: Any, answer: Any,
+                     off: int, g: int, ns: int, decode: Any, generate_kwargs: dict) -> KnockoutResult:
+    """:func:`knockout` on DiffusionGemma: the sampled metrics (:mod:`knockout_bd`); the teacher-forced ones NaN."""
+    from .knockout_bd import knockout_block_diffusion
+
+    r = knockout_block_diffusion(model, prompt, step_list=step_list, chosen=chosen, layers=ls, targets=targets,
+                                 queries=queries, rule=rule, n_random=n_random, seed=seed, metric=metric,
+                                 answer=answer, offset=off, g=g, ns=ns, decode=decode,
+                                 conditions=_conditions(targets, n_random), generate_kwargs=generate_kwargs)
+    t = lambda k: torch.tensor(np.array([p[k] for p in r["per"]], dtype=np.float64))  # noqa: E731
+    nan_steps = torch.full((len(r["names"]), len(step_list)), math.nan, dtype=torch.float64)
+    nan_cond = torch.full((len(r["names"]),), math.nan, dtype=torch.float64)
+    value = t(metric)
+    return KnockoutResult(
+        conditions=r["names"], steps=step_list, layers=ls, metric=C.metric_name(metric), value=value,
+        effect=value - value[0], answer_logprob=t("answer_logprob"), answer_rank=t("answer_rank"),
+        exact_match=t("exact_match"), tf_answer_logprob=nan_steps, tf_answer_rank=nan_steps.clone(),
+        tf_answer_logprob_mean=nan_cond, tf_answer_rank_mean=nan_cond.clone(), step_metric_name="not applicable",
+        step_metric=nan_steps.clone(), metric_mean=nan_cond.clone(), n_targets=t("nt"), agreement=t("agreement"),
+        accuracy=t("accuracy"), gold=r["gold_ids"], gold_source=r["source"], notes=r["notes"])

@@ -212,8 +212,6 @@ def test_topk_keys_index_canvas_queries_by_absolute_position(bridge):
 def test_probes_that_cannot_apply_say_why(bridge):
     from mdm_lens.probes import patching
 
-    with pytest.raises(InputError, match="knockout does not apply .*KV cache"):
-        patching.knockout(bridge, _ids()[:1])
     with pytest.raises(InputError, match="patch_anchor_activations does not apply"):
         patching.patch_anchor_activations(bridge, _ids()[:1], _ids()[:1])
 
