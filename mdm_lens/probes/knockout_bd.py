@@ -25,6 +25,7 @@ from torch import Tensor
 from mdm_lens import validate
 
 from . import _causal as C
+from .knockout import _answer_totals, _exact_match, _GoldScorer
 from .retrieval import answer_correct
 
 NOT_APPLICABLE = ("teacher-forced metrics (tf_*) and the per-step committed metric do not apply to a block-diffusion "
@@ -92,12 +93,9 @@ class CanvasKnockout:
         return pairs if step_list is None else [(n, at_steps(fn, list(step_list))) for n, fn in pairs]
 
 
-class CanvasGoldScorer:
+class CanvasGoldScorer(_GoldScorer):
     """On ``ln_final.hook_out`` of each denoiser pass: log-prob and rank of the gold token at the canvas's
     positions, from the logits transformers computes there (``lm_head``, fp32, final softcapping)."""
-
-    def __init__(self, model: Any, gold: Tensor):
-        self.model, self.gold, self.lp, self.rank = model, gold, {}, {}
 
     def __call__(self, x: Tensor, hook: Any) -> None:
         st = self.model.state
@@ -126,16 +124,6 @@ class CanvasGoldScorer:
             at[:, : cs.shape[1]] = cs == s
             lp[at], rank[at] = self.lp[s][at], self.rank[s][at]
         return lp, rank
-
-
-def _totals(lp: Tensor, rank: Tensor, have: Tensor) -> tuple[float, float]:
-    n = have.sum(-1)
-    ok = n > 0
-    if not bool(ok.any()):
-        return math.nan, math.nan
-    lp_row = torch.where(have, lp, torch.zeros_like(lp)).sum(-1)
-    rank_row = torch.where(have, rank, torch.zeros_like(rank)).sum(-1) / n.clamp(min=1)
-    return float(lp_row[ok].mean()), float(rank_row[ok].mean())
 
 
 def _agreement(out: Any, clean: Any) -> float:
@@ -173,9 +161,7 @@ def knockout_block_diffusion(model: Any, prompt: Tensor, *, step_list: list[int]
             hooks = ([] if ko is None else ko.hooks(chosen)) + [("ln_final.hook_out", scorer)]
             out = gen(hooks)
             lp, rk = scorer.at_commit(out.trajectory.commit_step)
-            a_lp, a_rank = _totals(lp, rk, have)
-            from .knockout import _exact_match
-
+            a_lp, a_rank = _answer_totals(lp, rk, have)
             acc = (float(np.mean([answer_correct(model, r.cpu(), answer, decode) for r in out.generated]))
                    if answer is not None else math.nan)
             nt = [float(np.mean(ko.knocked[s])) if ko is not None and s in ko.knocked else 0.0 for s in step_list]
