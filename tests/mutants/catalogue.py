@@ -145,4 +145,6 @@ MUTANTS += [
        "None if am is None else am.bool(), mode, rule, per_head, layer_ids)\n\n\ndef absorption_from_attention",
        "None, mode, rule, per_head, layer_ids)\n\n\ndef absorption_from_attention",
        "chunked absorption forgets the padding (nulls over pad keys)"),
+    _m("canvas-gold-offset", "probe", P + "knockout_bd.py", '        start = int(st.extra["canvas_start"])',
+       '        start = int(st.extra["canvas_start"]) + 1', "DiffusionGemma gold scored one position off"),
 ]
