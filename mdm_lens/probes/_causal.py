@@ -42,6 +42,11 @@ def check_position_metric(metric: Any, name: str = "metric") -> Any:
     return metric if callable(metric) else validate.choice(metric, POSITION_METRICS, name=name)
 
 
+def visible_keys(scores: Float[Tensor, "batch head query key"]) -> Bool[Tensor, "batch key"]:
+    """Keys some query may attend: masked scores are −inf (ours) or the dtype's minimum (transformers' masks)."""
+    return (scores > torch.finfo(scores.dtype).min).any(1).any(1)
+
+
 def anchor_mask_from_scores(scores: Float[Tensor, "batch head query key"], rule: str = "zscore", causal: bool = False,
                             **detect_kwargs: Any) -> tuple[Bool[Tensor, "batch key"], Bool[Tensor, "batch key"]]:
     """(anchors [batch, key], key_visible [batch, key]) of one layer from its pre-softmax scores
@@ -50,8 +55,8 @@ def anchor_mask_from_scores(scores: Float[Tensor, "batch head query key"], rule:
     above the dtype's minimum (−inf, or transformers' additive minimum, marks masked keys)."""
     validate.tensor(scores, name="scores", ndim=4, dtype="float")
     no_nan(scores, "scores")
-    finite = scores > torch.finfo(scores.dtype).min  # -inf or the dtype's minimum (transformers' masks) = hidden
-    kv, rows = finite.any(1).any(1), finite.any(1).any(-1)                 # [b, key], [b, query]
+    seen = scores > torch.finfo(scores.dtype).min  # -inf or the dtype's minimum (transformers' masks) = hidden
+    kv, rows = visible_keys(scores), seen.any(1).any(-1)                   # [b, key], [b, query]
     pattern = torch.nan_to_num(torch.softmax(scores.float(), -1), nan=0.0).mean(1).to(torch.float64)
     rec = floating.received_attention(pattern, query_mask=rows, key_visible=kv, causal=causal)
     return floating.detect_anchors(rec, rule=rule, key_visible=kv, causal=causal, **detect_kwargs), kv

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens import validate
+from mdm_lens.errors import InputError
 from mdm_lens.hooks import at_steps
 
 from . import _causal as C
@@ -65,7 +66,10 @@ class KnockoutHooks:
     ``queries``: "masked" (the readout rows of still-masked positions), "all", or "answer" (the readout
     rows of the canvas).  In ``generate`` the input comes from ``model.state``; for a plain forward set
     ``.tokens`` and ``.attention_mask`` first.  Rows whose every visible key would be removed are left
-    unchanged.  ``n_knocked[layer]`` is the mean number of keys removed per row at the last forward.
+    unchanged.  ``n_knocked[layer]`` is the mean number of keys removed per row at the last forward;
+    ``knocked_by_step[step]`` the same for every pass of a ``generate``.  On a block-diffusion model
+    (DiffusionGemma) the rows are the canvas (``"masked"`` = not yet accepted) and the pre-pass re-runs the
+    sampler's own decoder call (``state.extra["rerun"]``); masked keys may be −inf or the dtype's minimum.
     """
 
     def __init__(self, model: Any, layers: Sequence[int], targets: Any = "anchors", queries: str = "masked",
@@ -84,6 +88,7 @@ class KnockoutHooks:
         self._prepass = False
         self._anchors: dict[int, Tensor] = {}
         self.n_knocked: dict[int, float] = {}
+        self.knocked_by_step: dict[int, list[float]] = {}   # in generate: step → keys removed per (row, layer)
 
     @property
     def needs_prepass(self) -> bool:
@@ -97,20 +102,36 @@ class KnockoutHooks:
             raise RuntimeError("KnockoutHooks outside generate: set .tokens (and .attention_mask) first")
         return self.tokens, self.attention_mask
 
+    def _rows_and_rerun(self) -> tuple[Tensor, Any]:
+        """The query rows to cut and how to re-run this forward unablated (the anchors' pre-pass).
+
+        Block diffusion (DiffusionGemma): the rows are the canvas (``"masked"`` = not yet accepted) and the
+        re-run is the sampler's own decoder call of this step (same KV cache, self-conditioning and mask)."""
+        st = self.model.state
+        if is_block_diffusion(self.model):
+            if st is None or "rerun" not in st.extra:
+                raise InputError("KnockoutHooks on a block-diffusion model run inside its generate (a denoiser "
+                                 "pass needs the step's KV cache and self-conditioning).", argument="model",
+                                 value=self.model.cfg.model_name, allowed="hooks passed to model.generate")
+            rows = st.masked.clone() if self.queries == "masked" else torch.ones_like(st.masked)
+            return rows, st.extra["rerun"]
+        tokens, am = self._inputs()
+        return (C.readout_rows(self.model, tokens, self.prompt_length, self.queries),
+                lambda: self.model(tokens, attention_mask=am, return_type=None))
+
     def _embed_hook(self, x: Tensor, hook: Any) -> None:
         if self._prepass:
             return
-        tokens, am = self._inputs()
-        self._rows = C.readout_rows(self.model, tokens, self.prompt_length, self.queries)
+        self._rows, rerun = self._rows_and_rerun()
         if self.needs_prepass:
             self._prepass, self._anchors = True, {}
             try:
-                self.model(tokens, attention_mask=am, return_type=None)
+                rerun()
             finally:
                 self._prepass = False
 
     def _target_mask(self, layer: int, scores: Tensor) -> Tensor:
-        kv = torch.isfinite(scores).any(1).any(1)
+        kv = C.visible_keys(scores)
         if not self.needs_prepass:
             m = torch.zeros_like(kv)
             m[:, [p for p in self.targets if p < m.shape[1]]] = True
@@ -126,9 +147,11 @@ class KnockoutHooks:
                 return None
             t = self._target_mask(layer, scores)
             self.n_knocked[layer] = float(t.sum(-1).float().mean())
+            if self.model.state is not None:
+                self.knocked_by_step.setdefault(self.model.state.step, []).append(self.n_knocked[layer])
             cut = self._rows[:, None, :, None] & t[:, None, None, :]
             new = scores.masked_fill(cut, -torch.inf)
-            dead = ~torch.isfinite(new).any(-1, keepdim=True)
+            dead = ~(new > torch.finfo(new.dtype).min).any(-1, keepdim=True)   # no visible key left
             return torch.where(dead, scores, new)
         return hook
 
@@ -148,7 +171,7 @@ class _RandomListHooks(KnockoutHooks):
 
     def _target_mask(self, layer: int, scores: Tensor) -> Tensor:
         fixed = super()._target_mask(layer, scores)
-        return C.random_like(fixed, torch.isfinite(scores).any(1).any(1), self.gen)
+        return C.random_like(fixed, C.visible_keys(scores), self.gen)
 
 
 @dataclass

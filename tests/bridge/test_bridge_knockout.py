@@ -58,3 +58,14 @@ def test_anchor_knockout_detects_on_a_pre_pass_and_cuts_only_not_yet_accepted_ro
     out = bridge.generate(_prompt(), gen_length=8, steps=4)
     assert not any(h.fwd_hooks for h in bridge.hook_dict.values())
     assert out.tokens.shape[1] == 18
+
+
+def test_knockout_hooks_outside_generate_say_where_they_run(bridge):
+    from mdm_lens.errors import InputError
+    from mdm_lens.probes.knockout import KnockoutHooks
+
+    ko = KnockoutHooks(bridge, [1], targets=[0, 1])
+    canvas = torch.randint(2, 300, (1, 8), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(InputError, match="inside its generate"):
+        bridge.run_with_hooks(_prompt(), decoder_input_ids=canvas, fwd_hooks=ko.hooks())
+    assert not any(h.fwd_hooks for h in bridge.hook_dict.values())
