@@ -26,7 +26,8 @@ Key axes are absolute positions (prompt, then canvas); see `mdm_lens.bridge.atte
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Literal, Sequence
 
 import torch
 from jaxtyping import Float, Int
@@ -160,10 +161,20 @@ class TransformersBridge(CheckedHookSurface):
                 m.force_explicit = value
 
     # --- forward ------------------------------------------------------------------------------------
-    def _set_total_keys(self, hooks: nn.ModuleList | None, total: int | None) -> None:
-        if hooks is not None:
-            for h in hooks:
+    @contextmanager
+    def _total_keys(self, **totals: int) -> Iterator[None]:
+        """Set the absolute key count of a pass on the `blocks` / `encoder` attention hooks, and put back what
+        was there afterwards (not None: a forward may run inside another's hook, e.g. knockout's pre-pass)."""
+        stacks = [(getattr(self, name), total) for name, total in totals.items()]
+        saved = [(h.attn, h.attn.total_keys) for stack, _ in stacks for h in stack]
+        for stack, total in stacks:
+            for h in stack:
                 h.attn.total_keys = total
+        try:
+            yield
+        finally:
+            for attn, total in saved:
+                attn.total_keys = total
 
     def forward(self, input_ids: Int[Tensor, "batch pos"] | None = None,
                 decoder_input_ids: Int[Tensor, "batch canvas"] | None = None,
@@ -184,11 +195,8 @@ class TransformersBridge(CheckedHookSurface):
             tokens = self._check_ids(input_ids, "input_ids")
             if attention_mask is not None:
                 validate.tensor(attention_mask, name="attention_mask", shape=tuple(tokens.shape))
-            self._set_total_keys(self.blocks, tokens.shape[1])
-            try:
+            with self._total_keys(blocks=tokens.shape[1]):
                 logits = self.hf(input_ids=tokens, attention_mask=attention_mask, **kwargs).logits
-            finally:
-                self._set_total_keys(self.blocks, None)
         return None if return_type is None else logits
 
     def _check_ids(self, ids: Any, name: str) -> Tensor:
@@ -224,26 +232,16 @@ class TransformersBridge(CheckedHookSurface):
             if attention_mask is not None:
                 validate.tensor(attention_mask, name="attention_mask", shape=tuple(input_ids.shape))
             prefix = past + input_ids.shape[1]
-        # saved and restored, not reset: a forward may run inside another's hook (knockout's pre-pass)
-        saved = [(h.attn, h.attn.total_keys) for hs in (self.encoder, self.blocks) for h in hs]
-        self._set_total_keys(self.encoder, prefix)
-        self._set_total_keys(self.blocks, prefix + canvas.shape[1])
-        try:
+        with self._total_keys(encoder=prefix, blocks=prefix + canvas.shape[1]):
             return self.hf(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=canvas,
                            **kwargs).logits
-        finally:
-            for attn, total in saved:
-                attn.total_keys = total
 
     def encode(self, input_ids: Tensor, cache: Any, attention_mask: Any = None, position_ids: Any = None) -> Any:
         """DiffusionGemma's encoder pass alone (writes `cache`), with the `encoder.*` hooks."""
         past = int(cache.get_seq_length())
-        self._set_total_keys(self.encoder, past + input_ids.shape[1])
-        try:
+        with self._total_keys(encoder=past + input_ids.shape[1]):
             return self.hf.model.encoder(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
                                          position_ids=position_ids)
-        finally:
-            self._set_total_keys(self.encoder, None)
 
     def generate(self, prompt: Any, **kwargs: Any) -> Any:
         """DiffusionGemma: `sampler="diffusion_gemma"` (the default), see `mdm_lens.diffusion.diffusion_gemma`;
