@@ -20,17 +20,11 @@ from typing import Any, Sequence
 
 from mdm_lens import validate
 from mdm_lens.errors import CheckpointError, InputError
+from mdm_lens.loading.special import _read_json, _token_name  # the loader's readers of the same files
 
 __all__ = ["ChatTemplate", "read_chat_template", "render_user_turn", "has_chat_template"]
 
 _SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
-
-
-def _token_string(value: Any) -> str | None:
-    """`"<|endoftext|>"` or the AddedToken dict `{"content": "<|endoftext|>", ...}`."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
 
 
 @dataclass(frozen=True)
@@ -82,21 +76,11 @@ def _compiled(template: str) -> Any:
     return _CACHE[template]
 
 
-def _read_json(path: Path) -> dict:
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} could not be read as JSON ({e}).") from e
-    return data if isinstance(data, dict) else {}
-
-
 def read_chat_template(folder: str | Path) -> ChatTemplate | None:
     """The checkpoint's chat template (`chat_template.jinja` first, then `tokenizer_config.json`), or None."""
     folder = Path(folder)
     cfg = _read_json(folder / "tokenizer_config.json")
-    special = {k: s for k in _SPECIAL if (s := _token_string(cfg.get(k))) is not None}
+    special = {k: s for k in _SPECIAL if (s := _token_name(cfg.get(k))) is not None}
     jinja = folder / "chat_template.jinja"
     if jinja.exists():
         return ChatTemplate(str(jinja), jinja.read_text(encoding="utf-8"), special)

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mdm_lens import HookedMDM, chat
-from mdm_lens.errors import CheckpointError, InputError
+from mdm_lens.errors import CheckpointError, ConfigError, InputError
 from mdm_lens.sweep import items as SI
 from mdm_lens.sweep import templates as TM
 from tests.tiny_checkpoints import hf_reference, write_dream, write_llada
@@ -146,7 +146,7 @@ def test_template_errors_are_typed(tmp_path):
     with pytest.raises(CheckpointError):
         chat.ChatTemplate("x", "{{ ''.__class__.__mro__[1].__subclasses__() }}").render([{"role": "u", "content": ""}])
     (tmp_path / "tokenizer_config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="tokenizer_config.json"):
+    with pytest.raises(ConfigError, match="tokenizer_config.json"):   # as the loader's special-token reader
         chat.read_chat_template(tmp_path)
 
 

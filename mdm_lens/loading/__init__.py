@@ -19,7 +19,6 @@ from safetensors.torch import save_file
 
 from mdm_lens.config import MDMConfig
 from mdm_lens import validate
-from mdm_lens.chat import read_chat_template
 from mdm_lens.errors import (ArgumentError, ArgumentTypeError, CheckpointError, CheckpointNotFoundError, ConfigError,
                              UnknownModelError)
 from mdm_lens.loading.hf import config_from_hf, hf_family, hf_plan
@@ -263,6 +262,8 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
     if cfg.tie_word_embeddings:
         model.unembed.weight = model.embed.W_E
     if load_tokenizer:
+        from mdm_lens.chat import read_chat_template  # chat reads the tokenizer files with loading.special
+
         model.tokenizer = _load_tokenizer(folder)
         model.chat_template = read_chat_template(folder)
     return model.eval()
