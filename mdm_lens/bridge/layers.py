@@ -158,7 +158,7 @@ def wrap_layer(layer: nn.Module, hooks: BlockHooks, style: str) -> list[TapPoint
             return hooked_forward(layer, hooks, *a, **kw)
         return own_forward(*a, **kw)
 
-    forward.mdm_lens_restore = (slot, own_forward if slot == "_old_forward" else None)  # for unwrap_layer
+    forward.mdm_lens_restore = own_forward if slot == "_old_forward" else None  # unwrap_layer: None = delete
     setattr(layer, slot, forward)  # an instance attribute: nn.Module (or accelerate's new_forward) calls it
     attn = layer.self_attn
     attach(attn, hooks.attn)
@@ -173,12 +173,11 @@ def wrap_layer(layer: nn.Module, hooks: BlockHooks, style: str) -> list[TapPoint
 def unwrap_layer(layer: nn.Module, taps: list[TapPoint]) -> None:
     for slot in ("_old_forward", "forward"):
         fn = layer.__dict__.get(slot)
-        restore = getattr(fn, "mdm_lens_restore", None)
-        if restore is not None:
-            if restore[1] is None:
+        if hasattr(fn, "mdm_lens_restore"):
+            if fn.mdm_lens_restore is None:
                 del layer.__dict__[slot]
             else:
-                layer.__dict__[slot] = restore[1]
+                layer.__dict__[slot] = fn.mdm_lens_restore
     detach(layer.self_attn)
     for t in taps:
         t.unbind()
