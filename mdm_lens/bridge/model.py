@@ -268,6 +268,10 @@ class TransformersBridge(CheckedHookSurface):
     def final_logits(self, x: Tensor) -> Float[Tensor, "batch pos d_vocab"]:
         """Logits from `ln_final.hook_out` as transformers computes them: lm_head, fp32, then DiffusionGemma's
         final softcapping (when the config has one)."""
+        validate.tensor(x, name="x", dtype="float")
+        if x.shape[-1] != self.cfg.d_model:
+            raise InputError(f"x has {x.shape[-1]} features, the final norm's output has d_model={self.cfg.d_model}.",
+                             argument="x", value=tuple(x.shape), allowed=f"[..., {self.cfg.d_model}]")
         logits = self.hf.lm_head(x).to(torch.float32)
         cap = getattr(self.hf.config.get_text_config(), "final_logit_softcapping", None)
         return logits if cap is None else torch.tanh(logits / cap) * cap

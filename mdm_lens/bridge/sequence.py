@@ -78,9 +78,17 @@ def sequence_forward(model: Any, tokens: Int[Tensor, "batch pos"], prompt_length
     `hook_v`, …) cached for each decoder layer in `layers`; `fwd_hooks` run during the decoder pass."""
     from transformers import DynamicCache
 
+    if not getattr(model, "is_block_diffusion", False):
+        raise ArgumentError("sequence_forward splits a sequence into encoder prompt and decoder canvas: it needs a "
+                            "block-diffusion model (DiffusionGemma through the bridge).", argument="model",
+                            value=type(model).__name__, allowed="a block-diffusion TransformersBridge")
+    validate.tensor(tokens, name="tokens", ndim=2, dtype="int")
+    if attention_mask is not None:
+        validate.tensor(attention_mask, name="attention_mask", shape=tuple(tokens.shape))
+    P = split_point(model, tokens, prompt_length)
+    layers = validate.indices(list(layers), model.cfg.n_layers, name="layers", what="decoder layer")
     hf = model.hf
     batch, T = tokens.shape
-    P = prompt_length
     prompt, answer = tokens[:, :P], tokens[:, P:]
     C = answer.shape[1]
     full = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()

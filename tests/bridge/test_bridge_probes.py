@@ -313,3 +313,24 @@ def test_the_knockout_workaround_cuts_edges_inside_generate(bridge):
                            fwd_hooks=[(f"blocks.{l}.attn.hook_attn_scores", cut(list(range(5)))) for l in range(3)])
     assert torch.equal(noop.tokens, clean.tokens)
     assert not torch.equal(cutp.tokens, clean.tokens)
+
+
+def test_sequence_forward_checks_its_arguments(bridge):
+    from mdm_lens import HookedMDM
+    from mdm_lens.bridge.sequence import sequence_forward
+    from mdm_lens.errors import ArgumentTypeError, OutOfRangeError
+
+    tokens = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(9))
+    with pytest.raises(OutOfRangeError, match="layers"):
+        sequence_forward(bridge, tokens, 7, layers=[3])
+    with pytest.raises(ArgumentError, match="prompt_length"):
+        sequence_forward(bridge, tokens, 12, layers=[0])
+    with pytest.raises(ArgumentTypeError, match="tokens"):
+        sequence_forward(bridge, tokens.float(), 7, layers=[0])
+    with pytest.raises(ArgumentError, match="attention_mask"):
+        sequence_forward(bridge, tokens, 7, attention_mask=torch.ones(2, 11), layers=[0])
+    with pytest.raises(ArgumentError, match="block-diffusion"):
+        sequence_forward(HookedMDM.from_pretrained("mdm-lens/tiny-mdm"), tokens, 7, layers=[0])
+    with pytest.raises(InputError, match="d_model"):
+        bridge.final_logits(torch.zeros(1, 2, 5))
+    assert not any(h.fwd_hooks for h in bridge.hook_dict.values())
