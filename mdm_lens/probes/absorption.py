@@ -12,6 +12,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from mdm_lens import validate
+from mdm_lens.errors import ArgumentError
 
 from . import floating
 from ._results import ResultMixin
@@ -147,7 +148,13 @@ def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_
     rule = validate.choice(rule, floating.RULES, name="rule")
     head = validate.choice(head, ("mean", "each"), name="head")
     layer_ids = layer_list(model, layers)
+    if chunked is not None:
+        validate.boolean(chunked, name="chunked")
     if is_block_diffusion(model):
+        if chunked:  # the decoder's rows come from its patterns; no row-consumer path through the bridge yet
+            raise ArgumentError("chunked=True is not available on a block-diffusion model: its absorption reads the "
+                                "decoder patterns of one forward.", argument="chunked", value=True,
+                                allowed="None or False on DiffusionGemma")
         toks = _tokens(tokens, device=model.input_device)
         view = sequence_view(model, toks, _attention_mask(attention_mask, toks), layer_ids, prompt_length)
         attn = torch.stack([view.cache[f"blocks.{l}.attn.hook_pattern"] for l in layer_ids], dim=1)

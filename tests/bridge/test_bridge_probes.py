@@ -113,6 +113,8 @@ def test_absorption_equals_a_hand_computation_from_eager_attentions():
         run.absorption_by_layer(bridge, torch.cat([prompt, answer], 1))
     with pytest.raises(ArgumentError, match=r"prompt_length=12 .*\[1, 11\]"):
         run.absorption_by_layer(bridge, torch.cat([prompt, answer], 1), prompt_length=12)
+    with pytest.raises(ArgumentError, match="chunked=True"):
+        run.absorption_by_layer(bridge, torch.cat([prompt, answer], 1), prompt_length=7, chunked=True)
 
 
 def test_planted_decoder_pattern_gives_the_closed_form_absorption():
