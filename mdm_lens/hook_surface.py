@@ -10,6 +10,7 @@ import difflib
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence, Union
 
+import torch
 from torch import Tensor
 from transformer_lens import ActivationCache, HookedRootModule
 
@@ -39,6 +40,34 @@ def hook_list(hooks: Any, name: str) -> list[tuple[Any, Callable]]:
     return out
 
 
+def shape_checked(fn: Callable) -> Callable:
+    """`fn` as a TL forward hook whose return value (if any) must be a tensor of the hooked activation's shape:
+    a hook returning the wrong shape raises `InputError` naming the hook point and both shapes, instead of an
+    unclear error deep in the next torch op (or a silent broadcast)."""
+    if getattr(fn, "_mdm_shape_checked", False):
+        return fn
+
+    def hook_fn(tensor: Any, hook: Any) -> Any:
+        out = fn(tensor, hook=hook)
+        if out is None or not isinstance(tensor, Tensor):
+            return out
+        where = getattr(hook, "name", None) or "a hook point"
+        if not isinstance(out, Tensor):
+            raise InputError(f"the hook on {where} returned {validate.describe(out)}; a forward hook returns None "
+                             f"or a tensor of the activation's shape {tuple(tensor.shape)}.", argument="fwd_hooks",
+                             value=type(out).__name__, allowed=f"None or a tensor of shape {tuple(tensor.shape)}")
+        if out.shape != tensor.shape:
+            raise InputError(f"the hook on {where} returned shape {tuple(out.shape)}, expected the activation's "
+                             f"shape {tuple(tensor.shape)} (a hook that edits must return a tensor of the same "
+                             "shape).", argument="fwd_hooks", value=tuple(out.shape),
+                             allowed=f"shape {tuple(tensor.shape)}")
+        return out
+
+    hook_fn._mdm_shape_checked = True  # type: ignore[attr-defined]
+    hook_fn.__repr__ = fn.__repr__  # type: ignore[method-assign]  (TL names its torch hook after it)
+    return hook_fn
+
+
 class CheckedHookSurface(HookedRootModule):
     """TL's hook machinery with names and arguments checked first. Subclasses set `hook_name_hint` (how
     their names are built) and may extend `check_hook_name` (e.g. opt-in hook points)."""
@@ -59,7 +88,26 @@ class CheckedHookSurface(HookedRootModule):
             raise ArgumentTypeError(f"hook name {validate.describe(name)} is invalid: expected a hook name (str) or a "
                                     "filter function on names.", argument="name", value=name,
                                     allowed="a str or a callable")
+        if dir == "fwd" and callable(hook):
+            hook = shape_checked(hook)
         super().add_hook(name, hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
+
+    def _enable_hook(self, name: Any, hook: Callable, dir: Any) -> None:  # type: ignore[override]
+        # the way `hooks()` / `run_with_hooks` add theirs (not through `add_hook`)
+        super()._enable_hook(name, shape_checked(hook) if dir == "fwd" else hook, dir)
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """`nn.Module.to`, refusing a device this machine does not have (``"cuda"`` without CUDA) with a typed
+        error before anything moves."""
+        target = kwargs.get("device", args[0] if args else None)
+        if isinstance(target, (str, torch.device)):
+            validate.device(target, name="device")
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Any = None) -> Any:  # type: ignore[override]
+        validate.device("cuda" if device is None else (f"cuda:{device}" if isinstance(device, int) else device),
+                        name="device")
+        return super().cuda(device)
 
     # TL resets every hook point after each `hooks()` / `run_with_cache`; on a hook point with nothing to
     # remove that is still two `nn.Module.__setattr__` calls (fresh lists, fresh ctx dict). With ~300

@@ -25,7 +25,7 @@ from torch import Tensor
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, NonFiniteError, OutOfRangeError
 
 __all__ = ["index", "indices", "integer", "number", "boolean", "choice", "instances", "tensor", "finite",
-           "same_shape", "describe"]
+           "same_shape", "describe", "device"]
 
 T = TypeVar("T")
 
@@ -218,3 +218,22 @@ def same_shape(a: Tensor, b: Tensor, *, names: tuple[str, str]) -> None:
     if tuple(a.shape) != tuple(b.shape):
         raise ArgumentError(f"{names[0]} has shape {tuple(a.shape)} but {names[1]} has shape {tuple(b.shape)}; "
                             "they must match.", argument=names[1], value=b, allowed=f"shape {tuple(a.shape)}")
+
+
+def device(value: Any, *, name: str = "device") -> torch.device:
+    """A torch device this machine has: a bad string is an `ArgumentTypeError`, ``"cuda"`` without CUDA (or a
+    CUDA index past the last GPU) an `ArgumentError` saying so, before anything is moved."""
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise _fail(ArgumentTypeError, name, value, "expected a torch device such as 'cpu', 'cuda' or 'cuda:0'",
+                    str(err)) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise _fail(ArgumentError, name, value, "CUDA is not available on this machine",
+                        "torch.cuda.is_available() is False; use 'cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise _fail(OutOfRangeError, name, value, f"expected a CUDA index below {torch.cuda.device_count()}")
+    if dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise _fail(ArgumentError, name, value, "MPS is not available on this machine")
+    return dev

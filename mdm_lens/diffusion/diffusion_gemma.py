@@ -189,7 +189,7 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
     adaptive = (gc.stability_threshold is not None and gc.confidence_threshold is not None) or (
         gc.eos_token_id is not None and n_canvases > 1)
     _check_step_specs(runner, adaptive)
-    runner.begin(batch, max_pos, n_steps)  # names, steps and memory are checked before any compute
+    runner.begin(batch, max_pos, n_steps, n_blocks=n_canvases, phases=("encoder", "cond"))  # before any compute
 
     generator = torch.Generator(device=device)
     if seed is not None:

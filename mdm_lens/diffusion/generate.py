@@ -139,7 +139,8 @@ def generate(
                          "positions to fill. Remove it or use a canvas made by generate.", argument="prompt",
                          value=ids, allowed=f"token ids other than {mask_id}")
     runner = StepRunner(model, fwd_hooks=fwd_hooks, hook_steps=hook_steps, record=record, cache=cache)
-    runner.begin(batch, total, steps)  # names, steps and memory are checked here, before any compute
+    runner.begin(batch, total, steps, n_blocks=gen_length // v["block_length"] if sampler == "llada" else 1,
+                 phases=("cond", "uncond") if sampler == "llada" and v["cfg_scale"] > 0 else ("cond",))  # before compute
     arguments.warn_idle(sampler, steps, gen_length, v)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     bar = _progress(progress, steps, f"{sampler} sampling")

@@ -22,8 +22,8 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.diffusion.state import DenoisingState
-from mdm_lens.errors import InputError
-from mdm_lens.hooks.steps import ALL_STEPS, Steps
+from mdm_lens.errors import ArgumentTypeError, InputError, SamplerConfigError
+from mdm_lens.hooks.steps import ALL_STEPS, Steps, as_steps
 from mdm_lens.pattern_rows import ColumnSums, PatternRows, RowConsumer, RowTopK, chunk_rows, row_hook
 
 QuerySet = Literal["all", "prompt", "masked", "generated", "committed"]
@@ -37,13 +37,25 @@ class Reducer:
     name = "reducer"
 
     def __init__(self, layers: list[int] | None = None, when: Steps = ALL_STEPS):
+        # the types now; the range (negative layers count from the end) once the model is known, in `begin`
+        _layer_types(layers)
         self.layers_arg = layers
-        self.when = when
+        self.when = as_steps(when, name="when")
+        if "cond" not in self.when.phases:
+            raise SamplerConfigError(
+                f"{type(self).__name__}(when=steps(phases={self.when.phases})): reducers summarise each step's "
+                "conditional forward ('cond') only; record other phases with cache=name @ steps(phases=...).",
+                argument="when", value=self.when.phases, allowed="phases=('cond',)")
+        if set(self.when.phases) - {"cond"}:
+            raise SamplerConfigError(
+                f"{type(self).__name__}(when=steps(phases={self.when.phases})): a reducer records one row per step, "
+                "from the conditional forward; drop the other phases (cache=name @ steps(phases=...) records them).",
+                argument="when", value=self.when.phases, allowed="phases=('cond',)")
         self.steps_seen: list[int] = []
 
     def begin(self, model: Any, batch: int, max_pos: int, n_steps: int) -> None:
         n = model.cfg.n_layers
-        self.layers = list(range(n)) if self.layers_arg is None else [l % n for l in self.layers_arg]
+        self.layers = validate.indices(self.layers_arg, n, name="layers", what=f"layer of {n}")
         self.batch, self.max_pos, self.n_steps = batch, max_pos, n_steps
         self._rows: list[dict[str, Tensor]] = []
 
@@ -64,14 +76,14 @@ class Reducer:
     def meta(self) -> dict[str, Any]:
         return {"layers": self.layers, "steps": list(self.steps_seen)}
 
-    def _pad(self, t: Tensor, dim: int) -> Tensor:
+    def _pad(self, t: Tensor, dim: int, value: float | int = 0) -> Tensor:
         """Right-pad a position axis to the final sequence length (ARM prefixes are shorter)."""
         missing = self.max_pos - t.shape[dim]
         if missing == 0:
             return t
         shape = list(t.shape)
         shape[dim] = missing
-        return torch.cat([t, t.new_zeros(shape)], dim=dim)
+        return torch.cat([t, t.new_full(shape, value)], dim=dim)
 
 
 def query_weights(state: DenoisingState, query: QuerySet, pos: int) -> Bool[Tensor, "batch query"]:
@@ -107,13 +119,10 @@ class ReceivedAttention(Reducer):
     def __init__(self, layers: list[int] | None = None, query: QuerySet = "all",
                  kind: Literal["mass", "cumulative"] = "mass", when: Steps = ALL_STEPS, name: str | None = None):
         super().__init__(layers, when)
-        if query not in QUERY_SETS:
-            raise InputError(f"query must be one of {QUERY_SETS}, got {query!r}.")
-        if kind not in ("mass", "cumulative"):
-            raise InputError(f"kind must be 'mass' or 'cumulative', got {kind!r}.")
-        self.query, self.kind = query, kind
-        if name:
-            self.name = name
+        self.query = validate.choice(query, QUERY_SETS, name="query", error=InputError)
+        self.kind = validate.choice(kind, ("mass", "cumulative"), name="kind", error=InputError)
+        if name is not None:
+            self.name = _record_name(name)
 
     def hooks(self, model: Any, state: DenoisingState) -> list[tuple[str, Any]]:
         self._consumers: dict[int, RowConsumer] = {}
@@ -157,9 +166,18 @@ class ReceivedAttention(Reducer):
 
 class KeyValueNorms(Reducer):
     """‖k_j‖ (post-RoPE, equal to pre-RoPE up to rounding) and ‖v_j‖ per position, per kv head:
-    `key_norms`, `value_norms` `[step, batch, layer, kv_head, pos]`."""
+    `key_norms`, `value_norms` `[step, batch, layer, kv_head, pos]`.
+
+    Layers with fewer kv heads than the widest (DiffusionGemma's global and sliding layers differ) are NaN on the
+    missing heads (`meta["kv_heads"]` lists each layer's count); positions a step has no key for (an ARM
+    prefix not grown yet) are NaN, not a norm of 0."""
 
     name = "kv_norms"
+
+    def __init__(self, layers: list[int] | None = None, when: Steps = ALL_STEPS, name: str | None = None):
+        super().__init__(layers, when)
+        if name is not None:
+            self.name = _record_name(name)
 
     def hooks(self, model: Any, state: DenoisingState) -> list[tuple[str, Any]]:
         self._current: dict[tuple[str, int], Tensor] = {}
@@ -178,27 +196,50 @@ class KeyValueNorms(Reducer):
     def end_step(self, state: DenoisingState) -> None:
         row = {}
         for kind in ("key_norms", "value_norms"):
-            stacked = torch.stack([self._current[(kind, l)] for l in self.layers], dim=1)
-            row[kind] = self._pad(stacked, dim=-1).cpu()
+            per_layer = [self._current[(kind, l)] for l in self.layers]  # [batch, kv_head, pos] each
+            self.kv_heads = [t.shape[1] for t in per_layer]
+            width, n_pos = max(self.kv_heads), max(t.shape[-1] for t in per_layer)
+            stacked = per_layer[0].new_full((per_layer[0].shape[0], len(per_layer), width, n_pos), float("nan"))
+            for i, t in enumerate(per_layer):
+                stacked[:, i, : t.shape[1], : t.shape[2]] = t
+            row[kind] = self._pad(stacked, dim=-1, value=float("nan")).cpu()
         self._rows.append(row)
         self.steps_seen.append(state.step)
 
     @property
     def meta(self) -> dict[str, Any]:
-        return {**super().meta, "axes": ("step", "batch", "layer", "kv_head", "pos")}
+        return {**super().meta, "kv_heads": list(getattr(self, "kv_heads", [])),
+                "axes": ("step", "batch", "layer", "kv_head", "pos")}
+
+
+ABSENT_KEY = torch.iinfo(torch.int64).min  # TopKKeys' index where there is no k-th key: never a valid index
 
 
 class TopKKeys(Reducer):
-    """The k most attended keys of every query: `topk_keys` (indices, -1 where absent) and
-    `topk_attention` `[step, batch, layer, head, query, k]`."""
+    """The k most attended keys of every query: `topk_keys` (key positions) and `topk_attention`
+    `[step, batch, layer, head, query, k]`.
+
+    Where a query has fewer than k keys it can attend to (an ARM prefix shorter than k, a causal query early in
+    the sequence, pad keys, query rows that do not exist at a step), the missing entries are `ABSENT_KEY`
+    (= `TopKKeys.ABSENT`, the most negative int64: indexing with it raises, unlike -1) in `topk_keys` and NaN
+    in `topk_attention`. `k` larger than the run's whole sequence is an error (checked before the run)."""
 
     name = "topk"
+    ABSENT = ABSENT_KEY
 
-    def __init__(self, k: int = 4, layers: list[int] | None = None, when: Steps = ALL_STEPS):
+    def __init__(self, k: int = 4, layers: list[int] | None = None, when: Steps = ALL_STEPS,
+                 name: str | None = None):
         super().__init__(layers, when)
-        if k <= 0:
-            raise InputError(f"k must be positive, got {k}.")
-        self.k = k
+        self.k = validate.integer(k, name="k", min=1, error=InputError)
+        if name is not None:
+            self.name = _record_name(name)
+
+    def begin(self, model: Any, batch: int, max_pos: int, n_steps: int) -> None:
+        super().begin(model, batch, max_pos, n_steps)
+        if self.k > max_pos:
+            raise InputError(f"TopKKeys(k={self.k}) asks for more keys than this run's sequence has ({max_pos}); "
+                             f"use k <= {max_pos}.", argument="k", value=self.k, allowed=f"1 <= k <= {max_pos}")
+        self.causal = getattr(model.cfg, "attention", None) == "causal"
 
     def hooks(self, model: Any, state: DenoisingState) -> list[tuple[str, Any]]:
         self._consumers = {layer: RowTopK(self.k) for layer in self.layers}
@@ -209,21 +250,60 @@ class TopKKeys(Reducer):
         self._consumers = {}
         vals = torch.stack([_ran(t.values, l) for t, l in zip(tops, self.layers)], dim=1)  # [b, layer, head, q, k]
         idx = torch.stack([t.indices for t in tops], dim=1)
+        offset = tops[0].query_offset  # queries that are a suffix of the keys sit at their absolute positions
+        # keys a query cannot attend to (pads, a causal query's future) come out of topk with weight 0: absent
+        n_keys = offset + vals.shape[-2]
+        visible = state.key_visible
+        if visible is not None and visible.shape[-1] >= n_keys:
+            seen = visible[:, :n_keys].to(idx.device)[:, None, None, None, :].expand(*idx.shape[:-1], n_keys)
+            absent = ~torch.gather(seen, -1, idx)
+        else:
+            absent = torch.zeros_like(idx, dtype=torch.bool)
+        if self.causal:
+            query_pos = offset + torch.arange(idx.shape[-2], device=idx.device)[:, None]
+            absent |= idx > query_pos
+        vals = vals.masked_fill(absent, float("nan"))
+        idx = idx.masked_fill(absent, ABSENT_KEY)
         if vals.shape[-1] < self.k:  # a prefix shorter than k (ARM): pad the k axis
             extra = self.k - vals.shape[-1]
-            vals = torch.cat([vals, vals.new_zeros(*vals.shape[:-1], extra)], -1)
-            idx = torch.cat([idx, idx.new_full((*idx.shape[:-1], extra), -1)], -1)
-        offset = tops[0].query_offset  # queries that are a suffix of the keys sit at their absolute positions
+            vals = torch.cat([vals, vals.new_full((*vals.shape[:-1], extra), float("nan"))], -1)
+            idx = torch.cat([idx, idx.new_full((*idx.shape[:-1], extra), ABSENT_KEY)], -1)
         if offset:
-            vals = torch.cat([vals.new_zeros(*vals.shape[:-2], offset, vals.shape[-1]), vals], dim=-2)
-            idx = torch.cat([idx.new_full((*idx.shape[:-2], offset, idx.shape[-1]), -1), idx], dim=-2)
-        vals, idx = self._pad(vals, dim=-2), self._pad(idx + 1, dim=-2) - 1  # absent query rows → -1
+            vals = torch.cat([vals.new_full((*vals.shape[:-2], offset, vals.shape[-1]), float("nan")), vals], dim=-2)
+            idx = torch.cat([idx.new_full((*idx.shape[:-2], offset, idx.shape[-1]), ABSENT_KEY), idx], dim=-2)
+        vals, idx = self._pad(vals, dim=-2, value=float("nan")), self._pad(idx, dim=-2, value=ABSENT_KEY)
         self._rows.append({"topk_attention": vals.cpu(), "topk_keys": idx.cpu()})
         self.steps_seen.append(state.step)
 
     @property
     def meta(self) -> dict[str, Any]:
         return {**super().meta, "k": self.k, "axes": ("step", "batch", "layer", "head", "query", "k")}
+
+
+def _layer_types(layers: Any) -> None:
+    """The type of a `layers=` argument, before the model (and so the range) is known."""
+    if layers is None or isinstance(layers, (range, slice)) or validate._is_int(layers):
+        return
+    if isinstance(layers, Tensor):
+        validate.tensor(layers, name="layers", ndim=1, dtype="int", nonempty=False)
+        layers = layers.tolist()
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, (list, tuple)):
+        raise ArgumentTypeError(f"layers={validate.describe(layers)} must be None (every layer), a layer index or a "
+                                "list of them.", argument="layers", value=layers, allowed="None, int or list of int")
+    for i, layer in enumerate(layers):
+        if not validate._is_int(layer):
+            raise ArgumentTypeError(f"layers[{i}]={validate.describe(layer)} must be an int layer index.",
+                                    argument=f"layers[{i}]", value=layer, allowed="an int")
+    if not layers:
+        raise InputError("layers=[] selects no layer; leave layers=None for every layer.", argument="layers",
+                         value=layers, allowed="at least one layer index")
+
+
+def _record_name(name: Any) -> str:
+    if not isinstance(name, str) or not name:
+        raise ArgumentTypeError(f"name={validate.describe(name)} must be a non-empty str (the record's key).",
+                                argument="name", value=name, allowed="a non-empty str")
+    return name
 
 
 class _KeepRows(RowConsumer):

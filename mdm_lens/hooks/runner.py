@@ -6,29 +6,19 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import Tensor
 
 from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentTypeError, InputError
+from mdm_lens.errors import ArgumentTypeError, InputError, NonFiniteError
 from mdm_lens.hooks.names import expand_names
 from mdm_lens.hooks.reducers import Reducer
-from mdm_lens.hooks.steps import ALL_STEPS, BoundHook, StepHook, Steps, steps
+from mdm_lens.hooks.steps import BoundHook, StepHook, Steps, as_steps
 from mdm_lens.hooks.trajectory import TrajectoryCache
 
 
-def _as_steps(hook_steps: Any) -> Steps:
-    if hook_steps is None:
-        return ALL_STEPS
-    if isinstance(hook_steps, Steps):
-        return hook_steps
-    if isinstance(hook_steps, (int, str)) and not isinstance(hook_steps, bool):
-        hook_steps = [hook_steps]
-    if not isinstance(hook_steps, (list, tuple, range)):
-        raise ArgumentTypeError(f"hook_steps={validate.describe(hook_steps)} must be None, a step, a list of steps "
-                                "or steps(...).", argument="hook_steps", value=hook_steps,
-                                allowed="None, int, 'first'/'last', a list of them, or steps(...)")
-    return steps(*hook_steps)
+_as_steps = as_steps  # the former private name
 
 
 class StepRunner:
@@ -59,16 +49,22 @@ class StepRunner:
             raise InputError(f"two reducers share a record name ({names}); give one a name=.")
         self.cache = None if cache is None else TrajectoryCache.from_request(cache)
 
-    def begin(self, batch: int, max_pos: int, n_steps: int) -> None:
-        """Validate everything (names, steps, memory) before any compute."""
+    def begin(self, batch: int, max_pos: int, n_steps: int, *, n_blocks: int | None = None,
+              phases: Sequence[str] | None = None) -> None:
+        """Validate everything (names, steps, blocks, phases, memory) before any compute.
+
+        `n_blocks` and `phases` (the forward passes the sampler will run, e.g. ("cond", "uncond") for LLaDA with
+        CFG) are given by the samplers; None where not known (a replay), so that selection is not checked. A
+        selection that can never fire (a block the run does not have, a phase it never runs) is an error, not
+        an empty record."""
         self.default_steps.resolve(n_steps)
-        for h in self.user_hooks:
-            h.when.resolve(n_steps)
+        for i, h in enumerate(self.user_hooks):
+            h.when.check(n_steps, n_blocks, phases, what=f"the hook on {h.name[0]}")
         for r in self.reducers:
-            r.when.resolve(n_steps)
+            r.when.check(n_steps, n_blocks, phases, what=f"record {r.name!r}")
             r.begin(self.model, batch, max_pos, n_steps)
         if self.cache is not None:
-            self.cache.when.resolve(n_steps)
+            self.cache.when.check(n_steps, n_blocks, phases, what="cache")
             self.cache.begin(self.model, batch, max_pos, n_steps)
 
     def _hooks_for(self, state: DenoisingState) -> list[tuple[str, Callable]]:
@@ -76,22 +72,26 @@ class StepRunner:
         for h in self.user_hooks:
             if h.when.matches(state.step, state.n_steps, state.block, state.phase):
                 out.extend((n, h.fn) for n in h.name)
-        if state.phase == "cond":
+        if state.phase == "cond":  # reducers summarise the step's main forward (checked in Reducer.begin)
             for r in self.reducers:
                 if r.active(state):
                     out.extend(r.hooks(self.model, state))
-            if self.cache is not None and self.cache.active(state):
-                out.extend(self.cache.hooks(self.model, state))
+        if self.cache is not None and self.cache.active(state):
+            out.extend(self.cache.hooks(self.model, state))
         return out
 
     def forward(self, state: DenoisingState, tokens: Tensor, **kwargs: Any) -> Tensor:
-        """One hooked forward pass for `state`; returns position-aligned logits."""
+        """One hooked forward pass for `state`; returns position-aligned logits, checked finite (see
+        `check_logits`) so that a hook that breaks the model stops the run at that step."""
         self.model.state = state
+        hooks = self._hooks_for(state)
         try:
-            with self.model.hooks(fwd_hooks=self._hooks_for(state)):
-                return self.model(tokens, return_type="aligned", **kwargs)
+            with self.model.hooks(fwd_hooks=hooks):
+                logits = self.model(tokens, return_type="aligned", **kwargs)
         finally:
             self.model.state = None
+        check_logits(logits, state, [name for name, _ in hooks if any(name in h.name for h in self.user_hooks)])
+        return logits
 
     def end_step(self, state: DenoisingState) -> None:
         for r in self.reducers:
@@ -105,3 +105,31 @@ class StepRunner:
                 records[key] = value
                 meta[key] = r.meta
         return records, meta
+
+
+def check_logits(logits: Tensor, state: DenoisingState, hooked: Sequence[str] = ()) -> None:
+    """NaN or +inf in the logits a sampler reads (the non-pad rows), or a row with no finite logit, raises
+    `NonFiniteError` naming the step: a sampler would otherwise turn them into plausible tokens (argmax of NaN
+    is 0). -inf entries are allowed (banning a token is a legitimate edit). One `isfinite` pass when all is well."""
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        return
+    # one reduction, no [batch, pos, vocab] mask: NaN / ±inf make the sum non-finite (so can an overflow of finite
+    # values, which the exact pass below then clears)
+    total = logits.sum(dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    if bool(torch.isfinite(total)):
+        return
+    ok = torch.isfinite(logits)
+    rows = state.key_visible
+    if rows is not None and tuple(rows.shape) == tuple(logits.shape[:-1]):
+        logits, ok = logits[rows.to(logits.device)], ok[rows.to(logits.device)]
+    n_nan = int(torch.isnan(logits).sum())
+    n_pos = int(torch.isposinf(logits).sum())
+    dead = int((~ok.any(-1)).sum())
+    if not (n_nan or n_pos or dead):
+        return
+    cause = (f"hooks at this step: {sorted(set(hooked))}" if hooked else
+             "no user hook ran at this step: check the weights and dtype")
+    raise NonFiniteError(
+        f"denoising step {state.step} (phase {state.phase!r}): the logits the sampler reads hold {n_nan} NaN, "
+        f"{n_pos} +inf and {dead} row(s) without a finite logit; the run stops here instead of sampling tokens "
+        f"from them ({cause}).", argument="fwd_hooks", value=state.step, allowed="hooks that keep logits finite")

@@ -31,15 +31,42 @@ class Steps:
     phases: tuple[str, ...] = ("cond",)
 
     def resolve(self, n_steps: int) -> set[int] | None:
-        """The concrete step indices (None = every step, subject to blocks/every)."""
+        """The concrete step indices (None = every step, subject to blocks/every). Two specs naming the same
+        step (``steps(0, -4)`` on a 4-step run, ``steps("first", 0)``) are an error: the records and the cache
+        would hold one row where two were asked for."""
         if not self.indices:
             return None
-        out = set()
+        out: dict[int, int] = {}
         for j, s in enumerate(self.indices):
             s = {"first": 0, "last": -1}.get(s, s) if isinstance(s, str) else s
-            out.add(validate.index(s, n_steps, name=f"steps[{j}]", what=f"step of a run of {n_steps} steps",
-                                   error=SamplerConfigError))
-        return out
+            i = validate.index(s, n_steps, name=f"steps[{j}]", what=f"step of a run of {n_steps} steps",
+                               error=SamplerConfigError)
+            if i in out:
+                k = out[i]
+                raise SamplerConfigError(
+                    f"steps[{k}]={self.indices[k]!r} and steps[{j}]={self.indices[j]!r} both name step {i} of a "
+                    f"run of {n_steps} steps; list each step once.", argument=f"steps[{j}]",
+                    value=self.indices[j], allowed="distinct steps (negative values count from the end)")
+            out[i] = j
+        return set(out)
+
+    def check(self, n_steps: int, n_blocks: int | None = None, phases: Sequence[str] | None = None, *,
+              what: str = "steps") -> None:
+        """Refuse, before any compute, a selection that can never fire in this run: a step out of range or named
+        twice, a block the run does not have, or only phases the sampler does not run (None: not known)."""
+        self.resolve(n_steps)
+        if n_blocks is not None and self.blocks is not None:
+            for j, b in enumerate(self.blocks):
+                if b >= n_blocks:
+                    raise SamplerConfigError(
+                        f"{what}: blocks[{j}]={b} does not exist: this run has {n_blocks} block(s) "
+                        f"({list(range(n_blocks))}).", argument="blocks", value=list(self.blocks),
+                        allowed=f"blocks in [0, {n_blocks - 1}]")
+        if phases is not None and not set(self.phases) & set(phases):
+            raise SamplerConfigError(
+                f"{what}: phases={self.phases} never run under these settings; this run's forward passes are "
+                f"{tuple(phases)} (LLaDA runs 'uncond' only with cfg_scale > 0; DiffusionGemma's prompt pass is "
+                "'encoder').", argument="phases", value=self.phases, allowed=f"a subset of {tuple(phases)}")
 
     def matches(self, step: int, n_steps: int, block: int = 0, phase: str = "cond") -> bool:
         return (phase in self.phases and self._matches_step(step, n_steps)
@@ -65,25 +92,64 @@ def steps(*indices: StepSpec, every: int | None = None, blocks: Iterable[int] | 
           phases: Sequence[str] = ("cond",)) -> Steps:
     """`steps(0, -1)`, `steps("first", "last")`, `steps(every=4)` (the last step is always included),
     `steps(blocks=[0])`; `phases=("cond", "uncond")` to also fire on the CFG unconditional pass."""
+    seen: dict[Any, int] = {}
     for j, s in enumerate(indices):
         if isinstance(s, str):
             validate.choice(s, ("first", "last"), name=f"steps[{j}]", error=SamplerConfigError)
         else:
             validate.integer(s, name=f"steps[{j}]")
+        if s in seen:  # the same spec twice; aliases (0 and -n) are caught when the run's length is known
+            raise SamplerConfigError(f"steps[{seen[s]}] and steps[{j}] are both {s!r}; list each step once.",
+                                     argument=f"steps[{j}]", value=s, allowed="distinct steps")
+        seen[s] = j
     if every is not None:
         every = validate.integer(every, name="every", min=1, error=SamplerConfigError)
     if blocks is not None:
-        if isinstance(blocks, int) and not isinstance(blocks, bool):
+        if _is_int(blocks):
             blocks = [blocks]
+        if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Iterable):
+            raise ArgumentTypeError(f"blocks={validate.describe(blocks)} must be a block index or a list of them.",
+                                    argument="blocks", value=blocks, allowed="an int >= 0 or a list of them")
         blocks = [validate.integer(b, name=f"blocks[{j}]", min=0, error=SamplerConfigError)
-                  for j, b in enumerate(validate.instances(list(blocks), int, name="blocks"))]
+                  for j, b in enumerate(list(blocks))]
+        if not blocks:
+            raise SamplerConfigError("blocks=[] selects no block; leave blocks=None for every block.",
+                                     argument="blocks", value=blocks, allowed="at least one block index")
+        if len(set(blocks)) != len(blocks):
+            raise SamplerConfigError(f"blocks={blocks} names a block twice; list each block once.",
+                                     argument="blocks", value=blocks, allowed="distinct blocks")
     if isinstance(phases, str):
         phases = (phases,)
+    if not isinstance(phases, (list, tuple)):
+        raise ArgumentTypeError(f"phases={validate.describe(phases)} must be a phase name or a tuple of them.",
+                                argument="phases", value=phases, allowed=f"a subset of {PHASES}")
     phases = tuple(validate.choice(p, PHASES, name="phases", error=SamplerConfigError) for p in phases)
     if not phases:
         raise SamplerConfigError("phases=() selects no forward pass; use ('cond',), ('uncond',) or both.",
                                  argument="phases", value=phases, allowed="a non-empty subset of ('cond', 'uncond')")
+    if len(set(phases)) != len(phases):
+        raise SamplerConfigError(f"phases={phases} names a phase twice.", argument="phases", value=phases,
+                                 allowed="distinct phases")
     return Steps(tuple(indices), every, tuple(blocks) if blocks is not None else None, phases)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def as_steps(value: Any, *, name: str = "hook_steps") -> Steps:
+    """None (every step), a `Steps`, a step (int, "first"/"last") or a list / tuple / range of steps."""
+    if value is None:
+        return ALL_STEPS
+    if isinstance(value, Steps):
+        return value
+    if _is_int(value) or isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple, range)):
+        raise ArgumentTypeError(f"{name}={validate.describe(value)} must be None, a step, a list of steps "
+                                "or steps(...).", argument=name, value=value,
+                                allowed="None, int, 'first'/'last', a list of them, or steps(...)")
+    return steps(*value)
 
 
 ALL_STEPS = Steps()
@@ -113,11 +179,20 @@ def at_steps(fn: Callable, step_list: Iterable[StepSpec] | Steps | None = None, 
         raise ArgumentTypeError(f"at_steps needs a hook function first, got {validate.describe(fn)}.",
                                 argument="fn", value=fn, allowed="a callable fn(tensor, hook)")
     if isinstance(step_list, Steps):
+        if every is not None or blocks is not None:
+            raise SamplerConfigError("at_steps(fn, steps(...), every=/blocks=): give every= and blocks= inside "
+                                     "steps(...).", argument="every", value=every, allowed="None with a Steps")
         when = step_list
-    elif isinstance(step_list, (int, str)):
+    elif step_list is None:
+        when = steps(every=every, blocks=blocks)
+    elif _is_int(step_list) or isinstance(step_list, str):
         when = steps(step_list, every=every, blocks=blocks)
+    elif isinstance(step_list, (list, tuple, range)):
+        when = steps(*step_list, every=every, blocks=blocks)
     else:
-        when = steps(*(step_list or ()), every=every, blocks=blocks)
+        raise ArgumentTypeError(f"at_steps: step_list={validate.describe(step_list)} must be a step, a list of "
+                                "steps or steps(...).", argument="step_list", value=step_list,
+                                allowed="int, 'first'/'last', a list of them, or steps(...)")
     if name is not None:
         return StepHook(name, fn, when)
     return BoundHook(fn, when)

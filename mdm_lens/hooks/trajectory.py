@@ -4,6 +4,12 @@
     out = model.generate(prompt, ..., cache=cache)          # or cache="blocks.0.attn.hook_pattern" @ steps(0, -1)
     out.cache[0]                  # TransformerLens ActivationCache of step 0
     out.cache.stack("blocks.0.attn.hook_pattern")     # [step, batch, head, query, key]
+    out.cache[0, "uncond"]        # the CFG pass of step 0, for a request with steps(phases=("cond", "uncond"))
+
+Each phase a request names (`steps(phases=...)`: "cond", LLaDA's "uncond", DiffusionGemma's "encoder") is cached
+separately; `cache[step]` / `stack(name)` read the "cond" forward when it was requested, else the one phase
+requested (give `phase=` / `cache[step, phase]` when several are). A phase the run never makes is refused
+before the run.
 
 The bytes it will need are estimated before the run and the run is refused (MemoryBudgetError) if
 they exceed `budget_bytes`.
@@ -18,7 +24,8 @@ from torch import Tensor
 from transformer_lens import ActivationCache
 
 from mdm_lens.diffusion.state import DenoisingState
-from mdm_lens.errors import InputError
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentTypeError, InputError, OutOfRangeError
 from mdm_lens.hooks.memory import DEFAULT_BUDGET, check_budget, human
 from mdm_lens.hooks.names import expand_names
 from mdm_lens.hooks.steps import ALL_STEPS, CacheRequest, Steps
@@ -27,9 +34,19 @@ from mdm_lens.hooks.steps import ALL_STEPS, CacheRequest, Steps
 class TrajectoryCache:
     def __init__(self, names: Any, steps: Steps = ALL_STEPS, budget_bytes: int = DEFAULT_BUDGET,
                  device: str | torch.device | None = "cpu"):
-        self.names_arg, self.when, self.budget_bytes, self.device = names, steps, budget_bytes, device
+        from mdm_lens.hooks.steps import as_steps
+
+        ok = callable(names) or isinstance(names, str) or (
+            isinstance(names, (list, tuple)) and names and all(isinstance(n, str) for n in names))
+        if not ok:
+            raise ArgumentTypeError(f"TrajectoryCache names={validate.describe(names)} must be a hook name, a glob, a "
+                                    "non-empty list of them or a filter function.", argument="names", value=names,
+                                    allowed="str, list of str or callable")
+        self.names_arg, self.when = names, as_steps(steps, name="steps")
+        self.budget_bytes = validate.integer(budget_bytes, name="budget_bytes", min=1)
+        self.device = None if device is None else validate.device(device, name="device")
         self.names: list[str] = []
-        self._steps: dict[int, dict[str, Tensor]] = {}
+        self._phases: dict[str, dict[int, dict[str, Tensor]]] = {}
         self.estimated_bytes = 0
         self.model: Any = None
 
@@ -44,17 +61,18 @@ class TrajectoryCache:
     def begin(self, model: Any, batch: int, max_pos: int, n_steps: int) -> None:
         self.model = model
         self.names = expand_names(model, self.names_arg)
-        n_cached = self.when.max_count(n_steps)  # blocks are only known during the run: an upper bound
+        # blocks are only known during the run: an upper bound; each cached phase is a forward of its own
+        n_cached = self.when.max_count(n_steps) * len(self.when.phases)
         dtype_bytes = torch.finfo(model.cfg.dtype).bits // 8
         self.estimated_bytes = check_budget(model.cfg, self.names, n_cached, batch, max_pos, dtype_bytes,
                                             self.budget_bytes)
-        self._steps = {}
+        self._phases = {p: {} for p in self.when.phases}
 
     def active(self, state: DenoisingState) -> bool:
         return self.when.matches(state.step, state.n_steps, state.block, state.phase)
 
     def hooks(self, model: Any, state: DenoisingState) -> list[tuple[str, Any]]:
-        store = self._steps.setdefault(state.step, {})
+        store = self._phases.setdefault(state.phase, {}).setdefault(state.step, {})
 
         def save(tensor: Tensor, hook: Any) -> None:
             store[hook.name] = tensor.detach().to(self.device)
@@ -63,25 +81,61 @@ class TrajectoryCache:
 
     # --- access -------------------------------------------------------------------------------------
     @property
+    def phases(self) -> tuple[str, ...]:
+        """The phases this cache records (`steps(phases=...)` of its request)."""
+        return tuple(self.when.phases)
+
+    def _phase(self, phase: str | None) -> str:
+        if phase is not None:
+            return validate.choice(phase, self.phases, name="phase", error=InputError)
+        if "cond" in self.phases:
+            return "cond"
+        if len(self.phases) == 1:
+            return self.phases[0]
+        raise InputError(f"this cache holds phases {self.phases}; name one: phase=... or cache[step, phase].",
+                         argument="phase", value=None, allowed=f"one of {self.phases}")
+
+    def _store(self, phase: str | None) -> dict[int, dict[str, Tensor]]:
+        return self._phases.get(self._phase(phase), {})
+
+    @property
     def steps(self) -> list[int]:
-        return sorted(self._steps)
+        """The cached steps of the default phase ("cond" when requested, else the only phase)."""
+        return sorted(self._store(None))
+
+    def steps_of(self, phase: str) -> list[int]:
+        return sorted(self._store(phase))
 
     def __len__(self) -> int:
-        return len(self._steps)
+        return len(self._store(None))
 
-    def __getitem__(self, step: int) -> ActivationCache:
-        steps = self.steps
+    def __getitem__(self, key: int | tuple[int, str]) -> ActivationCache:
+        step, phase = key if isinstance(key, tuple) and len(key) == 2 else (key, None)
+        store = self._store(phase)
+        steps = sorted(store)
+        if not validate._is_int(step):
+            raise ArgumentTypeError(f"cache[{validate.describe(step)}]: a step is an int (negative counts from the "
+                                    "last cached step).", argument="step", value=step, allowed="an int")
+        step = int(step)
         if step < 0:
-            step = steps[step] if -len(steps) <= step else step
-        if step not in self._steps:
-            raise InputError(f"step {step} was not cached; cached steps: {steps}.")
-        return ActivationCache(self._steps[step], self.model)
+            if not -len(steps) <= step:
+                raise OutOfRangeError(f"cache[{step}]: {len(steps)} step(s) were cached ({steps}).",
+                                      argument="step", value=step, allowed=f"[-{len(steps)}, -1] or a cached step")
+            step = steps[step]
+        if step not in store:
+            raise InputError(f"step {step} was not cached; cached steps: {steps}.", argument="step", value=step,
+                             allowed=f"one of {steps}")
+        return ActivationCache(store[step], self.model)
 
-    def stack(self, name: str, pad_value: float | None = None) -> Tensor:
-        """`[step, ...]` over the cached steps. ARM prefixes grow, so give `pad_value` to right-pad."""
+    def stack(self, name: str, pad_value: float | None = None, phase: str | None = None) -> Tensor:
+        """`[step, ...]` over the cached steps (of `phase`). ARM prefixes grow, so give `pad_value` to right-pad."""
         if name not in self.names:
             raise InputError(f"{name!r} was not cached; cached names: {self.names}.")
-        tensors = [self._steps[s][name] for s in self.steps]
+        store = self._store(phase)
+        if not store:
+            raise InputError(f"no step was cached for phase {self._phase(phase)!r}.", argument="phase", value=phase,
+                             allowed="a phase that ran")
+        tensors = [store[s][name] for s in sorted(store)]
         shapes = {tuple(t.shape) for t in tensors}
         if len(shapes) > 1:
             if pad_value is None:
@@ -94,5 +148,7 @@ class TrajectoryCache:
         return torch.stack(tensors)
 
     def __repr__(self) -> str:
-        return (f"TrajectoryCache({len(self.names)} name(s), steps={self.steps}, "
-                f"estimated {human(self.estimated_bytes)})")
+        per = {p: sorted(v) for p, v in self._phases.items()}
+        shown = f"steps={per.get('cond', [])}" if set(per) <= {"cond"} else f"steps by phase={per}"
+        return f"TrajectoryCache({len(self.names)} name(s), {shown}, estimated {human(self.estimated_bytes)})"
+

@@ -213,10 +213,11 @@ def parse_device(device: Any) -> torch.device:
                                 "'cuda:0', or a torch.device.", argument="device", value=device,
                                 allowed="a str or torch.device")
     try:
-        return torch.device(device)
+        torch.device(device)
     except (RuntimeError, ValueError) as e:
         raise ArgumentError(f"device={device!r} is invalid: expected a torch device string such as 'cpu', 'cuda' "
                             f"or 'cuda:0' ({e}).", argument="device", value=device, allowed="a torch device") from e
+    return validate.device(device, name="device")  # "cuda" without CUDA: a typed error, not torch's assertion
 
 
 def _is_unembed(key: str) -> bool:
