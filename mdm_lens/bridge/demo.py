@@ -62,7 +62,7 @@ def diffusion_gemma_section(out_dir: str | Path, *, seed: int = 0, layer: int = 
         ax.axvline(edge - 0.5, color="white", lw=1, ls="--")
     ax.set_xlabel("key position (prompt | canvas 0 | canvas 1 …)")
     ax.set_ylabel("denoising step")
-    ax.set_title(f"received attention, decoder layer {layer}, not-yet-accepted queries\n{LABEL}", fontsize=8)
+    ax.set_title(f"received attention, decoder layer {layer}, not-yet-committed queries\n{LABEL}", fontsize=8)
     fig.colorbar(im, ax=ax, label="mass (head mean)")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
@@ -73,7 +73,7 @@ def diffusion_gemma_section(out_dir: str | Path, *, seed: int = 0, layer: int = 
     table = pd.DataFrame({
         "step": list(range(out.n_steps)),
         "canvas": traj.block_of_step.tolist(),
-        "accepted": traj.n_committed[:, 0].tolist(),
+        "accepted": traj.accepted[:, 0].sum(-1).tolist(),
         "top key": finite.argmax(-1).tolist(),
         "top mass": finite.max(-1).values.round(decimals=3).tolist(),
         "prompt mass": received[:, :prompt_length].sum(-1).round(decimals=3).tolist(),

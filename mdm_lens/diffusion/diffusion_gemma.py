@@ -9,13 +9,27 @@ step's temperature (linear schedule, `t_max` → `t_min`), accept the lowest-ent
 logits back as self-conditioning, and stop early when the argmax canvas is stable and its mean
 entropy is below `confidence_threshold`. The canvas's argmax is appended; EOS ends a row.
 
-What "masked" means here: nothing is masked. `DenoisingState.masked` is "not yet accepted": the
-canvas positions that hold noise in this step's input (all of them at a canvas's first step);
-`state.committed` (after the step) is the set accepted at this step; `state.extra["renoised"]` its
-complement. So `ReceivedAttention(query="masked")` averages over not-yet-accepted rows and
-`query="committed"` over the rows accepted at that step. These per-position tensors cover the
-canvas (the decoder's queries, `[batch, canvas]`); keys are absolute positions (prompt, earlier
-canvases, this canvas). `state.extra["canvas_start"]` is the canvas's first absolute position.
+What "committed" and "accepted" mean here (read off transformers' `_denoising_step`): nothing is ever frozen
+while a canvas is denoised. Every step resamples *every* canvas position; the entropy bound picks which samples
+are **accepted**, i.e. kept in the next step's input (the others are renoised with fresh random ids), and that
+choice is made afresh at every step (a position can be accepted, renoised, accepted again). The tokens the
+canvas contributes are the argmax of the *last* step a row runs in that canvas (its budget's last step, or the
+step at which adaptive stopping finishes the row, after which transformers holds that row's argmax). So:
+
+* a position is **committed** exactly once: at that step (`trajectory.commit_step`, `state.committed` after the
+  step, `trajectory.n_committed[s]` = the positions whose `commit_step == s`); `commit_confidence` is the
+  probability of the committed argmax token at that step;
+* `state.masked` is "not committed yet": the whole canvas of a row still denoising, nothing for a row that has
+  finished (it stays True at step s exactly for positions with `commit_step >= s`), so
+  `ReceivedAttention(query="masked")` averages over the canvas rows still being decided and
+  `query="committed"` over the rows committed at that step;
+* **accepted** is the per-step keep set: `state.extra["accepted"]` (after the step), `trajectory.accepted`
+  `[step, batch, pos]`; `state.extra["noised"]` marks the positions holding fresh noise in this step's input
+  (all of them at a canvas's first step), `state.extra["renoised"]` those renoised after it.
+
+These per-position tensors cover the canvas (the decoder's queries, `[batch, canvas]`); keys are absolute
+positions (prompt, earlier canvases, this canvas). `state.extra["canvas_start"]` is the canvas's first
+absolute position.
 
 Steps are numbered over the whole run (canvas after canvas); the run's length is not known in advance
 (adaptive stopping), so `n_steps` is the budget `n_canvases × max_denoising_steps` and step indices
@@ -33,7 +47,7 @@ from torch import Tensor
 from mdm_lens import tokenization
 from mdm_lens.diffusion.output import GenerateOutput, Trajectory
 from mdm_lens.diffusion.state import DenoisingState
-from mdm_lens.errors import SamplerConfigError
+from mdm_lens.errors import InputError, SamplerConfigError
 from mdm_lens.hooks.runner import StepRunner
 from mdm_lens.hooks.steps import Steps
 
@@ -88,6 +102,16 @@ def _check_step_specs(runner: StepRunner, adaptive: bool) -> None:
                                  "confidence_threshold=None, eos_token_id=None).")
 
 
+def _check_vocab(ids: Tensor, d_vocab: int) -> None:
+    """Token ids outside the vocabulary (transformers' embedding would fail with a bare IndexError)."""
+    bad = (ids < 0) | (ids >= d_vocab)
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        raise InputError(f"prompt holds token id {int(ids[tuple(where)])} at [row {where[0]}, position {where[1]}] "
+                         f"({int(bad.sum())} id(s) in all) outside the vocabulary [0, {d_vocab - 1}].",
+                         argument="prompt", value=ids, allowed=f"token ids in [0, {d_vocab - 1}]")
+
+
 def _run(runner: StepRunner, state: DenoisingState, fn: Any) -> Any:
     """One pass with exactly this state's hooks (the runner's selection), for the encoder pass."""
     model = runner.model
@@ -100,35 +124,40 @@ def _run(runner: StepRunner, state: DenoisingState, fn: Any) -> Any:
 
 
 class _Recorder:
-    """The trajectory over the final sequence: per step the full input (earlier tokens + this canvas);
-    a canvas position's commit step is where its last unbroken run of acceptances began (positions
-    never accepted at the end: the canvas's last step, whose argmax they take)."""
+    """The trajectory over the final sequence: per step the full input (earlier tokens + this canvas), the
+    positions committed at that step (each exactly once, see the module docstring) and those accepted."""
 
     def __init__(self, batch: int, total: int, prompt_length: int):
         self.total = total
         self.x_steps: list[Tensor] = []
         self.n_committed: list[Tensor] = []
+        self.accepted: list[Tensor] = []
         self.blocks: list[int] = []
         self.commit_step = torch.full((batch, total), -2, dtype=torch.long)
         self.commit_step[:, :prompt_length] = -1
         self.commit_confidence = torch.full((batch, total), float("nan"))
 
-    def record(self, step: int, block: int, prefix: Tensor, canvas: Tensor, accepted: Tensor) -> None:
+    def record(self, step: int, block: int, prefix: Tensor, canvas: Tensor, committed: Tensor, accepted: Tensor,
+               confidence: Tensor) -> None:
+        start, width = prefix.shape[1], canvas.shape[1]
         row = torch.full((canvas.shape[0], self.total), -1, dtype=torch.long)
-        row[:, : prefix.shape[1]] = prefix.cpu()
-        row[:, prefix.shape[1]: prefix.shape[1] + canvas.shape[1]] = canvas.cpu()
+        row[:, :start] = prefix.cpu()
+        row[:, start: start + width] = canvas.cpu()
         self.x_steps.append(row)
-        self.n_committed.append(accepted.sum(-1).cpu())
+        acc = torch.zeros((canvas.shape[0], self.total), dtype=torch.bool)
+        acc[:, start: start + width] = accepted.cpu()
+        self.accepted.append(acc)
+        committed = committed.cpu()
+        self.n_committed.append(committed.sum(-1))
         self.blocks.append(block)
-
-    def close_canvas(self, start: int, run_start: Tensor, last_step: Tensor, confidence: Tensor) -> None:
-        sl = slice(start, start + run_start.shape[1])
-        self.commit_step[:, sl] = torch.where(run_start >= 0, run_start, last_step[:, None]).cpu()
-        self.commit_confidence[:, sl] = confidence.float().cpu()
+        sl = slice(start, start + width)
+        self.commit_step[:, sl] = torch.where(committed, step, self.commit_step[:, sl])
+        self.commit_confidence[:, sl] = torch.where(committed, confidence.float().cpu(), self.commit_confidence[:, sl])
 
     def finish(self, length: int) -> Trajectory:
         return Trajectory(torch.stack(self.x_steps)[..., :length], self.commit_step[:, :length],
-                          self.commit_confidence[:, :length], torch.stack(self.n_committed), torch.tensor(self.blocks))
+                          self.commit_confidence[:, :length], torch.stack(self.n_committed), torch.tensor(self.blocks),
+                          accepted=torch.stack(self.accepted)[..., :length])
 
 
 def _finish_records(records: dict[str, Tensor], meta: dict[str, dict], max_pos: int, length: int,
@@ -174,6 +203,7 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
             raise SamplerConfigError(str(e)) from e
     gc = prepare_settings(hf, generation_config, **settings)
     ids, am = _prompt_tokens(model, prompt, attention_mask)
+    _check_vocab(ids, model.cfg.d_vocab)
     device = ids.device
     batch, cur_len = ids.shape
     prompt_length = cur_len
@@ -238,16 +268,16 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
                     diffusion_stopping.reset()
                 argmax_canvas = canvas
                 accepted_prev = torch.zeros_like(canvas, dtype=torch.bool)
-                run_start = torch.full(canvas.shape, -2, dtype=torch.long, device=device)
-                last_step = torch.zeros(batch, dtype=torch.long, device=device)
-                confidence = torch.full(canvas.shape, float("nan"), device=device)
+                committed_before = torch.zeros_like(canvas, dtype=torch.bool)
                 for cur_step in reversed(range(1, gc.max_denoising_steps + 1)):
                     active = ~(finished | finished_sequences)
                     forward_passes += active
-                    state = DenoisingState(step, n_steps, block, n_canvases, canvas.clone(), ~accepted_prev,
+                    # masked = not committed yet (the module docstring); noised = fresh noise in this input
+                    state = DenoisingState(step, n_steps, block, n_canvases, canvas.clone(), ~committed_before,
                                            torch.zeros_like(accepted_prev), torch.ones_like(accepted_prev),
                                            block_slice=slice(start, start + canvas_len))
-                    state.extra.update(canvas_start=start, cur_step=cur_step, finished=finished.clone())
+                    state.extra.update(canvas_start=start, cur_step=cur_step, finished=finished.clone(),
+                                       noised=~accepted_prev)
                     # this step's decoder call again (same cache, self-conditioning, mask): knockout's pre-pass
                     state.extra["rerun"] = (lambda c=canvas, sc=self_cond: model(
                         decoder_input_ids=c, self_conditioning_logits=sc, decoder_attention_mask=mask_mapping,
@@ -265,35 +295,36 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
                     accepted = sampler.accept_canvas(canvas, denoised, processed, t_step).clone()
                     accepted_mask = sampler.accepted_token_mask
                     new_canvas = sampler.renoise_canvas(accepted, t_step).clone()
+                    frozen = finished.clone()  # rows whose argmax transformers holds at this step
                     if diffusion_stopping is not None:
                         if finished.any():
                             new_argmax = torch.where(finished[:, None], argmax_canvas, new_argmax)
                             new_canvas = torch.where(finished[:, None], canvas, new_canvas)
                             processed = torch.where(finished[:, None, None], self_cond, processed)
                         finished = finished | diffusion_stopping(new_argmax, processed)
-                    # observation: a frozen (finished) row keeps its acceptance
-                    frozen = ~active if diffusion_stopping is not None else torch.zeros_like(active)
+                    # observation: a frozen (finished) row keeps its canvas, so its acceptance too
                     accepted_now = torch.where(frozen[:, None], accepted_prev, accepted_mask)
+                    # a row's argmax is final at the step it finishes, or at the canvas's last step
+                    last = cur_step == 1 or bool(finished.all())
+                    final = (finished | last)[:, None] & ~committed_before
                     entropy = torch.special.entr(probs).sum(-1)  # the entropy the sampler ranks by
-                    state.committed, state.confidence = accepted_now, -entropy
-                    state.extra.update(renoised=~accepted_now, denoiser_canvas=denoised, argmax_canvas=new_argmax,
+                    state.committed, state.confidence = final, -entropy
+                    state.extra.update(accepted=accepted_now, renoised=~accepted_now, denoiser_canvas=denoised,
+                                       argmax_canvas=new_argmax,
                                        temperature=float(gc.t_min + (gc.t_max - gc.t_min) * cur_step
                                                          / gc.max_denoising_steps) if gc.t_min is not None else 1.0)
                     runner.end_step(state)
-                    recorder.record(step, block, seq, state.x, accepted_now)
+                    top = probs.max(-1).values  # the committed argmax token's probability
+                    recorder.record(step, block, seq, state.x, final, accepted_now, top)
                     key_end[step] = start + canvas_len
-                    run_start = torch.where(accepted_now, torch.where(accepted_prev, run_start, step), -2)
-                    last_step = torch.where(frozen, last_step, step)
-                    top = probs.max(-1).values
-                    confidence = torch.where(frozen[:, None], confidence, top)
                     self_cond = processed.to(embed_dtype)
                     canvas, argmax_canvas, accepted_prev = new_canvas, new_argmax, accepted_now
+                    committed_before = committed_before | final
                     step += 1
                     if bar is not None:
                         bar.update(1)
                     if bool(finished.all()):
                         break
-                recorder.close_canvas(start, run_start, last_step, confidence)
                 seq = torch.cat([seq, argmax_canvas], dim=-1)
                 seq, finished_sequences = hf._finalize_canvas(
                     input_ids=seq, finished_sequences=finished_sequences, generation_config=gc,

@@ -24,8 +24,11 @@ class Trajectory:
     x_steps: Int[Tensor, "step batch pos"]  # model input at each step, before its commits
     commit_step: Int[Tensor, "batch pos"]  # step that committed each position; -1 for prompt positions
     commit_confidence: Float[Tensor, "batch pos"]  # the sampler's confidence at commit (NaN: prompt/none)
-    n_committed: Int[Tensor, "step batch"]
+    n_committed: Int[Tensor, "step batch"]  # positions whose commit_step is that step
     block_of_step: Int[Tensor, "step"]
+    # DiffusionGemma only (None elsewhere, where accepted = committed): the samples each step keeps in the next
+    # step's input, re-decided every step (see mdm_lens.diffusion.diffusion_gemma)
+    accepted: Bool[Tensor, "step batch pos"] | None = None
 
     @property
     def n_steps(self) -> int:
@@ -44,14 +47,13 @@ class Trajectory:
     def __repr__(self) -> str:
         n_steps, batch, total = self.x_steps.shape
         n_prompt = int((self.commit_step[0] == -1).sum())
-        per_step = self.n_committed[:, 0].tolist()
-        if len(per_step) > 16:
-            per_step = per_step[:8] + ["…"] + per_step[-4:]
+        per_step = _short(self.n_committed[:, 0].tolist())
+        accepted = "" if self.accepted is None else f", accepted per step {_short(self.accepted[:, 0].sum(-1).tolist())}"
         order = self.order(0)
         shown = order if len(order) <= 16 else order[:12] + ["…"]
         n_blocks = int(self.block_of_step.max()) + 1 if n_steps else 0
         return (f"Trajectory(steps={n_steps}, batch={batch}, positions={total} (prompt {n_prompt}), "
-                f"blocks={n_blocks}; row 0 commits per step {per_step}, commit order {shown}; "
+                f"blocks={n_blocks}; row 0 commits per step {per_step}{accepted}, commit order {shown}; "
                 "x_steps[s] = canvas before step s)")
 
 
@@ -104,10 +106,9 @@ class GenerateOutput:
                  f"prompt={self.prompt_length}, generated={t - self.prompt_length}, steps={self.n_steps})"]
         shown = {k: v for k, v in self.settings.items() if k not in ("seed",)}
         lines.append("  settings: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
-        per_step = self.trajectory.n_committed[:, 0].tolist()
-        if len(per_step) > 16:
-            per_step = per_step[:8] + ["…"] + per_step[-4:]
-        lines.append(f"  commits per step (row 0): {per_step}")
+        lines.append(f"  commits per step (row 0): {_short(self.trajectory.n_committed[:, 0].tolist())}")
+        if self.trajectory.accepted is not None:
+            lines.append(f"  accepted per step (row 0): {_short(self.trajectory.accepted[:, 0].sum(-1).tolist())}")
         for name, value in self.records.items():
             axes = self.record_meta.get(name, {}).get("axes")
             lines.append(f"  records[{name!r}]: {tuple(value.shape)}" + (f" {axes}" if axes else ""))
@@ -117,6 +118,10 @@ class GenerateOutput:
             for i, text in enumerate(self.texts[:4]):
                 lines.append(f"  [{i}] {text!r}")
         return "\n".join(lines)
+
+
+def _short(per_step: list) -> list:
+    return per_step if len(per_step) <= 16 else per_step[:8] + ["…"] + per_step[-4:]
 
 
 class TrajectoryRecorder:

@@ -68,7 +68,7 @@ class KnockoutHooks:
     ``.tokens`` and ``.attention_mask`` first.  Rows whose every visible key would be removed are left
     unchanged.  ``n_knocked[layer]`` is the mean number of keys removed per row at the last forward;
     ``knocked_by_step[step]`` the same for every pass of a ``generate``.  On a block-diffusion model
-    (DiffusionGemma) the rows are the canvas (``"masked"`` = not yet accepted) and the pre-pass re-runs the
+    (DiffusionGemma) the rows are the canvas (``"masked"`` = not yet accepted: holding noise in the step's input, ``state.extra["noised"]``) and the pre-pass re-runs the
     sampler's own decoder call (``state.extra["rerun"]``); masked keys may be −inf or the dtype's minimum.
     """
 
@@ -105,7 +105,7 @@ class KnockoutHooks:
     def _rows_and_rerun(self) -> tuple[Tensor, Any]:
         """The query rows to cut and how to re-run this forward unablated (the anchors' pre-pass).
 
-        Block diffusion (DiffusionGemma): the rows are the canvas (``"masked"`` = not yet accepted) and the
+        Block diffusion (DiffusionGemma): the rows are the canvas (``"masked"`` = not yet accepted: holding noise in the step's input, ``state.extra["noised"]``) and the
         re-run is the sampler's own decoder call of this step (same KV cache, self-conditioning and mask)."""
         st = self.model.state
         if is_block_diffusion(self.model):
@@ -113,7 +113,8 @@ class KnockoutHooks:
                 raise InputError("KnockoutHooks on a block-diffusion model run inside its generate (a denoiser "
                                  "pass needs the step's KV cache and self-conditioning).", argument="model",
                                  value=self.model.cfg.model_name, allowed="hooks passed to model.generate")
-            rows = st.masked.clone() if self.queries == "masked" else torch.ones_like(st.masked)
+            noised = st.extra.get("noised", st.masked)  # the canvas rows holding noise (not yet accepted)
+            rows = noised.clone() if self.queries == "masked" else torch.ones_like(noised)
             return rows, st.extra["rerun"]
         tokens, am = self._inputs()
         return (C.readout_rows(self.model, tokens, self.prompt_length, self.queries),

@@ -206,7 +206,7 @@ def test_topk_keys_index_canvas_queries_by_absolute_position(bridge):
     top = out.records["topk_keys"][:, 0, 0, 0, :, 0]                      # [step, query]
     assert top.shape == (4, 21)
     for s, start in ((0, 5), (1, 5), (2, 13), (3, 13)):                  # two canvases of 8 after a 5-token prompt
-        expected = torch.full((21,), -1)
+        expected = torch.full((21,), TopKKeys.ABSENT)  # query rows that do not exist at the step: no key
         expected[start:start + 8] = torch.arange(start, start + 8) - 1
         assert torch.equal(top[s], expected)
 

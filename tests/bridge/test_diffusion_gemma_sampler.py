@@ -101,19 +101,19 @@ def test_states_reducers_and_cache(pair):
     # encoder passes (prompt 5, then the first canvas 8) and the decoder passes at steps 0 and 3
     assert [s[:3] for s in seen] == [(0, 0, "encoder"), (0, 0, "cond"), (3, 1, "encoder"), (3, 1, "cond")]
     assert seen[0][4] == (2, 5, 32) and seen[2][4] == (2, 8, 32)
-    assert seen[1][3] == 8  # the first step of a canvas: nothing accepted yet
+    assert seen[1][3] == 8 and seen[3][3] == 8  # nothing is committed before a canvas's last step
     ra = out.records["ra_masked"]
     assert ra.shape == (6, 2, 3, 4, 21)
     # keys of canvas 0 end at 13 (later keys do not exist yet: NaN); canvas 1 sees the whole sequence
     assert ra[:3, ..., 13:].isnan().all() and not ra[:3, ..., :13].isnan().any() and not ra[3:].isnan().any()
     assert out.record_meta["ra_masked"]["absent_keys"] == "nan"
     assert torch.allclose(ra[:3].nansum(-1), torch.ones(3, 2, 3, 4), atol=1e-5)
-    acc = out.records["ra_acc"]  # mass over the accepted rows; zero where a step accepted none
+    acc = out.records["ra_acc"]  # mass over the rows committed at the step; zero where a step committed none
     n_acc = out.trajectory.n_committed
     assert torch.allclose(acc.nansum(-1), (n_acc > 0).float()[:, :, None, None].expand(-1, -1, 3, 4), atol=1e-5)
     pats = out.cache.stack("blocks.1.attn.hook_pattern", pad_value=0.0)
     assert out.cache.steps == [0, 4] and pats.shape == (2, 2, 4, 8, 21)
-    # the step's pattern averaged over its not-yet-accepted rows is the reducer's row
+    # the step's pattern averaged over its not-yet-committed rows (the whole canvas) is the reducer's row
     x0 = out.trajectory.x_steps[0]
     assert (x0[:, 13:] == -1).all() and torch.equal(x0[:, :5], ids)
     assert torch.allclose(pats[0, :, :, :, :13].mean(2), ra[0, :, 1, :, :13], atol=1e-5)
@@ -124,9 +124,11 @@ def test_trajectory_commit_steps(pair):
     out = bridge.generate(_prompt(), seed=4, max_new_tokens=8, max_denoising_steps=4, entropy_bound=1.0,
                           t_min=0.05, t_max=0.1)
     cs = out.trajectory.commit_step
-    assert (cs[:, :5] == -1).all() and ((cs[:, 5:] >= 0) & (cs[:, 5:] < 4)).all()
-    n = out.trajectory.n_committed  # accepted positions per step, re-decided every step
-    assert n.shape == (4, 2) and (n >= 1).all()
+    # no stopping fires here: every position's argmax is final at the canvas's last step, and only there
+    assert (cs[:, :5] == -1).all() and (cs[:, 5:] == 3).all()
+    assert out.trajectory.n_committed.tolist() == [[0, 0], [0, 0], [0, 0], [8, 8]]
+    acc = out.trajectory.accepted  # the samples kept in the next input, re-decided every step
+    assert acc.shape == (4, 2, 13) and not acc[..., :5].any() and (acc.sum(-1) >= 1).all()
 
 
 def test_settings_are_checked_before_compute(pair):
