@@ -305,7 +305,7 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
                     # observation: a frozen (finished) row keeps its canvas, so its acceptance too
                     accepted_now = torch.where(frozen[:, None], accepted_prev, accepted_mask)
                     # a row's argmax is final at the step it finishes, or at the canvas's last step
-                    last = cur_step == 1 or bool(finished.all())
+                    last = cur_step == 1
                     final = (finished | last)[:, None] & ~committed_before
                     entropy = torch.special.entr(probs).sum(-1)  # the entropy the sampler ranks by
                     state.committed, state.confidence = final, -entropy
