@@ -4,6 +4,7 @@ down the explicit path exactly in the forwards whose pattern a trace reads."""
 
 from __future__ import annotations
 
+import types
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -15,13 +16,35 @@ from nnsight.intervention.interleaver import Event, Interleaver, OutOfOrderError
 from nnsight.intervention.iterator import Iterations
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentTypeError, MDMLensError, OutOfRangeError
+from mdm_lens.errors import ArgumentTypeError, InputError, MDMLensError, OutOfRangeError
 
 
 PHASES = ("cond", "uncond")
 BEFORE = ("canvas", "masked", "prompt", "block")  # sampler values served before a step's forward
 AFTER = ("confidence", "committed", "state")  # ... and after its commit
 _FIELDS = {"canvas": "x"}  # sampler value -> DenoisingState field, where the names differ
+
+class _FrozenState:
+    """A read-only copy of a `DenoisingState` (assigning a field raises)."""
+
+    def __init__(self, fields: dict) -> None:
+        object.__setattr__(self, "__dict__", dict(fields))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise InputError(f"lm.sampler.state.{name} is read-only: the sampler's state is observed, not edited.",
+                         argument=f"lm.sampler.state.{name}", value="assignment", allowed="reads only")
+
+    def __repr__(self) -> str:
+        return f"FrozenState(step={self.__dict__.get('step')}, phase={self.__dict__.get('phase')!r})"
+
+
+def _frozen_state(state: Any, copies: dict) -> _FrozenState:
+    fields = {}
+    for k, v in vars(state).items():
+        fields[k] = copies.setdefault(k, v.clone()) if isinstance(v, torch.Tensor) else v
+    fields["extra"] = dict(state.extra)
+    return _FrozenState(fields)
+
 
 class StepNotRunError(MDMLensError, OutOfOrderError):
     """A traced value was requested at a denoising step (or phase) the run never made."""
@@ -82,6 +105,8 @@ class StepInterleaver(Interleaver):
         run.phase = "cond"
         if run.n_run:
             self._serve(run.last, AFTER)
+        self._check_writes()
+        self.__dict__["_watched"] = []
         run.clocked = False  # what follows (generator output, tracer.result) counts plainly
 
     def _reset(self, step: int) -> None:
@@ -107,9 +132,37 @@ class StepInterleaver(Interleaver):
             run.phase = state.phase
 
     def _serve(self, state: Any, names: tuple[str, ...]) -> None:
+        """Serve the sampler's values as copies, so a write cannot reach the run; an in-place write to a copy is
+        caught (its version counter moved) and raises, as an assignment does: the envoy is read-only for real."""
+        self._check_writes()
+        copies = self.__dict__.setdefault("_copies", {})
+        if names is BEFORE:
+            copies.clear()
         for name in names:
-            value = state if name == "state" else (None if state is None else getattr(state, _FIELDS.get(name, name)))
+            if name == "state":
+                value = None if state is None else _frozen_state(state, copies)
+            else:
+                value = None if state is None else getattr(state, _FIELDS.get(name, name))
+                if isinstance(value, torch.Tensor):
+                    value = copies.setdefault(_FIELDS.get(name, name), value.clone())
+            self._watch(name, value)
             self.handle(f"{self.sampler_path}.{name}", value)
+        self._check_writes()
+
+    def _watch(self, name: str, value: Any) -> None:
+        watched = self.__dict__.setdefault("_watched", [])
+        tensors = [(name, value)] if isinstance(value, torch.Tensor) else [
+            (f"state.{k}", v) for k, v in vars(value).items() if isinstance(v, torch.Tensor)] if value is not None \
+            and hasattr(value, "__dict__") else []
+        watched.extend((n, t, t._version) for n, t in tensors)
+
+    def _check_writes(self) -> None:
+        for name, t, version in self.__dict__.get("_watched", []):
+            if t._version != version:
+                self.__dict__["_watched"] = []
+                raise InputError(f"lm.sampler.{name} is read-only: an in-place write to it would change nothing (or "
+                                 "the run); intervene on the model instead (e.g. lm.blocks[l].hook_resid_post.output).",
+                                 argument=f"lm.sampler.{name}", value="in-place write", allowed="reads only")
 
     def handle(self, provider: str, value: Any) -> Any:
         run = self.run
@@ -214,6 +267,21 @@ class _AttentionGate:
         return bool, (bool(self.base),)
 
 
+def _clocked_wanted(self: Any, location: str) -> int:
+    if self.iteration is not None:
+        return self.iteration
+    step = getattr(self, "mdm_step", None)
+    run = getattr(self.interleaver, "run", None)
+    if step is not None and run is not None and run.clocked:
+        return step  # a read that comes after its module ran in this step waits for a step that never comes again
+    return type(self).wanted(self, location)
+
+
+def _clock_requests(mediator: Any) -> None:
+    if "wanted" not in vars(mediator):
+        mediator.wanted = types.MethodType(_clocked_wanted, mediator)
+
+
 class StepIterations(Iterations):
     """`tracer.iter[...]` over denoising steps: indices are checked against the run's step count
     (negative ones count from the end), and `[:]` / `tracer.all()` means every step."""
@@ -252,6 +320,20 @@ class StepIterations(Iterations):
             raise OutOfRangeError(f"tracer.iter[{shown!r}]: steps must increase (the run goes forward), got {out}.",
                                   argument="tracer.iter", value=shown)
         return out
+
+    def _indices(self):
+        # Every location's occurrence is the step running, so inside a step's body every request names that step:
+        # nnsight would relax the pin after the first read and let the next request follow "the next occurrence",
+        # which under a step clock is the *next step* (an out-of-order read silently returning step k+1's value).
+        mediator = getcurrent().mediator()
+        _clock_requests(mediator)
+        previous = getattr(mediator, "mdm_step", None)
+        try:
+            for step in super()._indices():
+                mediator.mdm_step = step
+                yield step
+        finally:
+            mediator.mdm_step = previous
 
     def __iter__(self):
         mediator = getcurrent().mediator()

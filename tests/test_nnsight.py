@@ -231,13 +231,13 @@ def test_step_past_the_end_names_the_number_of_steps(llada):
 
 def test_value_from_a_step_that_never_ran(llada):
     _, lm = llada
-    # after step 7's layer 1, layer 0 comes next at step 8, which this run does not have
-    with pytest.raises(StepNotRunError, match=r"step 8 .* 8 denoising steps \(0\.\.7\)"):
+    # layer 0 asked for after step 7's layer 1: an out-of-order read of step 7 (not step 8's value)
+    with pytest.raises(StepNotRunError, match=r"step 7 .*gone past it .*8 denoising steps"):
         with lm.generate(PROMPT, steps=8, gen_length=8) as tracer:
             for _ in tracer.iter[7]:
                 lm.blocks[1].output.save()
                 lm.blocks[0].output.save()
-    with pytest.raises(StepNotRunError, match="8 denoising steps"):  # the deprecated `with` form is no quieter
+    with pytest.raises(StepNotRunError, match="step 7 .*gone past it"):  # the deprecated `with` form is no quieter
         with lm.generate(PROMPT, steps=8, gen_length=8) as tracer:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -300,3 +300,49 @@ def test_the_module_name_does_not_shadow_the_package(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert Path(done.stdout.strip()).parent.name == "nnsight"
+
+
+def test_an_out_of_order_read_inside_a_step_raises(llada):
+    _, lm = llada
+    # layer 0 already ran in step 2 when it is asked for: nnsight would serve step 3's value
+    for form in ("for", "list"):
+        with pytest.raises(StepNotRunError, match=r"blocks\.0\.output' at denoising step 2 .*gone past it"):
+            with lm.generate(PROMPT, steps=8, gen_length=8) as tracer:
+                for _ in (tracer.iter[2] if form == "for" else tracer.iter[[2, 4]]):
+                    lm.blocks[1].output.save()
+                    lm.blocks[0].output.save()
+    model, _ = llada
+    ref = model.generate(PROMPT, steps=8, gen_length=8, cache=["blocks.0.hook_resid_post", "blocks.1.hook_resid_post"])
+    got = []
+    with lm.generate(PROMPT, steps=8, gen_length=8) as tracer:  # in order, the step's own values
+        for _ in tracer.iter[2:4]:
+            got.append((lm.blocks[0].hook_resid_post.output.save(), lm.blocks[1].hook_resid_post.output.save()))
+    for (a, b), step in zip(got, (2, 3)):
+        assert torch.equal(a, ref.cache[step]["blocks.0.hook_resid_post"])
+        assert torch.equal(b, ref.cache[step]["blocks.1.hook_resid_post"])
+
+
+@pytest.mark.parametrize("name", ["canvas", "masked", "prompt", "confidence", "committed"])
+def test_every_write_to_the_sampler_envoy_raises(llada, name):
+    model, lm = llada
+    clean = model.generate(PROMPT, steps=4, gen_length=4)
+    with pytest.raises(InputError, match=f"lm.sampler.{name} is read-only"):
+        with lm.generate(PROMPT, steps=4, gen_length=4) as tracer:
+            for _ in tracer.iter[1]:
+                getattr(lm.sampler, name)[:] = 0
+    with pytest.raises(InputError, match="read-only"):
+        with lm.generate(PROMPT, steps=4, gen_length=4) as tracer:
+            for _ in tracer.iter[1]:
+                setattr(lm.sampler.state, "x" if name == "canvas" else name, None)
+    with pytest.raises(InputError, match="read-only"):
+        with lm.generate(PROMPT, steps=4, gen_length=4) as tracer:
+            for _ in tracer.iter[1]:
+                lm.sampler.state.masked[:] = False
+    # reads still see the run's values, and the run is the clean one
+    with lm.generate(PROMPT, steps=4, gen_length=4) as tracer:
+        for _ in tracer.iter[1]:
+            seen = getattr(lm.sampler, name).save()
+        out = lm.generator.output.save()
+    assert torch.equal(out.tokens, clean.tokens)
+    if name == "canvas":
+        assert torch.equal(seen, clean.trajectory.x_steps[1])
