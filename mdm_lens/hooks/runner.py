@@ -59,7 +59,7 @@ class StepRunner:
         an empty record."""
         self.default_steps.resolve(n_steps)
         for i, h in enumerate(self.user_hooks):
-            h.when.check(n_steps, n_blocks, phases, what=f"the hook on {h.name[0]}")
+            h.when.check(n_steps, n_blocks, None, what=f"the hook on {h.name[0]}")  # a hook may list phases of other runs
         for r in self.reducers:
             r.when.check(n_steps, n_blocks, phases, what=f"record {r.name!r}")
             r.begin(self.model, batch, max_pos, n_steps)
