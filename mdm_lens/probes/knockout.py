@@ -321,7 +321,7 @@ def _committed_metric(model: Any, clean: Any, s: int, raw: Tensor, metric: Any) 
 def _exact_match(model: Any, out: Any, gold: list[list[int]], answer: Any, offset: int, decode: Any) -> float:
     pred = C.clean_answer(model, out.generated.cpu(), offset)
     if isinstance(answer, str):
-        from mdm_lens.zoo.data import normalize
+        from mdm_lens.items import normalize
 
         dec = decode or (lambda ids: _decode(model, ids))
         return float(np.mean([normalize(dec(p)) == normalize(answer) for p in pred]))

@@ -113,16 +113,17 @@ def _span(span: Any, n: int, name: str) -> tuple[int, int]:
 def from_qa_item(item: Any) -> RetrievalItem:
     """A zoo ``QAItem`` → ``RetrievalItem`` from one tokenisation with char offsets: the needle is the
     answer occurrence in the gold passage (``evidence_span``), the gold doc its marker + sentence."""
+    from mdm_lens.items import char_span_to_token_span
     from mdm_lens.zoo import tokenizer as ZT
 
     ids, off = ZT.encode_with_offsets(item.prompt)
-    ev = [] if item.evidence_span is None else [ZT.char_span_to_token_span(off, item.evidence_span)]
+    ev = [] if item.evidence_span is None else [char_span_to_token_span(off, item.evidence_span)]
     gold = None
     if item.gold_index is not None:
         s, e = item.passage_spans[item.gold_index]
         if item.marker_spans:
             s = item.marker_spans[item.gold_index][0]
-        gold = ZT.char_span_to_token_span(off, (s, e))
+        gold = char_span_to_token_span(off, (s, e))
     return RetrievalItem(torch.tensor(ids, dtype=torch.long), ev, item.answer, gold)
 
 
@@ -145,7 +146,7 @@ def answer_correct(model: Any, generated: Sequence[int] | Tensor, answer: Any, d
     Acc); token-id answer: the ids appear contiguously in the generated tokens."""
     gen = [int(t) for t in torch.as_tensor(generated).flatten()]
     if isinstance(answer, str):
-        from mdm_lens.zoo.data import substring_match
+        from mdm_lens.items import substring_match
 
         return bool(substring_match((decode or (lambda i: _decode(model, i)))(gen), answer))
     ans = [int(t) for t in torch.as_tensor(answer).flatten()]
