@@ -75,7 +75,7 @@ def sweep_twins(twins: dict[str, HookedMDM], data: Path, root: Path, n: int, n_k
 
 def shipped_evaluation_section(twins: dict[str, HookedMDM], img: Path) -> Section | None:
     """The zoo's 500-item evaluation of the same shipped weights (``assets/results.json`` and its PNGs)."""
-    from mdm_lens.zoo.train import ASSETS, NAMES
+    from mdm_lens.zoo.recipe import ASSETS, NAMES
 
     shipped = json.loads((ASSETS / "results.json").read_text())
     if not all(m.cfg.model_name == NAMES.get(k.lower()) for k, m in twins.items()):

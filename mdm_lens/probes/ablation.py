@@ -18,7 +18,7 @@ from mdm_lens.errors import ArgumentError, ArgumentTypeError, OutOfRangeError
 
 from ._results import ResultMixin
 from ._runtools import _batch, _nonempty, _optional_length
-from .retrieval import RetrievalScores, _as_item, answer_correct
+from ._retrieval_items import RetrievalScores, _as_item, answer_correct
 
 __all__ = ["head_mask_hooks", "mask_heads", "answer_accuracy", "ablation_accuracy", "AblationResult"]
 

@@ -52,127 +52,12 @@ from .retrieval import _decode, answer_correct
 from ._runtools import is_block_diffusion
 from .run import is_causal, step_canvas
 
+from ._knockout_hooks import (KnockoutHooks, _answer_totals, _exact_match, _GoldScorer, _hooks_for,  # noqa: F401
+                              _RandomListHooks, _replay_scores)
+
 __all__ = ["knockout", "KnockoutResult", "KnockoutHooks", "ANSWER_METRICS"]
 
 ANSWER_METRICS = ("answer_logprob", "answer_rank", "exact_match", "tf_answer_logprob", "tf_answer_rank")
-
-
-class KnockoutHooks:
-    """Hooks that set the pre-softmax scores from chosen queries to chosen keys to −inf, per layer.
-
-    ``targets``: "anchors" (detected per forward by a *pre-pass*: the same input run once without the
-    knockout, anchors from each layer's unablated attention, head-mean, ``rule``), "random" (as many
-    random visible non-anchor keys as there are anchors, per forward and layer), or a list of positions.
-    ``queries``: "masked" (the readout rows of still-masked positions), "all", or "answer" (the readout
-    rows of the canvas).  In ``generate`` the input comes from ``model.state``; for a plain forward set
-    ``.tokens`` and ``.attention_mask`` first.  Rows whose every visible key would be removed are left
-    unchanged.  ``n_knocked[layer]`` is the mean number of keys removed per row at the last forward;
-    ``knocked_by_step[step]`` the same for every pass of a ``generate``.  On a block-diffusion model
-    (DiffusionGemma) the rows are the canvas (``"masked"`` = not yet accepted: holding noise in the step's input, ``state.extra["noised"]``) and the pre-pass re-runs the
-    sampler's own decoder call (``state.extra["rerun"]``); masked keys may be −inf or the dtype's minimum.
-    """
-
-    def __init__(self, model: Any, layers: Sequence[int], targets: Any = "anchors", queries: str = "masked",
-                 rule: str = "zscore", prompt_length: int = 0, seed: int = 0, **detect_kwargs: Any):
-        self.model, self.queries = model, validate.choice(queries, C.QUERIES, name="queries")
-        self.layers = validate.indices(list(layers), model.cfg.n_layers, name="layers")
-        if isinstance(targets, str):
-            validate.choice(targets, ("anchors", "random"), name="targets")
-        else:
-            targets = validate.indices(targets, model.cfg.n_ctx, name="targets")
-        self.targets, self.rule, self.detect_kwargs = targets, rule, detect_kwargs
-        self.prompt_length = validate.integer(prompt_length, name="prompt_length", min=0)
-        self.gen = torch.Generator().manual_seed(validate.integer(seed, name="seed"))
-        self.tokens: Tensor | None = None
-        self.attention_mask: Tensor | None = None
-        self._prepass = False
-        self._anchors: dict[int, Tensor] = {}
-        self.n_knocked: dict[int, float] = {}
-        self.knocked_by_step: dict[int, list[float]] = {}   # in generate: step → keys removed per (row, layer)
-
-    @property
-    def needs_prepass(self) -> bool:
-        return isinstance(self.targets, str)
-
-    def _inputs(self) -> tuple[Tensor, Tensor | None]:
-        st = self.model.state
-        if st is not None:
-            return st.x, st.key_visible.long()
-        if self.tokens is None:
-            raise RuntimeError("KnockoutHooks outside generate: set .tokens (and .attention_mask) first")
-        return self.tokens, self.attention_mask
-
-    def _rows_and_rerun(self) -> tuple[Tensor, Any]:
-        """The query rows to cut and how to re-run this forward unablated (the anchors' pre-pass).
-
-        Block diffusion (DiffusionGemma): the rows are the canvas (``"masked"`` = not yet accepted: holding noise in the step's input, ``state.extra["noised"]``) and the
-        re-run is the sampler's own decoder call of this step (same KV cache, self-conditioning and mask)."""
-        st = self.model.state
-        if is_block_diffusion(self.model):
-            if st is None or "rerun" not in st.extra:
-                raise InputError("KnockoutHooks on a block-diffusion model run inside its generate (a denoiser "
-                                 "pass needs the step's KV cache and self-conditioning).", argument="model",
-                                 value=self.model.cfg.model_name, allowed="hooks passed to model.generate")
-            noised = st.extra.get("noised", st.masked)  # the canvas rows holding noise (not yet accepted)
-            rows = noised.clone() if self.queries == "masked" else torch.ones_like(noised)
-            return rows, st.extra["rerun"]
-        tokens, am = self._inputs()
-        return (C.readout_rows(self.model, tokens, self.prompt_length, self.queries),
-                lambda: self.model(tokens, attention_mask=am, return_type=None))
-
-    def _embed_hook(self, x: Tensor, hook: Any) -> None:
-        if self._prepass:
-            return
-        self._rows, rerun = self._rows_and_rerun()
-        if self.needs_prepass:
-            self._prepass, self._anchors = True, {}
-            try:
-                rerun()
-            finally:
-                self._prepass = False
-
-    def _target_mask(self, layer: int, scores: Tensor) -> Tensor:
-        kv = C.visible_keys(scores)
-        if not self.needs_prepass:
-            m = torch.zeros_like(kv)
-            m[:, [p for p in self.targets if p < m.shape[1]]] = True
-            return m & kv
-        anchors = self._anchors[layer]
-        return anchors if self.targets == "anchors" else C.random_like(anchors, kv, self.gen)
-
-    def _score_hook(self, layer: int):
-        def hook(scores: Tensor, hook: Any) -> Tensor | None:
-            if self._prepass:
-                self._anchors[layer] = C.anchor_mask_from_scores(scores, self.rule, is_causal(self.model),
-                                                                 **self.detect_kwargs)[0]
-                return None
-            t = self._target_mask(layer, scores)
-            self.n_knocked[layer] = float(t.sum(-1).float().mean())
-            if self.model.state is not None:
-                self.knocked_by_step.setdefault(self.model.state.step, []).append(self.n_knocked[layer])
-            cut = self._rows[:, None, :, None] & t[:, None, None, :]
-            new = scores.masked_fill(cut, -torch.inf)
-            dead = ~(new > torch.finfo(new.dtype).min).any(-1, keepdim=True)   # no visible key left
-            return torch.where(dead, scores, new)
-        return hook
-
-    def hooks(self) -> list[tuple[str, Any]]:
-        return [("hook_embed", self._embed_hook)] + [
-            (f"blocks.{l}.attn.hook_attn_scores", self._score_hook(l)) for l in self.layers]
-
-    def step_hooks(self, step_list: Sequence[int] | None) -> list[tuple[str, Any]]:
-        """The hooks bound to denoising steps with ``at_steps`` (None = every step)."""
-        if step_list is None:
-            return self.hooks()
-        return [(n, at_steps(fn, list(step_list))) for n, fn in self.hooks()]
-
-
-class _RandomListHooks(KnockoutHooks):
-    """Random control of a fixed target list: as many random visible positions outside the list."""
-
-    def _target_mask(self, layer: int, scores: Tensor) -> Tensor:
-        fixed = super()._target_mask(layer, scores)
-        return C.random_like(fixed, C.visible_keys(scores), self.gen)
 
 
 @dataclass
@@ -234,56 +119,6 @@ def _conditions(targets: Any, n_random: int) -> list[tuple[str, Any]]:
     return main
 
 
-def _hooks_for(model: Any, spec: Any, layers: list[int], queries: str, rule: str, P: int, seed: int) -> KnockoutHooks:
-    if isinstance(spec, tuple):   # random control of a fixed list: same count of other visible positions
-        return _RandomListHooks(model, layers, spec[1], queries, rule, P, seed)
-    return KnockoutHooks(model, layers, spec, queries, rule, P, seed)
-
-
-class _GoldScorer:
-    """A hook on ``ln_final.hook_normalized`` that scores the gold answer at every sampler step:
-    logits = unembed(w ⊙ normalized), exactly the forward's raw logits."""
-
-    def __init__(self, model: Any, gold: Tensor):
-        self.model, self.gold, self.lp, self.rank = model, gold, {}, {}
-
-    def __call__(self, act: Tensor, hook: Any) -> None:
-        st = self.model.state
-        if st is None or st.phase != "cond":
-            return
-        raw = C.check_logits(self.model.unembed(act * self.model.ln_final.w), f"denoising step {st.step}")
-        self.lp[st.step], self.rank[st.step] = (t.cpu() for t in C.gold_scores(self.model, raw, self.gold))
-
-    def at_commit(self, commit_step: Tensor) -> tuple[Tensor, Tensor]:
-        """(log-prob, rank) ``[batch, pos]`` read at the step that committed each position (NaN if none)."""
-        lp = torch.full(self.gold.shape, torch.nan, dtype=torch.float64)
-        rank = lp.clone()
-        for s in self.lp:
-            at = commit_step.cpu() == s
-            lp[at], rank[at] = self.lp[s][at], self.rank[s][at]
-        return lp, rank
-
-
-def _replay_scores(model: Any, out: Any, gold: Tensor) -> tuple[Tensor, Tensor]:
-    """The clean run's scores at each commit step, by replaying its canvases (no hooks: same logits)."""
-    scorer = _GoldScorer(model, gold)
-    for s in range(out.n_steps):
-        x, am = step_canvas(out, s)
-        raw = C.check_logits(model(x, attention_mask=am), f"the clean run at step {s}")
-        scorer.lp[s], scorer.rank[s] = (t.cpu() for t in C.gold_scores(model, raw, gold))
-    return scorer.at_commit(out.trajectory.commit_step)
-
-
-def _answer_totals(lp: Tensor, rank: Tensor, have: Tensor) -> tuple[float, float]:
-    """Row sums of log-probs and row means of ranks over ``have``, then the mean over rows (NaN-aware)."""
-    n = have.sum(-1)
-    lp_row = torch.where(have, lp, torch.zeros_like(lp)).sum(-1)
-    rank_row = torch.where(have, rank, torch.zeros_like(rank)).sum(-1) / n.clamp(min=1)
-    ok = n > 0
-    if not bool(ok.any()):
-        return math.nan, math.nan
-    return float(lp_row[ok].mean()), float(rank_row[ok].mean())
-
 
 def _teacher_canvas(model: Any, clean: Any, s: int, gold: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(canvas with the gold answer placed, attention mask, gold positions predicted at s)."""
@@ -318,15 +153,6 @@ def _committed_metric(model: Any, clean: Any, s: int, raw: Tensor, metric: Any) 
     logits = C.readout(model, raw, committed)
     return C.metric_value(metric, logits, target, C.best_other(logits, target, model.cfg.mask_token_id))
 
-
-def _exact_match(model: Any, out: Any, gold: list[list[int]], answer: Any, offset: int, decode: Any) -> float:
-    pred = C.clean_answer(model, out.generated.cpu(), offset)
-    if isinstance(answer, str):
-        from mdm_lens.zoo.data import normalize
-
-        dec = decode or (lambda ids: _decode(model, ids))
-        return float(np.mean([normalize(dec(p)) == normalize(answer) for p in pred]))
-    return float(np.mean([p == g for p, g in zip(pred, gold)]))
 
 
 def _resolve_steps(steps: Any, n_steps: int) -> list[int] | None:

@@ -26,7 +26,7 @@ from torch import Tensor
 from mdm_lens import validate
 
 from . import _causal as C
-from .knockout import _answer_totals, _exact_match, _GoldScorer, _hooks_for
+from ._knockout_hooks import _answer_totals, _exact_match, _GoldScorer, _hooks_for
 from .retrieval import answer_correct
 
 NOT_APPLICABLE = ("teacher-forced metrics (tf_*) and the per-step committed metric do not apply to a block-diffusion "

@@ -289,14 +289,14 @@ def qk_from_activations(model: Any, rot_q: Tensor, rot_k: Tensor, v: Tensor, pat
 
 def _item_char_spans(item: Any) -> list[F.CharSpan]:
     """BOS / docs (marker + sentence; the gold one kind ``gold``) / question cue / query / answer cue."""
-    from mdm_lens.zoo import data as D
+    from mdm_lens import items as D
 
     p = item.prompt
     spans = [F.CharSpan("bos", 0, len(D.BOS), "bos")] if p.startswith(D.BOS) else []
     markers = item.marker_spans or [None] * len(item.passage_spans)
     for i, (ps, mk) in enumerate(zip(item.passage_spans, markers)):
         start = ps[0] if mk is None else mk[0]
-        spans.append(F.CharSpan(f"doc{i + 1}", start, ps[1], "gold" if i == item.gold_index else "doc"))
+        spans.append(F.CharSpan(f"doc{i + 1}", start, ps[1], "gold" if i in getattr(item, "gold_indices", (item.gold_index,)) else "doc"))
     q0, q1 = item.question_span
     cue = p.rfind(D.QUESTION_CUE, 0, q0)
     if cue >= 0:
@@ -386,7 +386,7 @@ def flow_for_items(model: Any, items: Sequence[Any], mode: Literal["default", "p
     attention (:func:`final_attention`); generation maps ``gen_length`` / ``steps`` to DiffusionGemma's
     ``max_new_tokens`` / ``max_denoising_steps``.
     """
-    from mdm_lens.zoo import data as D
+    from mdm_lens import items as D
     from mdm_lens.zoo import tokenizer as ZT
 
     items = _nonempty(items, "items")

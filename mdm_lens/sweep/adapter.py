@@ -35,8 +35,8 @@ from mdm_lens.sweep import shared as SH
 from mdm_lens.sweep.tables import (DRIFT_METRICS, KEY_COLUMNS, PATTERN_BUDGET_BYTES, STEP_METRICS,  # noqa: F401
                                    _anchor_mass, frame, temporal)
 from mdm_lens.sweep.templates import Rendered
-from mdm_lens.zoo import data as D
-from mdm_lens.zoo.tokenizer import char_span_to_token_span
+from mdm_lens import items as D
+from mdm_lens.items import char_span_to_token_span
 
 __all__ = ["PROBES", "NEEDS_QA", "Batch", "Settings", "make_batch", "sub_batches", "compute"]
 

@@ -27,7 +27,7 @@ from typing import Any
 from mdm_lens import tokenization
 from mdm_lens.chat import has_chat_template, render_user_turn
 from mdm_lens.sweep.items import SweepItem
-from mdm_lens.zoo import data as D
+from mdm_lens import items as D
 
 __all__ = ["TEMPLATES", "Rendered", "resolve_template", "render", "PLACEHOLDER"]
 

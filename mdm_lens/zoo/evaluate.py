@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     from pathlib import Path
 
     from mdm_lens.model import HookedMDM
-    from mdm_lens.zoo.train import ASSETS, NAMES
+    from mdm_lens.zoo.recipe import ASSETS, NAMES
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--which", choices=["mdm", "arm", "both"], default="both")

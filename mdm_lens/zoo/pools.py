@@ -7,6 +7,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Literal
 
+from mdm_lens.items import ANSWER_PREFIX, BOS, EOS, QAItem, QUESTION_CUE, passage_marker  # noqa: F401  (re-exported: the core owns the item type)
+
 # --------------------------------------------------------------------------------------
 # Pools (fixed literals: the shipped tokenizer is built from exactly these words).
 # --------------------------------------------------------------------------------------
@@ -76,10 +78,6 @@ POOLS: dict[str, tuple[str, ...]] = {
 
 #: Most passages the format supports (gold + up to 19 distractors); one marker token each.
 MAX_PASSAGES = 20
-BOS, EOS = "<bos>", "<eos>"
-QUESTION_CUE = "question :"
-#: The text the answer follows at the very end of every prompt.
-ANSWER_PREFIX = "answer :"
 
 
 @dataclass(frozen=True)
@@ -155,44 +153,11 @@ class Fact:
         return (self.relation, self.subject)
 
 
-@dataclass
-class QAItem:
-    """One QA example plus everything analysis code needs to locate prompt regions.
-
-    All spans are half-open character offsets into ``prompt`` (``prompt[s:e]``).
-    ``passages[i]`` is the i-th passage sentence without its ``[i+1]`` marker, and
-    ``prompt[passage_spans[i][0]:passage_spans[i][1]] == passages[i]``.
-    """
-
-    question: str
-    answer: str
-    passages: list[str]
-    gold_index: int | None
-    prompt: str
-    passage_spans: list[tuple[int, int]]
-    question_span: tuple[int, int]
-    evidence_span: tuple[int, int] | None
-    answer_prefix: str = ANSWER_PREFIX
-    marker_spans: list[tuple[int, int]] = field(default_factory=list)
-    relation: str = ""
-    subject: str = ""
-
-    @property
-    def n_distractors(self) -> int:
-        """Number of non-gold passages (0 for no-context items)."""
-        return max(len(self.passages) - 1, 0)
-
-
 GoldPosition = int | Literal["random", "first", "middle", "last"]
 
 # --------------------------------------------------------------------------------------
 # Vocabulary (consumed by the tokenizer builder)
 # --------------------------------------------------------------------------------------
-
-
-def passage_marker(k: int) -> str:
-    """Marker for the k-th passage (1-based), a single token such as ``[3]``."""
-    return f"[{k}]"
 
 
 def vocabulary_words() -> list[str]:

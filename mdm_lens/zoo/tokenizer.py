@@ -29,6 +29,7 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
 from tokenizers.models import WordLevel
 
+from mdm_lens.items import char_span_to_token_span  # noqa: F401  (re-exported: the core owns region spans)
 from mdm_lens.zoo.data import vocabulary_words
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<mask>", "<unk>")
@@ -109,18 +110,3 @@ def decode(ids: Sequence[int], skip_pad: bool = True) -> str:
             continue
         out.append(tok.id_to_token(i) or UNK)
     return " ".join(out)
-
-
-def char_span_to_token_span(
-    offsets: Sequence[tuple[int, int]], span: tuple[int, int]
-) -> tuple[int, int]:
-    """Half-open token range ``[start_tok, end_tok)`` of tokens overlapping ``span``.
-
-    A token overlaps when ``tok_start < span_end`` and ``tok_end > span_start``;
-    raises ``ValueError`` if no token does (e.g. a span over whitespace only).
-    """
-    s, e = span
-    hits = [i for i, (ts, te) in enumerate(offsets) if ts < e and te > s]
-    if not hits:
-        raise ValueError(f"no token overlaps char span {span}")
-    return hits[0], hits[-1] + 1

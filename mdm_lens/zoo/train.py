@@ -42,139 +42,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from mdm_lens.config import MDMConfig
 from mdm_lens.model import HookedMDM
-from mdm_lens.zoo import data as D
-from mdm_lens.zoo import tokenizer as T
-
-ASSETS = Path(__file__).resolve().parent / "assets"
-Objective = Literal["mdm", "arm"]
-NAMES = {"mdm": "mdm-lens/tiny-mdm", "arm": "mdm-lens/tiny-arm"}
-EPS = 1e-3  # LLaDA's minimum masking probability
-
-
-@dataclass
-class TrainConfig:
-    objective: Objective = "mdm"
-    steps: int = 18000
-    minutes: float = 20.0
-    batch_size: int = 32
-    lr: float = 1e-3
-    warmup: int = 150
-    min_lr_frac: float = 0.1
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    sft_frac: float = 0.9
-    mask_schedule: Literal["count", "continuous"] = "count"  # MDM masking-ratio sampler (see mdm_masks)
-    gen_length: int = 4
-    seed: int = 0  # model init and masking noise
-    data_seed: int = 0  # the batch stream, shared by both twins
-    max_distractors: int = 4
-    curriculum: float = 0.4  # max distractors ramps 0 -> max_distractors over this share of training (0 = off)
-    no_context_frac: float = 0.1
-    hard_negative_frac: float = 0.5  # share of distractors that use the question's relation
-    bucket: int = 8  # batches drawn together and length-sorted (less padding)
-    log_every: int = 20
-    val_every: int = 1000  # greedy accuracy on a small validation set (0 = never)
-    val_n: int = 200
-    val_seed: int = 999  # disjoint from the README's test seed 1234
-    threads: int = 2
-    verbose: bool = True
-
-
-@dataclass
-class ArchConfig:
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    d_mlp: int = 384
-    n_ctx: int = 128
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def model_config(objective: Objective, arch: ArchConfig | None = None, gen_length: int = 4,
-                 recipe: dict[str, Any] | None = None) -> MDMConfig:
-    """The twin's `MDMConfig`: identical for both objectives except attention and name."""
-    a = arch or ArchConfig()
-    extra = {"gen_length": gen_length, "prepend_bos": False, "objective": objective, **a.extra}
-    if recipe:
-        extra["recipe"] = recipe
-    return MDMConfig(
-        d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, d_mlp=a.d_mlp,
-        d_vocab=T.vocab_size(), n_ctx=a.n_ctx, rope_theta=a.rope_theta, norm_eps=a.norm_eps,
-        attention="bidirectional" if objective == "mdm" else "causal",
-        mask_token_id=T.MASK_ID, bos_token_id=T.BOS_ID, eos_token_id=T.EOS_ID, pad_token_id=T.PAD_ID,
-        family="mdm_lens", model_name=NAMES[objective], extra=extra,
-    )
-
-
-# --- data ------------------------------------------------------------------------------------------
-
-@dataclass
-class Batch:
-    ids: torch.Tensor  # [batch, width] clean tokens, right-padded with <pad>
-    attention_mask: torch.Tensor  # [batch, width] 1 = real
-    starts: torch.Tensor  # [batch] index of the first canvas slot (= prompt length)
-    lengths: torch.Tensor  # [batch] real length (prompt + G)
-
-
-def encode_training_item(item: D.QAItem, gen_length: int) -> tuple[list[int], int]:
-    """``prompt + [answer, <eos> × (G-1)]`` and the prompt length."""
-    prompt = T.encode(item.prompt)
-    answer = T.encode(item.answer)
-    if len(answer) > gen_length - 1:
-        raise ValueError(f"answer {item.answer!r} needs {len(answer)} tokens; gen_length={gen_length} is too short.")
-    canvas = answer + [T.EOS_ID] * (gen_length - len(answer))
-    return prompt + canvas, len(prompt)
-
-
-def collate(rows: list[tuple[list[int], int]]) -> Batch:
-    width = max(len(r) for r, _ in rows)
-    ids = torch.full((len(rows), width), T.PAD_ID, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for i, (r, _) in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        am[i, : len(r)] = 1
-    return Batch(ids, am, torch.tensor([s for _, s in rows]), am.sum(1))
-
-
-def max_distractors_at(progress: float, tc: TrainConfig) -> int:
-    """The curriculum: the largest distractor count drawn at training progress ``progress`` in [0, 1]."""
-    if tc.curriculum <= 0:
-        return tc.max_distractors
-    return min(tc.max_distractors, int(tc.max_distractors * progress / tc.curriculum + 1e-9))
-
-
-def batch_stream(tc: TrainConfig, progress=lambda: 1.0):
-    """Deterministic, infinite stream of batches: chunks of ``bucket`` batches of fresh items,
-    length-sorted, cut into batches, batch order shuffled. Depends only on the data settings and on
-    the curriculum's ``max_distractors_at(progress())``, read once per chunk."""
-    chunk = 0
-    n = tc.batch_size * tc.bucket
-    while True:
-        k = max_distractors_at(progress(), tc)
-        items = D.training_items(n, seed=tc.data_seed * 1_000_003 + chunk, max_distractors=k,
-                                 no_context_frac=tc.no_context_frac, hard_negative_frac=tc.hard_negative_frac)
-        rows = sorted((encode_training_item(it, tc.gen_length) for it in items), key=lambda r: len(r[0]))
-        batches = [rows[i : i + tc.batch_size] for i in range(0, n, tc.batch_size)]
-        random.Random(f"mdm_lens.zoo.batches:{tc.data_seed}:{chunk}").shuffle(batches)
-        for b in batches:
-            yield collate(b)
-        chunk += 1
+from mdm_lens.zoo import data as D  # noqa: F401
+from mdm_lens.zoo import tokenizer as T  # noqa: F401
+# Configs and the data stream live in `recipe` / `batches` (evaluation needs them without training); re-exported.
+from mdm_lens.zoo.batches import Batch, batch_stream, collate, encode_training_item, max_distractors_at  # noqa: F401
+from mdm_lens.zoo.recipe import (ASSETS, EPS, NAMES, ArchConfig, Objective, TrainConfig,  # noqa: F401
+                                 model_config)
 
 
 # --- objectives ------------------------------------------------------------------------------------

@@ -1,0 +1,168 @@
+"""Retrieval probe, shared part: the item type (``RetrievalItem`` and its conversion from a `QAItem`), the answer
+check and the result type. Why a module of its own: both `retrieval` (the scores) and `ablation` (the causal
+check) need them, and neither may import the other both ways."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
+
+import pandas as pd
+import torch
+from torch import Tensor
+
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, OutOfRangeError
+
+from ._results import ResultMixin, to_numpy
+
+
+# ----------------------------------------------------------------------------------------------
+# items
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class RetrievalItem:
+    """One prompt with its needle: ``evidence`` = token spans [start, end) of the answer-bearing span,
+    ``answer`` = gold text (substring match) or gold token ids (must appear contiguously in the
+    generation), ``gold_doc`` = token span of the gold document (for ``evidence_focus``)."""
+
+    prompt_ids: Tensor
+    evidence: list[tuple[int, int]]
+    answer: str | Sequence[int] | Tensor
+    gold_doc: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        ids = self.prompt_ids
+        if isinstance(ids, (list, tuple)):
+            ids = self.prompt_ids = torch.tensor(ids, dtype=torch.long)
+        validate.tensor(ids, name="prompt_ids", ndim=1, dtype="int")
+        n = ids.shape[0]
+        if isinstance(self.evidence, tuple) and len(self.evidence) == 2 and all(isinstance(x, int) for x in self.evidence):
+            raise ArgumentTypeError(f"evidence={self.evidence!r} is invalid: expected a list of (start, end) spans; "
+                                    f"write evidence=[{self.evidence!r}].", argument="evidence", value=self.evidence,
+                                    allowed="[(start, end), ...]")
+        if isinstance(self.evidence, (str, bytes)) or not isinstance(self.evidence, Sequence):
+            raise ArgumentTypeError(f"evidence={self.evidence!r} is invalid: expected a list of (start, end) spans.",
+                                    argument="evidence", value=self.evidence, allowed="[(start, end), ...]")
+        self.evidence = [_span(e, n, f"evidence[{i}]") for i, e in enumerate(self.evidence)]
+        if self.gold_doc is not None:
+            self.gold_doc = _span(self.gold_doc, n, "gold_doc")
+        ans = self.answer
+        if isinstance(ans, str):
+            if not ans.strip():
+                raise ArgumentError("answer='' is invalid: expected a non-empty gold answer.", argument="answer",
+                                    value=ans, allowed="a non-empty str or token ids")
+        else:
+            t = torch.as_tensor(ans)
+            validate.tensor(t, name="answer", ndim=(0, 1), dtype="int")
+
+    def needle_mask(self, length: int) -> Tensor:
+        length = validate.integer(length, name="length", min=int(self.prompt_ids.shape[0]))
+        m = torch.zeros(length, dtype=torch.bool)
+        for s, e in self.evidence:
+            m[s:e] = True
+        return m
+
+    def doc_mask(self, length: int) -> Tensor:
+        length = validate.integer(length, name="length", min=int(self.prompt_ids.shape[0]))
+        if self.gold_doc is None:
+            return self.needle_mask(length)
+        m = torch.zeros(length, dtype=torch.bool)
+        m[self.gold_doc[0]:self.gold_doc[1]] = True
+        return m
+
+
+def _span(span: Any, n: int, name: str) -> tuple[int, int]:
+    """A (start, end) token span with 0 <= start < end <= n (the prompt length)."""
+    if isinstance(span, (str, bytes)) or not isinstance(span, Sequence) or len(span) != 2:
+        raise ArgumentTypeError(f"{name}={span!r} is invalid: expected a (start, end) pair.", argument=name,
+                                value=span, allowed="(start, end)")
+    s = validate.integer(span[0], name=f"{name}[0]", min=0, max=n - 1, error=OutOfRangeError)
+    return s, validate.integer(span[1], name=f"{name}[1]", min=s + 1, max=n, error=OutOfRangeError)
+
+
+def from_qa_item(item: Any) -> RetrievalItem:
+    """A zoo ``QAItem`` → ``RetrievalItem`` from one tokenisation with char offsets: the needle is the
+    answer occurrence in the gold passage (``evidence_span``), the gold doc its marker + sentence."""
+    from mdm_lens.items import char_span_to_token_span
+    from mdm_lens.zoo import tokenizer as ZT
+
+    ids, off = ZT.encode_with_offsets(item.prompt)
+    ev = [] if item.evidence_span is None else [char_span_to_token_span(off, item.evidence_span)]
+    gold = None
+    if item.gold_index is not None:
+        s, e = item.passage_spans[item.gold_index]
+        if item.marker_spans:
+            s = item.marker_spans[item.gold_index][0]
+        gold = char_span_to_token_span(off, (s, e))
+    return RetrievalItem(torch.tensor(ids, dtype=torch.long), ev, item.answer, gold)
+
+
+def _as_item(item: Any) -> RetrievalItem:
+    return item if isinstance(item, RetrievalItem) else from_qa_item(item)
+
+
+def _decode(model: Any, ids: Sequence[int]) -> str:
+    if getattr(model, "tokenizer", None) is not None:
+        from mdm_lens import tokenization
+
+        return tokenization.decode(model.tokenizer, list(ids))
+    from mdm_lens.zoo import tokenizer as ZT
+
+    return ZT.decode(ids)
+
+
+def answer_correct(model: Any, generated: Sequence[int] | Tensor, answer: Any, decode: Any = None) -> bool:
+    """Text answer: normalised substring match of the decoded generation (SQuAD normalisation, as the AF
+    Acc); token-id answer: the ids appear contiguously in the generated tokens."""
+    gen = [int(t) for t in torch.as_tensor(generated).flatten()]
+    if isinstance(answer, str):
+        from mdm_lens.items import substring_match
+
+        return bool(substring_match((decode or (lambda i: _decode(model, i)))(gen), answer))
+    ans = [int(t) for t in torch.as_tensor(answer).flatten()]
+    return any(gen[i:i + len(ans)] == ans for i in range(len(gen) - len(ans) + 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# scores
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class RetrievalScores(ResultMixin):
+    """Per-head scores (mean over counted samples; NaN if none counted).
+
+    ``scores [layer, head]`` over ``layers``; ``per_sample [item, layer, head]`` (NaN for samples not counted:
+    a wrong answer under ``only_correct``, or no answer position); ``above_threshold`` sorted by score;
+    ``retrieval_heads`` = ``above_threshold`` except for ``evidence_focus``, which is never a retrieval score.
+    """
+
+    method: str
+    threshold: float
+    layers: list[int]
+    scores: Tensor                      # [layer, head]
+    per_sample: Tensor                  # [item, layer, head]  NaN where not counted
+    correct: Tensor                     # [item] bool
+    n_counted: int
+    above_threshold: list[tuple[int, int]]
+    retrieval_heads: list[tuple[int, int]]   # = above_threshold except for evidence_focus (never a retrieval score)
+    notes: list[str] = field(default_factory=list)
+
+    _dims: ClassVar = {"scores": ("layer", "head"), "per_sample": ("item", "layer", "head")}
+
+    def top(self, k: int) -> list[tuple[int, int]]:
+        """The k best heads (layer, head) by score, NaN last (1 <= k <= number of scored heads)."""
+        k = validate.integer(k, name="k", min=1, max=self.scores.numel())
+        s = torch.nan_to_num(self.scores.to(torch.float64), nan=-1.0)
+        order = torch.argsort(s.flatten(), descending=True, stable=True)[:k]
+        return [(self.layers[int(i) // s.shape[1]], int(i) % s.shape[1]) for i in order]
+
+    def to_frame(self, lead_dims=None, metrics=None) -> pd.DataFrame:
+        """One row per head: method, layer, head, score, above_threshold, retrieval."""
+        s = to_numpy(self.scores)
+        rows = [dict(method=self.method, layer=self.layers[i], head=h, score=float(s[i, h]),
+                     above_threshold=(self.layers[i], h) in self.above_threshold,
+                     retrieval=(self.layers[i], h) in self.retrieval_heads)
+                for i in range(s.shape[0]) for h in range(s.shape[1])]
+        return pd.DataFrame(rows)
