@@ -199,3 +199,40 @@ def test_saelens_runner_trains_on_the_masked_canvas(mdm):
     with torch.no_grad():
         mse = [((s.decode(s.encode(acts)) - acts) ** 2).mean().item() for s in (before, trained)]
     assert mse[1] < 0.5 * mse[0], mse
+
+
+@needs_sae_lens
+@pytest.mark.parametrize("kind", ["standard", "topk", "jumprelu"])
+def test_any_saved_sae_splices_its_reconstruction(mdm, tmp_path, kind):
+    from sae_lens import SAE
+
+    from mdm_lens.sae import sae_hook
+
+    d = mdm.cfg.d_model
+    torch.manual_seed(1)
+    cfg = {"standard": {}, "topk": {"k": 5}, "jumprelu": {}}[kind]
+    sae = SAE.from_dict({"architecture": kind, "d_in": d, "d_sae": 48, "dtype": "float32", "device": "cpu", **cfg})
+    with torch.no_grad():
+        for p in sae.parameters():
+            p.normal_(0, 0.1)
+        if kind == "jumprelu":
+            sae.threshold.fill_(0.05)
+    sae.save_model(tmp_path)
+    loaded = SAE.load_from_disk(tmp_path)
+    assert type(loaded) is type(sae)
+    canvas = torch.cat([_ids(mdm, n=2, width=5), torch.full((2, 4), mdm.cfg.mask_token_id)], 1)
+    h = sae_hook(loaded, HOOK)
+    seen = {}
+
+    def manual(x, hook):
+        seen["x"] = x
+        return loaded.decode(loaded.encode(x))
+
+    want = mdm.run_with_hooks(canvas, fwd_hooks=[(HOOK, manual)])
+    got = mdm.run_with_hooks(canvas, fwd_hooks=[(h.name, h.fn)])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    clean = mdm(canvas)
+    assert (got - clean).abs().max() > 1e-3  # a lossy SAE does change the logits
+    l0 = (loaded.encode(seen["x"]) != 0).sum(-1).float()
+    if kind == "topk":
+        assert (l0 <= 5).all()
