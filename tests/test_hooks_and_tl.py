@@ -165,7 +165,9 @@ def test_activation_cache_helpers_run():
     scaled = cache.apply_ln_to_stack(dec, layer=-1)
     answer = torch.tensor([3, 7])
     assert scaled.shape == dec.shape
-    attrs = cache.logit_attrs(dec, tokens=answer)  # applies ln_final's scale itself
+    # tokens given per (batch, pos): transformer-lens 3.x does not broadcast a [batch] answer over positions
+    # (its logit_attrs wants tokens shaped like the stack's batch and pos dims); 4.x accepts both
+    attrs = cache.logit_attrs(dec, tokens=answer[:, None].expand(2, 6))  # applies ln_final's scale itself
     assert attrs.shape == (dec.shape[0], 2, 6)
     # direct logit attribution is exact: the summed attributions equal the logits
     final = attrs.sum(0)[:, -1]
