@@ -42,7 +42,10 @@ def _rows(df, **eq):
     return df
 
 
-def test_length_rows_are_bit_identical_to_the_probes_alone(mdm, data, tables):
+def test_length_rows_equal_the_probes_alone_to_fp_rounding(mdm, data, tables):
+    # The sweep's batched forward and the probe's single-item forward may pick different BLAS kernels for their
+    # different batch shapes (5e-17 apart on some CPUs), so float rows agree to 1e-12, not bit for bit; counts,
+    # labels and generated tokens stay exact.
     items = data[1]
     acc = tables["accuracy"]
     assert len(acc) == len(items) * 2 * 3 and not acc.duplicated(["item_id", "condition", "metric"]).any()
@@ -57,7 +60,7 @@ def test_length_rows_are_bit_identical_to_the_probes_alone(mdm, data, tables):
             for metric, t in (("absorption", res.per_sample), ("null", res.null), ("excess", res.excess)):
                 for vi, v in enumerate(res.variants):
                     g = _rows(got, metric=metric, variant=v).sort_values("layer").value.to_numpy()
-                    np.testing.assert_array_equal(g, t[0, :, vi].numpy())
+                    np.testing.assert_allclose(g, t[0, :, vi].numpy(), rtol=0, atol=1e-12)
             g = _rows(got, metric="n_anchors").sort_values("layer").value.to_numpy()
             np.testing.assert_array_equal(g, res.n_anchors[0].numpy())
         for layer in range(mdm.cfg.n_layers):
@@ -65,13 +68,14 @@ def test_length_rows_are_bit_identical_to_the_probes_alone(mdm, data, tables):
             q = _rows(tables["qk"], item_id=iid, layer=layer)
             for m in A.QK_METRICS:
                 g = _rows(q, metric=m).sort_values("head")
-                np.testing.assert_array_equal(g.value.to_numpy(), getattr(dec, m)[0].double().numpy())
+                np.testing.assert_allclose(g.value.to_numpy(), getattr(dec, m)[0].double().numpy(), rtol=0,
+                                           atol=1e-12)
                 assert g.label.tolist() == list(dec.labels[0])
         mine = _rows(tables["flow"], item_id=iid)
         want = flows[flows["item"] == i]
         assert mine.metric.tolist() == want.metric.tolist() and mine.region.fillna("-").tolist() == \
             want.region.fillna("-").tolist()
-        np.testing.assert_array_equal(mine.value.to_numpy(), want.value.to_numpy())
+        np.testing.assert_allclose(mine.value.to_numpy(), want.value.to_numpy(), rtol=0, atol=1e-12)
         pred = _rows(tables["accuracy"], item_id=iid, condition="with_context", metric="acc").prediction.iloc[0]
         assert pred == A._answer_text(mdm, toks[0, len(ids):].tolist())        # the same generation as alone
         nb = torch.tensor(TM.render(mdm, sweep.read_items(data[0]).items[i], "zoo", context=False).ids)
