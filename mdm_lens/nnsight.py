@@ -25,7 +25,6 @@ reached with `envoy.phase("uncond")`. The sampler's state is served at `lm.sampl
 
 from __future__ import annotations
 
-import inspect
 import sys
 import weakref
 
@@ -59,13 +58,13 @@ from mdm_lens import validate
 from mdm_lens._nnsight_clock import (AFTER, BEFORE, PHASES, StepInterleaver, StepIterations, StepNotRunError,
                                      _AttentionGate, _phase_location, _Plan)
 from mdm_lens.diffusion.generate import generate as mdm_generate
+from mdm_lens.diffusion.generate import plan as plan_run
+from mdm_lens.diffusion.registry import all_settings
 from mdm_lens.errors import ArgumentTypeError, InputError
 from mdm_lens.model import HookedMDM
 
 __all__ = ["DiffusionLM", "StepNotRunError", "PHASES"]
 
-_GENERATE_DEFAULTS = {k: p.default for k, p in inspect.signature(mdm_generate).parameters.items()
-                      if p.default is not inspect.Parameter.empty}
 
 
 class _ReadOnly:
@@ -225,15 +224,13 @@ class DiffusionLM(_Phases, NNsight):
     def _plan(self, fn: Any, kwargs: dict) -> _Plan | None:
         if getattr(fn, "__name__", None) != "generate":
             return None
-        settings = {"steps": None, "gen_length": 32, "sampler": "auto", "cfg_scale": 0.0, **_GENERATE_DEFAULTS,
-                    **kwargs}
-        steps = settings["steps"] if settings["steps"] is not None else settings["gen_length"]
-        steps = validate.integer(steps, name="steps", min=1)
-        sampler = settings["sampler"]
-        llada = sampler == "llada" or (sampler == "auto" and self._module.cfg.attention != "causal"
-                                       and not self._module.cfg.logit_shift)
-        cfg_scale = settings["cfg_scale"]
-        return _Plan(steps, bool(llada and isinstance(cfg_scale, (int, float)) and cfg_scale > 0))
+        # the sampler's own resolution, checked as generate checks it (the tracer's own keywords, e.g. backend=,
+        # are not sampler settings; a misspelt setting is refused by generate itself)
+        known = all_settings() | {"sampler"}
+        planned = plan_run(self._module, **{k: v for k, v in kwargs.items() if k in known})
+        if planned is None:
+            return None
+        return _Plan(planned.n_steps, "uncond" in planned.phases)
 
     # --- batching: one input per trace (a batch is one [batch, pos] tensor) ----------------------
     def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:

@@ -246,14 +246,12 @@ class TransformersBridge(CheckedHookSurface):
     def generate(self, prompt: Any, **kwargs: Any) -> Any:
         """DiffusionGemma: `sampler="diffusion_gemma"` (the default), see `mdm_lens.diffusion.diffusion_gemma`;
         bidirectional Llama/Qwen2 checkpoints: the LLaDA/Dream samplers; causal ones: "arm"."""
-        if self.is_block_diffusion:
-            from mdm_lens.diffusion.diffusion_gemma import generate as dg_generate
-
-            sampler = kwargs.pop("sampler", "diffusion_gemma")
-            validate.choice(sampler, ("diffusion_gemma", "auto"), name="sampler")
-            return dg_generate(self, prompt, **_dg_settings(self, kwargs))
         from mdm_lens.diffusion.generate import generate
 
+        if self.is_block_diffusion:
+            sampler = validate.choice(kwargs.pop("sampler", "diffusion_gemma"), ("diffusion_gemma", "auto"),
+                                      name="sampler")
+            return generate(self, prompt, sampler=sampler, **_dg_settings(self, kwargs))
         return generate(self, prompt, **kwargs)
 
     def aligned_logits(self, raw: Tensor) -> Tensor:

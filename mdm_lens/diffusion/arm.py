@@ -4,12 +4,19 @@ No KV cache: every step's hooks see the whole prefix, exactly like a denoising s
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from mdm_lens import validate
+from mdm_lens.diffusion.arguments import filters
+from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings
 from mdm_lens.diffusion.dream import sample_tokens
+from mdm_lens.diffusion.registry import register
+from mdm_lens.errors import SamplerConfigError
 from mdm_lens.diffusion.output import TrajectoryRecorder
 from mdm_lens.diffusion.state import DenoisingState
 
@@ -48,3 +55,42 @@ def arm_sample(runner: Any, prompt: Tensor, attention_mask: Tensor, *, gen_lengt
         if stop_at_eos and bool(done.all()):
             break
     return x, am, recorder
+
+
+@dataclass
+class ARMSettings(CanvasSettings):
+    """Greedy by default (temperature 0, no filters); one step per token, so `steps` is gen_length. With
+    `stop_at_eos` a row that emitted EOS keeps emitting it and the run ends when every row has."""
+
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_at_eos: bool = False
+
+    def resolve(self, model: Any) -> "ARMSettings":
+        n = self.lengths(model)
+        if n["steps"] != n["gen_length"]:
+            raise SamplerConfigError(f"steps={n['steps']} but an ARM takes one step per token: steps must equal "
+                                     f"gen_length={n['gen_length']} (or be left unset).", argument="steps",
+                                     value=n["steps"], allowed=f"{n['gen_length']}")
+        stop = validate.boolean(self.stop_at_eos, name="stop_at_eos")
+        if stop and model.cfg.eos_token_id is None:
+            raise SamplerConfigError("stop_at_eos=True but the model has no EOS id (cfg.eos_token_id is None).",
+                                     argument="stop_at_eos", value=True, allowed="a model with cfg.eos_token_id")
+        return dataclasses.replace(self, **n, temperature=self.temperature_or(0.0), **filters(self.top_p, self.top_k),
+                                   stop_at_eos=stop)
+
+
+class ARMSampler(CanvasSampler):
+    name, Settings = "arm", ARMSettings
+    causal = True
+    neutral = dict(stop_at_eos=False, top_p=None, top_k=None)
+
+    def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: ARMSettings,
+            generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
+        return arm_sample(runner, ids, am, gen_length=s.gen_length, temperature=s.temperature, top_p=s.top_p,
+                          top_k=s.top_k, eos_id=model.cfg.eos_token_id, stop_at_eos=s.stop_at_eos,
+                          generator=generator, progress=bar)
+
+
+register(ARMSampler())

@@ -39,13 +39,16 @@ counted from the end ("last", -1) are refused while a stopping rule is on.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from mdm_lens import tokenization
+from mdm_lens.diffusion.arguments import prompt_tokens
 from mdm_lens.diffusion.output import GenerateOutput, Trajectory
+from mdm_lens.diffusion.registry import DEFAULT, Observation, Sampler, SamplerSettings, progress_bar, register
 from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens.errors import InputError, SamplerConfigError
 from mdm_lens.hooks.runner import StepRunner
@@ -190,9 +193,6 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import (EntropyBoundSampler,
                                                                                  EntropyBoundSamplerConfig)
 
-    from mdm_lens.diffusion.arguments import prompt_tokens as _prompt_tokens
-    from mdm_lens.diffusion.generate import _progress
-
     hf = model.hf
     if entropy_bound is not None:
         if "sampler_config" in settings:
@@ -202,7 +202,7 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
         except ValueError as e:
             raise SamplerConfigError(str(e)) from e
     gc = prepare_settings(hf, generation_config, **settings)
-    ids, am = _prompt_tokens(model, prompt, attention_mask)
+    ids, am = prompt_tokens(model, prompt, attention_mask)
     _check_vocab(ids, model.cfg.d_vocab)
     device = ids.device
     batch, cur_len = ids.shape
@@ -244,7 +244,7 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
     embed_dtype = hf.model.decoder.embed_tokens.weight.dtype
     seq, step = ids, 0
     key_end: dict[int, int] = {}  # step → one past the last key that exists at that step
-    bar = _progress(progress, n_steps, "diffusion_gemma sampling")
+    bar = progress_bar(progress, n_steps, "diffusion_gemma sampling")
     try:
         with torch.no_grad():
             for block in range(n_canvases):
@@ -358,28 +358,42 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
     return out
 
 
-_PASSED_THROUGH = ("attention_mask", "fwd_hooks", "hook_steps", "record", "cache", "seed", "progress")
-_RENAMED = {"gen_length": "max_new_tokens", "steps": "max_denoising_steps", "temperature": "t_min / t_max"}
+@dataclass
+class DiffusionGemmaSettings(SamplerSettings):
+    """transformers' generation settings by their own names; an unset one (DEFAULT) resolves as transformers does:
+    the call, then `generation_config`, then the model's generation config, then the global defaults (an explicit
+    None is passed on: e.g. `stability_threshold=None` turns adaptive stopping off, as in transformers).
+    `entropy_bound` is a shortcut for `sampler_config=EntropyBoundSamplerConfig(entropy_bound=...)`."""
+
+    max_new_tokens: int | None = DEFAULT
+    max_length: int | None = DEFAULT
+    max_denoising_steps: int | None = DEFAULT
+    sampler_config: Any = DEFAULT
+    entropy_bound: float | None = DEFAULT
+    t_min: float | None = DEFAULT
+    t_max: float | None = DEFAULT
+    stability_threshold: float | None = DEFAULT
+    confidence_threshold: float | None = DEFAULT
+    eos_token_id: Any = DEFAULT
+    pad_token_id: int | None = DEFAULT
+    bos_token_id: int | None = DEFAULT
+    cache_implementation: str | None = DEFAULT
+    generation_config: Any = DEFAULT
 
 
-def generate_from_common(model: Any, prompt: Any, args: dict[str, Any]) -> GenerateOutput:
-    """`mdm_lens.diffusion.generate.generate(model, prompt, sampler="diffusion_gemma", ...)`: the observation
-    arguments pass through, DiffusionGemma's settings come by transformers' names, and a LLaDA/Dream/ARM
-    setting changed from its default is refused (it has no meaning here) rather than ignored."""
-    import inspect
+class DiffusionGemmaSampler(Sampler):
+    name, Settings = "diffusion_gemma", DiffusionGemmaSettings
+    renamed = {"gen_length": "max_new_tokens", "steps": "max_denoising_steps", "temperature": "t_min / t_max"}
 
-    from mdm_lens.diffusion.generate import generate as common
+    def check_model(self, model: Any) -> None:
+        if not getattr(model, "is_block_diffusion", False):
+            raise SamplerConfigError(f"sampler='diffusion_gemma' needs a DiffusionGemma model (TransformersBridge); "
+                                     f"{model.cfg.model_name} is {model.cfg.family}.", argument="sampler",
+                                     value=self.name, allowed="a sampler of this model's family, or 'auto'")
 
-    if not getattr(model, "is_block_diffusion", False):
-        raise SamplerConfigError(f"sampler='diffusion_gemma' needs a DiffusionGemma model (TransformersBridge); "
-                                 f"{model.cfg.model_name} is {model.cfg.family}.")
-    defaults = {n: p.default for n, p in inspect.signature(common).parameters.items()
-                if p.default is not inspect.Parameter.empty}
-    foreign = sorted(n for n, v in args.items() if n in defaults and n not in _PASSED_THROUGH + ("sampler",)
-                     and v is not defaults[n] and v != defaults[n])
-    if foreign:
-        hints = ", ".join(f"{n} → {_RENAMED[n]}" for n in foreign if n in _RENAMED)
-        raise SamplerConfigError(f"{foreign} are not DiffusionGemma settings" + (f" (use {hints})" if hints else "")
-                                 + f"; its settings: {list(GENERATION_SETTINGS)}, entropy_bound, generation_config.")
-    settings = dict(args.get("diffusion_gemma_settings") or {})
-    return generate(model, prompt, **{n: args[n] for n in _PASSED_THROUGH if n in args}, **settings)
+    def generate(self, model: Any, prompt: Any, settings: SamplerSettings, obs: Observation) -> GenerateOutput:
+        given = {k: v for k, v in settings.as_dict().items() if v is not DEFAULT}  # unset: transformers resolves
+        return generate(model, prompt, **vars(obs), **given)
+
+
+register(DiffusionGemmaSampler())

@@ -7,16 +7,24 @@ one-position shift) by the model (architectures.md §4.4)."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mdm_lens.diffusion.arguments import DREAM_ALGORITHMS as ALGORITHMS  # noqa: F401
+from mdm_lens import validate
+from mdm_lens.diffusion.arguments import filters, optional
+from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings, masked_canvas
 from mdm_lens.diffusion.output import TrajectoryRecorder
-from mdm_lens.diffusion.schedules import dream_timesteps, dream_transfer_count
+from mdm_lens.diffusion.registry import register
+from mdm_lens.diffusion.schedules import dream_schedule, dream_timesteps, dream_transfer_count
 from mdm_lens.diffusion.state import DenoisingState
+from mdm_lens.errors import SamplerConfigError
+
+ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
 
 def top_p_logits(logits: Tensor, top_p: float) -> Tensor:
@@ -112,3 +120,50 @@ def dream_sample(runner: Any, x: Tensor, attention_mask: Tensor, prompt_length: 
         if progress is not None:
             progress.update(1)
     return x, recorder
+
+
+@dataclass
+class DreamSettings(CanvasSettings):
+    """`diffusion_generate` as users run it, without a `generation_config`: the unset sampling settings come from
+    the model config's legacy generation attributes (transformers 4.x `PretrainedConfig`: temperature 1.0, top_p
+    1.0, top_k 50), not from `DreamGenerationConfig`'s own defaults (0.0 / None / None) nor from the checkpoint's
+    generation_config.json. So an unset `temperature` samples at 1.0 under a top-50 filter, exactly as there;
+    pass `top_k=None` (or `top_p=None`) to switch a filter off. `steps` defaults to gen_length (the reference's
+    512 does not depend on the length)."""
+
+    temperature: float = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = 50
+    alg: str = "origin"
+    alg_temp: float | None = None
+    eps: float = 1e-3
+
+    def resolve(self, model: Any) -> "DreamSettings":
+        return dataclasses.replace(
+            self, **self.lengths(model), temperature=self.temperature_or(1.0), **filters(self.top_p, self.top_k),
+            alg=validate.choice(self.alg, ALGORITHMS, name="alg", error=SamplerConfigError),
+            alg_temp=optional(self.alg_temp, lambda v: validate.number(v, name="alg_temp", min=0,
+                                                                       error=SamplerConfigError)),
+            eps=validate.number(self.eps, name="eps", min=0, max=1, min_open=True, max_open=True,
+                                error=SamplerConfigError))
+
+
+class DreamSampler(CanvasSampler):
+    name, Settings = "dream", DreamSettings
+    neutral = dict(alg="origin", alg_temp=None, eps=1e-3, top_p=None, top_k=None)
+
+    def idle_steps(self, s: DreamSettings) -> list[int] | None:
+        if s.alg == "origin":
+            return None  # random order
+        return [step for step, c in enumerate(dream_schedule(s.gen_length, s.steps, s.eps)) if c == 0]
+
+    def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: DreamSettings,
+            generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
+        x, am = masked_canvas(ids, am, s.gen_length, model.cfg.mask_token_id)
+        x, recorder = dream_sample(runner, x, am, ids.shape[1], steps=s.steps, mask_id=model.cfg.mask_token_id,
+                                   eps=s.eps, alg=s.alg, alg_temp=s.alg_temp, temperature=s.temperature,
+                                   top_p=s.top_p, top_k=s.top_k, generator=generator, progress=bar)
+        return x, am, recorder
+
+
+register(DreamSampler())

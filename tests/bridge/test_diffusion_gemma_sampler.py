@@ -136,7 +136,7 @@ def test_settings_are_checked_before_compute(pair):
     ids = _prompt()
     with pytest.raises(SamplerConfigError, match="t_max"):
         bridge.generate(ids, t_min=0.9, t_max=0.5)
-    with pytest.raises(SamplerConfigError, match="unknown DiffusionGemma setting"):
+    with pytest.raises(SamplerConfigError, match="unknown setting alg='entropy' for sampler 'diffusion_gemma'"):
         bridge.generate(ids, alg="entropy")
     # the probes' LLaDA-style names, in DiffusionGemma's terms
     a = bridge.generate(ids, gen_length=8, steps=3, block_length=8, seed=1)
