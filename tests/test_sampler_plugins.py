@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mdm_lens import HookedMDM, MDMConfig, SamplerConfigError
+from mdm_lens import steps as steps_
 from mdm_lens.diffusion import generate, plan, registry
 from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings, Plan, masked_canvas
 from mdm_lens.diffusion.dream import DreamSettings
@@ -107,7 +108,8 @@ def test_generate_has_no_sampler_specific_parameters():
 
 @pytest.mark.parametrize("cls, defaults", [
     (LLaDASettings, dict(steps=None, gen_length=None, block_length=None, temperature=0.0, cfg_scale=0.0,
-                         remasking="low_confidence", logits_eos_inf=False, confidence_eos_eot_inf=False)),
+                         remasking="low_confidence", logits_eos_inf=False, confidence_eos_eot_inf=False,
+                         threshold=None, factor=None, sampler_rule="llada", gamma=None)),
     (DreamSettings, dict(steps=None, gen_length=None, temperature=1.0, top_p=1.0, top_k=50, alg="origin",
                          alg_temp=None, eps=1e-3)),
     (ARMSettings, dict(steps=None, gen_length=None, temperature=0.0, top_p=None, top_k=None, stop_at_eos=False)),
@@ -156,3 +158,12 @@ def test_registering_needs_a_settings_dataclass():
     with pytest.raises(TypeError, match="SamplerSettings dataclass"):
         registry.register(Bad())
     assert "bad" not in registry.names()
+
+
+def test_runs_of_unknown_length_refuse_steps_counted_from_the_end():
+    """ARM with stop_at_eos stops when every row has emitted EOS: 'last' of the budget may never run."""
+    arm = tiny("arm")
+    assert plan(arm, gen_length=4, stop_at_eos=True).adaptive and plan(arm, gen_length=4).adaptive is None
+    with pytest.raises(SamplerConfigError, match="counted from the end"):
+        arm.generate(PROMPT, gen_length=4, stop_at_eos=True, cache="hook_embed" @ steps_("last"))
+    assert arm.generate(PROMPT, gen_length=4, cache="hook_embed" @ steps_("last")).cache.steps == [3]

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.diffusion.arguments import filters
-from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings
+from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings, Plan
 from mdm_lens.diffusion.dream import sample_tokens
 from mdm_lens.diffusion.registry import register
 from mdm_lens.errors import SamplerConfigError
@@ -85,6 +85,11 @@ class ARMSampler(CanvasSampler):
     name, Settings = "arm", ARMSettings
     causal = True
     neutral = dict(stop_at_eos=False, top_p=None, top_k=None)
+
+    def plan(self, s: ARMSettings) -> Plan:
+        if s.stop_at_eos:
+            return Plan(s.gen_length, adaptive="stop_at_eos ends the run when every row has emitted EOS")
+        return Plan(s.gen_length)
 
     def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: ARMSettings,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:

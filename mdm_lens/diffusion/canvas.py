@@ -46,9 +46,10 @@ class CanvasSettings(SamplerSettings):
 class Plan:
     """What the step runner must know before the first forward."""
 
-    n_steps: int
+    n_steps: int  # adaptive runs: the most forwards the run can make (it may stop earlier)
     n_blocks: int = 1
     phases: tuple[str, ...] = ("cond",)
+    adaptive: str | None = None  # why the run's length is known only at its end (None: it is fixed)
 
 
 class CanvasSampler(Sampler):
@@ -62,6 +63,9 @@ class CanvasSampler(Sampler):
     def idle_steps(self, s: Any) -> list[int] | None:
         """Steps that commit nothing when steps > gen_length (None: not known in advance)."""
         return None
+
+    def check_prompt(self, ids: Tensor, s: Any) -> None:
+        """A sampler's own limits on the prompt batch (e.g. one row only), raised before compute."""
 
     def run(self, runner: StepRunner, ids: Tensor, am: Tensor, model: Any, s: Any,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, Any]:
@@ -83,12 +87,16 @@ class CanvasSampler(Sampler):
         ids, am = arguments.prompt_tokens(model, prompt, obs.attention_mask)
         batch, prompt_length = ids.shape
         self._check_prompt(model, ids, s.gen_length)
+        self.check_prompt(ids, s)
         runner = StepRunner(model, fwd_hooks=obs.fwd_hooks, hook_steps=obs.hook_steps, record=obs.record,
                             cache=obs.cache)
         plan = self.plan(s)
+        if plan.adaptive:
+            runner.refuse_end_relative(plan.adaptive)
         runner.begin(batch, prompt_length + s.gen_length, plan.n_steps, n_blocks=plan.n_blocks,
                      phases=plan.phases)  # before compute
-        arguments.warn_idle(self.idle_steps(s), plan.n_steps, s.gen_length)
+        if not plan.adaptive:
+            arguments.warn_idle(self.idle_steps(s), plan.n_steps, s.gen_length)
         generator = torch.Generator().manual_seed(obs.seed) if obs.seed is not None else None
         bar = progress_bar(obs.progress, plan.n_steps, f"{self.name} sampling")
         settings = dict(s.as_dict(), seed=obs.seed)
@@ -100,6 +108,8 @@ class CanvasSampler(Sampler):
         finally:
             if bar is not None:
                 bar.close()
+        if plan.adaptive:
+            runner.warn_unreached(len(recorder.x_steps))
         records, meta = runner.records()
         texts = None
         if model.tokenizer is not None:

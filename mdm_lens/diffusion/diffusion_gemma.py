@@ -88,23 +88,6 @@ def prepare_settings(hf: Any, generation_config: Any = None, **settings: Any) ->
     return gc
 
 
-def _end_relative(when: Steps) -> bool:
-    return any(s == "last" or (isinstance(s, int) and s < 0) for s in when.indices)
-
-
-def _check_step_specs(runner: StepRunner, adaptive: bool) -> None:
-    if not adaptive:
-        return
-    specs = [runner.default_steps] + [h.when for h in runner.user_hooks] + [r.when for r in runner.reducers]
-    if runner.cache is not None:
-        specs.append(runner.cache.when)
-    if any(_end_relative(w) for w in specs):
-        raise SamplerConfigError("step indices counted from the end ('last', -1, …) are ambiguous here: DiffusionGemma "
-                                 "stops adaptively, so the run's length is unknown. Use explicit step numbers or "
-                                 "steps(every=k), or turn stopping off (stability_threshold=None, "
-                                 "confidence_threshold=None, eos_token_id=None).")
-
-
 def _check_vocab(ids: Tensor, d_vocab: int) -> None:
     """Token ids outside the vocabulary (transformers' embedding would fail with a bare IndexError)."""
     bad = (ids < 0) | (ids >= d_vocab)
@@ -218,7 +201,9 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
     runner = StepRunner(model, fwd_hooks=fwd_hooks, hook_steps=hook_steps, record=record, cache=cache)
     adaptive = (gc.stability_threshold is not None and gc.confidence_threshold is not None) or (
         gc.eos_token_id is not None and n_canvases > 1)
-    _check_step_specs(runner, adaptive)
+    if adaptive:
+        runner.refuse_end_relative("DiffusionGemma stops adaptively (turn stopping off with stability_threshold="
+                                   "None, confidence_threshold=None, eos_token_id=None to use them)")
     runner.begin(batch, max_pos, n_steps, n_blocks=n_canvases, phases=("encoder", "cond"))  # before any compute
 
     generator = torch.Generator(device=device)

@@ -15,24 +15,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mdm_lens import validate
+from mdm_lens.diffusion import fastdllm
 from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings, Plan, masked_canvas
 from mdm_lens.diffusion.output import TrajectoryRecorder
+from mdm_lens.diffusion.noise import add_gumbel_noise
 from mdm_lens.diffusion.registry import register, resolved
 from mdm_lens.diffusion.schedules import llada_transfer_counts
 from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens.errors import SamplerConfigError
 
 REMASKING = ("low_confidence", "random")
-
-
-def add_gumbel_noise(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
-    """exp(logits) / (−log u)^T in float64: its argmax is a sample from softmax(logits / T).
-    The reference insists on float64 (low-precision Gumbel noise hurts generation quality)."""
-    if temperature == 0:
-        return logits
-    logits = logits.to(torch.float64)
-    u = torch.rand(logits.shape, generator=generator, dtype=torch.float64, device="cpu").to(logits.device)
-    return logits.exp() / (-torch.log(u)) ** temperature
+RULES = ("llada", "eb")
 
 
 def llada_sample(runner: Any, x: Tensor, attention_mask: Tensor, prompt_length: int, *, steps: int,
@@ -107,6 +100,12 @@ class LLaDASettings(CanvasSettings):
     remasking: str = "low_confidence"
     logits_eos_inf: bool = False
     confidence_eos_eot_inf: bool = False
+    # Fast-dLLM parallel decoding (mdm_lens.diffusion.fastdllm): at most one of them
+    threshold: float | None = None
+    factor: float | None = None
+    # "eb": EB-sampler over the whole canvas with error bound `gamma` (its reference default 0.1)
+    sampler_rule: str = "llada"
+    gamma: float | None = None
     eos_id: int | None = resolved()  # from the checkpoint, for the two suppression options
     eot_id: int | None = resolved()
 
@@ -122,7 +121,8 @@ class LLaDASettings(CanvasSettings):
             cfg_scale=validate.number(self.cfg_scale, name="cfg_scale", min=0, error=SamplerConfigError),
             logits_eos_inf=validate.boolean(self.logits_eos_inf, name="logits_eos_inf"),
             confidence_eos_eot_inf=validate.boolean(self.confidence_eos_eot_inf, name="confidence_eos_eot_inf"))
-        return dataclasses.replace(s, **special_ids(model, s))
+        s = dataclasses.replace(s, **special_ids(model, s), **parallel_rule(s))
+        return s
 
 
 def check_blocks(steps: int, gen_length: int, block_length: int) -> None:
@@ -135,6 +135,46 @@ def check_blocks(steps: int, gen_length: int, block_length: int) -> None:
         raise SamplerConfigError(f"steps={steps} must be divisible by the number of blocks {n_blocks} "
                                  f"(gen_length/block_length); e.g. steps={n_blocks * max(1, steps // n_blocks)}.",
                                  argument="steps", value=steps, allowed=f"a multiple of {n_blocks}")
+
+
+def parallel_rule(s: LLaDASettings) -> dict[str, Any]:
+    """Fast-dLLM's `threshold` / `factor` and EB-sampler's `gamma`, checked against what their reference loops
+    support (no guidance or EOS options in Fast-dLLM; no blocks and confidence by entropy in EB-sampler)."""
+    rule = validate.choice(s.sampler_rule, RULES, name="sampler_rule", error=SamplerConfigError)
+    threshold = None if s.threshold is None else validate.number(s.threshold, name="threshold", min=0, max=1,
+                                                                 error=SamplerConfigError)
+    factor = None if s.factor is None else validate.number(s.factor, name="factor", min=0, min_open=True,
+                                                           error=SamplerConfigError)
+    if threshold is not None and factor is not None:
+        raise SamplerConfigError("threshold= and factor= are two Fast-dLLM rules; pass one.", argument="factor",
+                                 value=factor, allowed="None when threshold is set")
+    if rule != "eb" and s.gamma is not None:
+        raise SamplerConfigError(f"gamma={s.gamma!r} is EB-sampler's error bound; pass sampler_rule='eb' with it.",
+                                 argument="gamma", value=s.gamma, allowed="None unless sampler_rule='eb'")
+    parallel = "Fast-dLLM's threshold/factor decoding" if rule != "eb" else "EB-sampler"
+    if rule == "eb" or threshold is not None or factor is not None:
+        for name, neutral in (("logits_eos_inf", False), ("confidence_eos_eot_inf", False)):
+            if getattr(s, name) != neutral:
+                raise SamplerConfigError(f"{name}=True: {parallel} has no such option (its reference loop does not "
+                                         "suppress EOS/EoT).", argument=name, value=True, allowed="False")
+    if rule == "eb":
+        if threshold is not None or factor is not None:
+            raise SamplerConfigError("sampler_rule='eb' commits by entropy; threshold=/factor= are Fast-dLLM's rules.",
+                                     argument="threshold" if threshold is not None else "factor",
+                                     value=threshold if threshold is not None else factor, allowed="None with 'eb'")
+        if s.block_length != s.gen_length:
+            raise SamplerConfigError(f"block_length={s.block_length}: EB-sampler decodes the whole canvas at once "
+                                     "(its reference has no blocks).", argument="block_length",
+                                     value=s.block_length, allowed=f"None or {s.gen_length}")
+        if s.remasking != "low_confidence":
+            raise SamplerConfigError("remasking='random': EB-sampler ranks by entropy, not by a remasking rule.",
+                                     argument="remasking", value=s.remasking, allowed="'low_confidence'")
+        gamma = validate.number(0.1 if s.gamma is None else s.gamma, name="gamma", min=0, error=SamplerConfigError)
+        return dict(sampler_rule=rule, gamma=gamma, threshold=None, factor=None)
+    if (threshold is not None or factor is not None) and s.cfg_scale > 0:
+        raise SamplerConfigError(f"cfg_scale={s.cfg_scale}: Fast-dLLM's threshold/factor loop has no classifier-free "
+                                 "guidance.", argument="cfg_scale", value=s.cfg_scale, allowed="0")
+    return dict(sampler_rule=rule, gamma=None, threshold=threshold, factor=factor)
 
 
 def special_ids(model: Any, s: LLaDASettings) -> dict[str, Any]:
@@ -164,7 +204,7 @@ def special_ids(model: Any, s: LLaDASettings) -> dict[str, Any]:
 class LLaDASampler(CanvasSampler):
     name, Settings = "llada", LLaDASettings
     neutral = dict(cfg_scale=0.0, remasking="low_confidence", logits_eos_inf=False, confidence_eos_eot_inf=False,
-                   block_length=None)
+                   block_length=None, threshold=None, factor=None, sampler_rule="llada", gamma=None)
 
     def is_neutral(self, option: str, value: Any, given: dict[str, Any]) -> bool:
         gen_length = given.get("gen_length")
@@ -173,8 +213,20 @@ class LLaDASampler(CanvasSampler):
         return super().is_neutral(option, value, given)
 
     def plan(self, s: LLaDASettings) -> Plan:
-        return Plan(s.steps, s.gen_length // s.block_length,
-                    ("cond", "uncond") if s.cfg_scale > 0 else ("cond",))
+        phases = ("cond", "uncond") if s.cfg_scale > 0 else ("cond",)
+        n_blocks = s.gen_length // s.block_length
+        if s.sampler_rule == "eb":
+            return Plan(s.gen_length, 1, phases, adaptive="EB-sampler commits as many tokens as its error bound allows")
+        if s.threshold is not None or s.factor is not None:
+            return Plan(s.gen_length, n_blocks, phases,
+                        adaptive="Fast-dLLM's threshold/factor rule commits as many tokens as pass it")
+        return Plan(s.steps, n_blocks, phases)
+
+    def check_prompt(self, ids: Tensor, s: LLaDASettings) -> None:
+        if s.sampler_rule == "eb" and ids.shape[0] != 1:
+            raise SamplerConfigError(f"sampler_rule='eb' on a batch of {ids.shape[0]} prompts: EB-sampler's reference "
+                                     "decodes one prompt at a time; pass one row.", argument="prompt",
+                                     value=tuple(ids.shape), allowed="a [1, pos] prompt")
 
     def idle_steps(self, s: LLaDASettings) -> list[int]:
         n_blocks = s.gen_length // s.block_length
@@ -185,6 +237,18 @@ class LLaDASampler(CanvasSampler):
     def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: LLaDASettings,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
         x, am = masked_canvas(ids, am, s.gen_length, model.cfg.mask_token_id)
+        mask_id, budget = model.cfg.mask_token_id, s.gen_length
+        if s.sampler_rule == "eb":
+            x, recorder = fastdllm.eb_sample(runner, x, am, ids.shape[1], gamma=s.gamma, temperature=s.temperature,
+                                             cfg_scale=s.cfg_scale, mask_id=mask_id, budget=budget,
+                                             generator=generator, progress=bar)
+            return x, am, recorder
+        if s.threshold is not None or s.factor is not None:
+            x, recorder = fastdllm.fastdllm_sample(
+                runner, x, am, ids.shape[1], gen_length=s.gen_length, block_length=s.block_length,
+                temperature=s.temperature, remasking=s.remasking, mask_id=mask_id, threshold=s.threshold,
+                factor=s.factor, budget=budget, generator=generator, progress=bar)
+            return x, am, recorder
         x, recorder = llada_sample(
             runner, x, am, ids.shape[1], steps=s.steps, gen_length=s.gen_length, block_length=s.block_length,
             temperature=s.temperature, cfg_scale=s.cfg_scale, remasking=s.remasking,

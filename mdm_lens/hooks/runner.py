@@ -4,6 +4,7 @@ they are removed after every step even when one raises."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -11,7 +12,7 @@ from torch import Tensor
 
 from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentTypeError, InputError, NonFiniteError
+from mdm_lens.errors import ArgumentTypeError, InputError, NonFiniteError, SamplerConfigError
 from mdm_lens.hooks.names import expand_names
 from mdm_lens.hooks.reducers import Reducer
 from mdm_lens.hooks.steps import BoundHook, StepHook, Steps, as_steps
@@ -19,6 +20,10 @@ from mdm_lens.hooks.trajectory import TrajectoryCache
 
 
 _as_steps = as_steps  # the former private name
+
+
+class StepsNotReachedWarning(UserWarning):
+    """A run whose length is known only at its end stopped before steps that were asked for."""
 
 
 class StepRunner:
@@ -66,6 +71,31 @@ class StepRunner:
         if self.cache is not None:
             self.cache.when.check(n_steps, n_blocks, phases, what="cache")
             self.cache.begin(self.model, batch, max_pos, n_steps)
+
+    def refuse_end_relative(self, why: str) -> None:
+        """For runs whose length is known only at their end (adaptive stopping, confidence-driven commits):
+        a step selector counted from the end ('last', -1) cannot be resolved before the run, so it is refused."""
+        specs = [self.default_steps] + [h.when for h in self.user_hooks] + [r.when for r in self.reducers]
+        if self.cache is not None:
+            specs.append(self.cache.when)
+        if any(s == "last" or (isinstance(s, int) and s < 0) for w in specs for s in w.indices):
+            raise SamplerConfigError(f"step indices counted from the end ('last', -1, …) are ambiguous here: {why}, "
+                                     "so the run's length is unknown. Use explicit step numbers or steps(every=k).",
+                                     argument="steps", value=[w.indices for w in specs if w.indices],
+                                     allowed="non-negative step indices")
+
+    def warn_unreached(self, n_run: int) -> None:
+        """After a run of unknown length: the explicitly asked steps it never reached (nothing was recorded or
+        hooked there) are named in a warning, so an empty cache row is never mistaken for a result."""
+        specs = [("fwd_hooks", h.when) for h in self.user_hooks] + [(f"record {r.name!r}", r.when)
+                                                                    for r in self.reducers]
+        if self.cache is not None:
+            specs.append(("cache", self.cache.when))
+        for what, when in specs:
+            late = sorted(s for s in when.indices if isinstance(s, int) and s >= n_run)
+            if late:
+                warnings.warn(f"{what}: steps {late} were asked for, but the run stopped after {n_run} forward(s); "
+                              "nothing was recorded or hooked there.", StepsNotReachedWarning, stacklevel=5)
 
     def _hooks_for(self, state: DenoisingState) -> list[tuple[str, Callable]]:
         out: list[tuple[str, Callable]] = []
