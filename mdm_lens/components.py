@@ -9,6 +9,7 @@ the TransformerLens per-head views (`W_Q [head, d_model, d_head]`, …) are expo
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import einops
 import torch
@@ -89,6 +90,7 @@ class Attention(nn.Module):
         self.query_chunk: int | None = None  # rows per chunk for row consumers; None = from ROW_CHUNK_BYTES
         self.row_mode = "explicit"  # z on the chunked path: "explicit" (from the chunks) or "sdpa"
         self._row_consumers: list[RowConsumer] = []
+        self.kv: Any = None  # a kvcache.LayerKV while a cached decoding loop runs (keys/values of other rows)
         for name in ("hook_q", "hook_k", "hook_v", "hook_rot_q", "hook_rot_k", "hook_attn_scores",
                      "hook_pattern", "hook_z", "hook_result"):
             setattr(self, name, HookPoint())
@@ -181,6 +183,8 @@ class Attention(nn.Module):
         full = self.cfg.rope_full_precision
         q = self.hook_rot_q(apply_rotary(q, cos, sin, full))
         k = self.hook_rot_k(apply_rotary(k, cos, sin, full))
+        if self.kv is not None:  # the window's new rows join (or overwrite) the cached ones
+            k, v = self.kv(k, v)
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [batch, head, pos, d_head]
         consumers, self._row_consumers = self._row_consumers, []
         if self.needs_explicit():

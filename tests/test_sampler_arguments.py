@@ -235,7 +235,7 @@ def test_settings_list_every_effective_value():
     s = run(gen_length=4).settings
     assert s == dict(steps=4, gen_length=4, temperature=0.0, block_length=4, remasking="low_confidence",
                      cfg_scale=0.0, logits_eos_inf=False, confidence_eos_eot_inf=False, threshold=None, factor=None,
-                     sampler_rule="llada", gamma=None, eos_id=EOS, eot_id=EOT, seed=0, mask_id=MASK)
+                     sampler_rule="llada", gamma=None, kv_cache=None, eos_id=EOS, eot_id=EOT, seed=0, mask_id=MASK)
     d = run("dream", gen_length=4).settings
     assert d == dict(steps=4, gen_length=4, temperature=1.0, alg="origin", alg_temp=None, eps=1e-3, top_p=1.0,
                      top_k=50, seed=0, mask_id=MASK)

@@ -64,8 +64,9 @@ class CanvasSampler(Sampler):
         """Steps that commit nothing when steps > gen_length (None: not known in advance)."""
         return None
 
-    def check_prompt(self, ids: Tensor, s: Any) -> None:
-        """A sampler's own limits on the prompt batch (e.g. one row only), raised before compute."""
+    def check_run(self, ids: Tensor, am: Tensor, s: Any, obs: Observation) -> None:
+        """A sampler's own limits on the prompt batch and the observation (one row only, no padding, ...),
+        raised before compute."""
 
     def run(self, runner: StepRunner, ids: Tensor, am: Tensor, model: Any, s: Any,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, Any]:
@@ -87,7 +88,7 @@ class CanvasSampler(Sampler):
         ids, am = arguments.prompt_tokens(model, prompt, obs.attention_mask)
         batch, prompt_length = ids.shape
         self._check_prompt(model, ids, s.gen_length)
-        self.check_prompt(ids, s)
+        self.check_run(ids, am, s, obs)
         runner = StepRunner(model, fwd_hooks=obs.fwd_hooks, hook_steps=obs.hook_steps, record=obs.record,
                             cache=obs.cache)
         plan = self.plan(s)

@@ -24,8 +24,10 @@ from torch import Tensor
 
 from mdm_lens.diffusion.noise import add_gumbel_noise
 from mdm_lens.diffusion.output import TrajectoryRecorder
+from mdm_lens.diffusion.schedules import llada_transfer_counts
 from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens.errors import SamplerConfigError
+from mdm_lens.kvcache import KVCache
 
 
 def threshold_transfer(confidence: Float[Tensor, "batch pos"], masked: Bool[Tensor, "batch pos"],
@@ -92,7 +94,8 @@ def _noisy_argmax(logits: Tensor, temperature: float, generator: torch.Generator
     return torch.argmax(add_gumbel_noise(logits, temperature, generator), dim=-1)
 
 
-def fastdllm_sample(runner: Any, x: Tensor, attention_mask: Tensor, prompt_length: int, *, gen_length: int, block_length: int, temperature: float, remasking: str, mask_id: int,
+def fastdllm_sample(runner: Any, x: Tensor, attention_mask: Tensor, prompt_length: int, *, gen_length: int,
+                    block_length: int, temperature: float, remasking: str, mask_id: int,
                     threshold: float | None, factor: float | None, budget: int,
                     generator: torch.Generator | None = None, progress: Any = None) -> tuple[Tensor, TrajectoryRecorder]:
     """Fast-dLLM's `generate` loop (no KV cache) with the threshold or factor rule; `budget` bounds the forwards
@@ -116,17 +119,8 @@ def fastdllm_sample(runner: Any, x: Tensor, attention_mask: Tensor, prompt_lengt
             logits = runner.forward(state, x, attention_mask=attention_mask)
             eligible = masked.clone()
             eligible[:, blk.stop:] = False
-            x0 = _noisy_argmax(logits, temperature, generator)
-            if remasking == "low_confidence":
-                p = torch.gather(F.softmax(logits.to(torch.float64), dim=-1), -1, x0[..., None]).squeeze(-1)
-            else:
-                p = torch.rand(x0.shape, generator=generator, device="cpu", dtype=torch.float32).to(x.device)
-            x0 = torch.where(eligible, x0, x)
-            confidence = torch.where(eligible, p, torch.tensor(float("-inf"), dtype=p.dtype, device=x.device))
-            if factor is not None:
-                transfer = factor_transfer(confidence, eligible, factor)
-            else:
-                transfer = threshold_transfer(confidence, eligible, threshold)
+            x0, transfer, confidence = propose(logits, x, eligible, temperature, remasking, threshold, factor,
+                                               None, generator)
             x_in = state.x
             x = torch.where(transfer, x0, x)
             _end(runner, recorder, state, step, b, x_in, transfer, confidence, progress)
@@ -134,6 +128,93 @@ def fastdllm_sample(runner: Any, x: Tensor, attention_mask: Tensor, prompt_lengt
             if not bool((x[:, blk] == mask_id).any()):
                 break
     return x, recorder
+
+
+def cached_sample(runner: Any, model: Any, x: Tensor, attention_mask: Tensor, prompt_length: int, *, kv_cache: str,
+                  steps: int, gen_length: int, block_length: int, temperature: float, remasking: str, mask_id: int,
+                  threshold: float | None, factor: float | None, budget: int, generator: torch.Generator | None = None,
+                  progress: Any = None) -> tuple[Tensor, TrajectoryRecorder]:
+    """`generate_with_prefix_cache` / `generate_with_dual_cache` (Fast-dLLM @ 24cc59e): per block one full forward
+    that fills the cache and commits by the block schedule's first count (or the rule), then window forwards
+    (prefix: from the block start to the end; dual: the block) against the cache until the block holds no mask.
+    As there, the first window forward runs even when the block-start forward filled the block, and the prefix
+    loop draws one set of Gumbel noise it does not use before each commit (at temperature > 0)."""
+    batch, total = x.shape
+    recorder = TrajectoryRecorder(batch, total, prompt_length, x.device)
+    prompt_index = torch.zeros_like(x, dtype=torch.bool)
+    prompt_index[:, :prompt_length] = True
+    key_visible = attention_mask.bool()
+    n_blocks = gen_length // block_length
+    cache = KVCache(model, total)
+    step = 0
+    for b in range(n_blocks):
+        start, end = prompt_length + b * block_length, prompt_length + (b + 1) * block_length
+        blk = slice(start, end)
+        counts = llada_transfer_counts(x[:, blk] == mask_id, steps // n_blocks)
+        i = 0
+        while True:
+            if step >= budget:
+                raise SamplerConfigError(f"block {b} still holds mask tokens after {budget} forwards: the model keeps "
+                                         f"predicting the mask token {mask_id} itself.", argument="kv_cache",
+                                         value=kv_cache)
+            lo, hi = (0, total) if i == 0 else (start, total if kv_cache == "prefix" else end)
+            masked = x == mask_id
+            cache.computed(lo, hi, step)
+            state = DenoisingState(step, budget, b, n_blocks, x.clone(), masked, prompt_index, key_visible, blk)
+            state.extra.update(kv_cache=kv_cache, refresh=i == 0, query_start=lo, query_end=hi,
+                               kv_age=cache.age.clone())
+            with cache.attached("fill" if i == 0 else kv_cache, (lo, hi)):
+                logits = runner.forward(state, x[:, lo:hi], position_ids=torch.arange(lo, hi, device=x.device)[None])
+            if i == 0 and kv_cache == "prefix":
+                cache.trim(start)
+            eligible = masked[:, lo:hi].clone()
+            eligible[:, end - lo:] = False
+            if i > 0 and kv_cache == "prefix":
+                add_gumbel_noise(logits, temperature, generator)  # the reference's unused draw
+            if threshold is None and factor is None and i >= counts.shape[1]:
+                raise SamplerConfigError(f"block {b} still holds mask tokens after its {counts.shape[1]} scheduled "
+                                         f"steps: the model predicted the mask token {mask_id} itself.",
+                                         argument="steps", value=steps)
+            count = counts[:, i] if i < counts.shape[1] else None
+            x0, transfer, confidence = propose(logits, x[:, lo:hi], eligible, temperature, remasking, threshold,
+                                               factor, count, generator)
+            x_in = state.x
+            full = torch.zeros_like(masked)
+            full[:, lo:hi] = transfer
+            conf = torch.full(x.shape, float("-inf"), dtype=confidence.dtype, device=x.device)
+            conf[:, lo:hi] = confidence
+            x = x.clone()
+            x[:, lo:hi] = torch.where(transfer, x0, x[:, lo:hi])
+            _end(runner, recorder, state, step, b, x_in, full, conf, progress)
+            step += 1
+            if i > 0 and not bool((x[:, blk] == mask_id).any()):
+                break
+            i += 1
+    return x, recorder
+
+
+def propose(logits: Tensor, x: Tensor, eligible: Tensor, temperature: float, remasking: str,
+            threshold: float | None, factor: float | None, count: Tensor | None,
+            generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Fast-dLLM's `get_transfer_index`: (Gumbel-)argmax tokens, float64 confidences of the eligible positions,
+    and the positions to commit by the factor rule, the threshold rule, or the block schedule's `count` per row."""
+    x0 = _noisy_argmax(logits, temperature, generator)
+    if remasking == "low_confidence":
+        p = torch.gather(F.softmax(logits.to(torch.float64), dim=-1), -1, x0[..., None]).squeeze(-1)
+    else:
+        p = torch.rand(x0.shape, generator=generator, device="cpu", dtype=torch.float32).to(x.device)
+    x0 = torch.where(eligible, x0, x)
+    confidence = torch.where(eligible, p, torch.tensor(float("-inf"), dtype=p.dtype, device=x.device))
+    if factor is not None:
+        transfer = factor_transfer(confidence, eligible, factor)
+    elif threshold is not None:
+        transfer = threshold_transfer(confidence, eligible, threshold)
+    else:
+        transfer = torch.zeros_like(eligible)
+        for j in range(x.shape[0]):
+            _, select = torch.topk(confidence[j], k=int(count[j]))  # type: ignore[index]
+            transfer[j, select] = True
+    return x0, transfer, confidence
 
 
 def eb_sample(runner: Any, x: Tensor, attention_mask: Tensor, prompt_length: int, *, gamma: float,

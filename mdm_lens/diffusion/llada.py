@@ -26,6 +26,7 @@ from mdm_lens.errors import SamplerConfigError
 
 REMASKING = ("low_confidence", "random")
 RULES = ("llada", "eb")
+KV_CACHES = ("prefix", "dual")
 
 
 def llada_sample(runner: Any, x: Tensor, attention_mask: Tensor, prompt_length: int, *, steps: int,
@@ -106,6 +107,8 @@ class LLaDASettings(CanvasSettings):
     # "eb": EB-sampler over the whole canvas with error bound `gamma` (its reference default 0.1)
     sampler_rule: str = "llada"
     gamma: float | None = None
+    # Fast-dLLM's approximate KV cache: "prefix" or "dual" (mdm_lens.kvcache)
+    kv_cache: str | None = None
     eos_id: int | None = resolved()  # from the checkpoint, for the two suppression options
     eot_id: int | None = resolved()
 
@@ -152,7 +155,7 @@ def parallel_rule(s: LLaDASettings) -> dict[str, Any]:
         raise SamplerConfigError(f"gamma={s.gamma!r} is EB-sampler's error bound; pass sampler_rule='eb' with it.",
                                  argument="gamma", value=s.gamma, allowed="None unless sampler_rule='eb'")
     parallel = "Fast-dLLM's threshold/factor decoding" if rule != "eb" else "EB-sampler"
-    if rule == "eb" or threshold is not None or factor is not None:
+    if rule == "eb" or threshold is not None or factor is not None or s.kv_cache is not None:
         for name, neutral in (("logits_eos_inf", False), ("confidence_eos_eot_inf", False)):
             if getattr(s, name) != neutral:
                 raise SamplerConfigError(f"{name}=True: {parallel} has no such option (its reference loop does not "
@@ -170,11 +173,21 @@ def parallel_rule(s: LLaDASettings) -> dict[str, Any]:
             raise SamplerConfigError("remasking='random': EB-sampler ranks by entropy, not by a remasking rule.",
                                      argument="remasking", value=s.remasking, allowed="'low_confidence'")
         gamma = validate.number(0.1 if s.gamma is None else s.gamma, name="gamma", min=0, error=SamplerConfigError)
-        return dict(sampler_rule=rule, gamma=gamma, threshold=None, factor=None)
-    if (threshold is not None or factor is not None) and s.cfg_scale > 0:
-        raise SamplerConfigError(f"cfg_scale={s.cfg_scale}: Fast-dLLM's threshold/factor loop has no classifier-free "
-                                 "guidance.", argument="cfg_scale", value=s.cfg_scale, allowed="0")
-    return dict(sampler_rule=rule, gamma=None, threshold=threshold, factor=factor)
+        if s.kv_cache is not None:
+            raise SamplerConfigError("sampler_rule='eb' runs without a KV cache (its reference iterates the whole "
+                                     "canvas).", argument="kv_cache", value=s.kv_cache, allowed="None with 'eb'")
+        return dict(sampler_rule=rule, gamma=gamma, threshold=None, factor=None, kv_cache=None)
+    kv = None if s.kv_cache is None else validate.choice(s.kv_cache, KV_CACHES, name="kv_cache",
+                                                         error=SamplerConfigError)
+    if (threshold is not None or factor is not None or kv is not None) and s.cfg_scale > 0:
+        raise SamplerConfigError(f"cfg_scale={s.cfg_scale}: Fast-dLLM's loops have no classifier-free guidance.",
+                                 argument="cfg_scale", value=s.cfg_scale, allowed="0")
+    if kv is not None and threshold is None and factor is None and s.steps // (s.gen_length // s.block_length) < 2:
+        raise SamplerConfigError(f"kv_cache={kv!r} with the block schedule needs at least 2 steps per block: after "
+                                 "the block-start forward the reference reads the schedule's second count (it fails "
+                                 "with one step per block).", argument="steps", value=s.steps,
+                                 allowed=f">= {2 * (s.gen_length // s.block_length)}")
+    return dict(sampler_rule=rule, gamma=None, threshold=threshold, factor=factor, kv_cache=kv)
 
 
 def special_ids(model: Any, s: LLaDASettings) -> dict[str, Any]:
@@ -204,7 +217,7 @@ def special_ids(model: Any, s: LLaDASettings) -> dict[str, Any]:
 class LLaDASampler(CanvasSampler):
     name, Settings = "llada", LLaDASettings
     neutral = dict(cfg_scale=0.0, remasking="low_confidence", logits_eos_inf=False, confidence_eos_eot_inf=False,
-                   block_length=None, threshold=None, factor=None, sampler_rule="llada", gamma=None)
+                   block_length=None, threshold=None, factor=None, sampler_rule="llada", gamma=None, kv_cache=None)
 
     def is_neutral(self, option: str, value: Any, given: dict[str, Any]) -> bool:
         gen_length = given.get("gen_length")
@@ -217,12 +230,25 @@ class LLaDASampler(CanvasSampler):
         n_blocks = s.gen_length // s.block_length
         if s.sampler_rule == "eb":
             return Plan(s.gen_length, 1, phases, adaptive="EB-sampler commits as many tokens as its error bound allows")
+        if s.kv_cache is not None:
+            return Plan(s.gen_length + 2 * n_blocks, n_blocks, phases,
+                        adaptive="a cached Fast-dLLM loop runs until each block holds no mask")
         if s.threshold is not None or s.factor is not None:
             return Plan(s.gen_length, n_blocks, phases,
                         adaptive="Fast-dLLM's threshold/factor rule commits as many tokens as pass it")
         return Plan(s.steps, n_blocks, phases)
 
-    def check_prompt(self, ids: Tensor, s: LLaDASettings) -> None:
+    def check_run(self, ids: Tensor, am: Tensor, s: LLaDASettings, obs: Any) -> None:
+        if s.kv_cache is not None and obs.record:
+            raise SamplerConfigError(f"record= on a kv_cache={s.kv_cache!r} run: the streaming reducers assume every "
+                                     "forward computes every query row; a cached forward computes a window. Use "
+                                     "cache= or fwd_hooks (they see the rows each forward computes).",
+                                     argument="record", value=obs.record, allowed="[] with kv_cache")
+        if s.kv_cache is not None and not bool(am.all()):
+            raise SamplerConfigError(f"kv_cache={s.kv_cache!r} on a padded batch: Fast-dLLM's cached loops take "
+                                     "prompts of one length and attend without a padding mask; batch prompts of "
+                                     "equal length (or drop kv_cache).", argument="attention_mask", value=am,
+                                     allowed="no padding")
         if s.sampler_rule == "eb" and ids.shape[0] != 1:
             raise SamplerConfigError(f"sampler_rule='eb' on a batch of {ids.shape[0]} prompts: EB-sampler's reference "
                                      "decodes one prompt at a time; pass one row.", argument="prompt",
@@ -242,6 +268,13 @@ class LLaDASampler(CanvasSampler):
             x, recorder = fastdllm.eb_sample(runner, x, am, ids.shape[1], gamma=s.gamma, temperature=s.temperature,
                                              cfg_scale=s.cfg_scale, mask_id=mask_id, budget=budget,
                                              generator=generator, progress=bar)
+            return x, am, recorder
+        if s.kv_cache is not None:
+            x, recorder = fastdllm.cached_sample(
+                runner, model, x, am, ids.shape[1], kv_cache=s.kv_cache, steps=s.steps, gen_length=s.gen_length,
+                block_length=s.block_length, temperature=s.temperature, remasking=s.remasking, mask_id=mask_id,
+                threshold=s.threshold, factor=s.factor, budget=s.gen_length + 2 * (s.gen_length // s.block_length),
+                generator=generator, progress=bar)
             return x, am, recorder
         if s.threshold is not None or s.factor is not None:
             x, recorder = fastdllm.fastdllm_sample(
