@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mdm_lens import HookedMDM, MDMConfig, ReceivedAttention, SamplerConfigError, at_steps
+from mdm_lens import (HookedMDM, KeyValueNorms, MDMConfig, ReceivedAttention, SamplerConfigError, TopKKeys,
+                      TrajectoryCache, at_steps, steps)
 from mdm_lens.kvcache import KVCache
 
 MASK = 19
@@ -262,7 +263,8 @@ def test_hooks_see_the_rows_each_forward_computes_and_the_cache_age(model):
     (dict(kv_cache="dual", steps=2, block_length=4), "steps"),
     (dict(kv_cache="prefix", sampler_rule="eb"), "kv_cache"),
     (dict(kv_cache="prefix", logits_eos_inf=True), "logits_eos_inf"),
-    (dict(kv_cache="prefix", record=[ReceivedAttention()]), "record"),
+    (dict(kv_cache="prefix", record=[KeyValueNorms()]), "record"),
+    (dict(kv_cache="dual", record=[ReceivedAttention(), TopKKeys(k=2)]), "record"),
 ])
 def test_inconsistent_cache_settings_are_refused_before_compute(model, kw, argument):
     calls = []
@@ -281,3 +283,28 @@ def test_a_padded_batch_is_refused_and_equal_lengths_run(model):
         alone = model.generate(two[row:row + 1], gen_length=8, steps=8, block_length=4, kv_cache="dual",
                                fwd_hooks=NO_MASK)
         assert torch.equal(batch.tokens[row], alone.tokens[0])
+
+
+@pytest.mark.parametrize("mode", ["prefix", "dual"])
+@pytest.mark.parametrize("query", ["all", "masked", "committed"])
+def test_received_attention_averages_the_window_rows_a_cached_forward_computes(model, mode, query):
+    names = [f"blocks.{i}.attn.hook_pattern" for i in range(2)]
+    out = model.generate(PROMPT, gen_length=8, steps=8, block_length=4, kv_cache=mode, fwd_hooks=NO_MASK,
+                         record=[ReceivedAttention(query=query)], cache=TrajectoryCache(names, steps(every=1)))
+    rec = out.records["received_attention"]  # [step, batch, layer, head, key]
+    assert rec.shape[0] == out.trajectory.n_steps
+    for step in range(out.trajectory.n_steps):
+        state = out.trajectory
+        x_in = state.x_steps[step]
+        n_rows = out.cache[step]["pattern", 0].shape[2]  # [batch, head, window, keys]
+        total = x_in.shape[1]
+        block_start = 5 + 4 * int(state.block_of_step[step])
+        lo = 0 if n_rows == total else (total - n_rows if mode == "prefix" else block_start)
+        assert mode == "dual" or n_rows == total or lo == block_start
+        rows = {"all": torch.ones(1, n_rows, dtype=torch.bool),
+                "masked": (x_in == MASK)[:, lo:lo + n_rows],
+                "committed": state.committed_at(step)[:, lo:lo + n_rows]}[query]
+        for layer in range(2):
+            p = out.cache[step]["pattern", layer].double()
+            expected = torch.einsum("bhqk,bq->bhk", p, rows.double()) / rows.sum(-1).clamp(min=1)
+            torch.testing.assert_close(rec[step, :, layer].double(), expected, atol=1e-6, rtol=0)

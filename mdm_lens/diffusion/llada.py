@@ -239,11 +239,14 @@ class LLaDASampler(CanvasSampler):
         return Plan(s.steps, n_blocks, phases)
 
     def check_run(self, ids: Tensor, am: Tensor, s: LLaDASettings, obs: Any) -> None:
-        if s.kv_cache is not None and obs.record:
-            raise SamplerConfigError(f"record= on a kv_cache={s.kv_cache!r} run: the streaming reducers assume every "
-                                     "forward computes every query row; a cached forward computes a window. Use "
-                                     "cache= or fwd_hooks (they see the rows each forward computes).",
-                                     argument="record", value=obs.record, allowed="[] with kv_cache")
+        from mdm_lens.hooks.reducers import ReceivedAttention
+
+        other = [r for r in obs.record if not isinstance(r, ReceivedAttention)]
+        if s.kv_cache is not None and other:
+            raise SamplerConfigError(f"record={[type(r).__name__ for r in other]} on a kv_cache={s.kv_cache!r} run: "
+                                     "these reducers place rows at positions 0.. and a cached forward computes a "
+                                     "window; ReceivedAttention (over the window's query rows), cache= and fwd_hooks "
+                                     "work.", argument="record", value=obs.record, allowed="ReceivedAttention only")
         if s.kv_cache is not None and not bool(am.all()):
             raise SamplerConfigError(f"kv_cache={s.kv_cache!r} on a padded batch: Fast-dLLM's cached loops take "
                                      "prompts of one length and attend without a padding mask; batch prompts of "

@@ -86,8 +86,22 @@ class Reducer:
         return torch.cat([t, t.new_full(shape, value)], dim=dim)
 
 
-def query_weights(state: DenoisingState, query: QuerySet, pos: int) -> Bool[Tensor, "batch query"]:
+def query_window(state: DenoisingState, per_position: Tensor, n_queries: int | None) -> Tensor:
+    """The query rows a forward computed: all positions, or, on a KV-cached forward (`state.extra["query_start"]`),
+    the window `[query_start, query_start + n_queries)` of the per-position tensor."""
+    if n_queries is None or "query_start" not in state.extra:
+        return per_position
+    q0 = int(state.extra["query_start"])
+    return per_position[:, q0:q0 + n_queries]
+
+
+def query_weights(state: DenoisingState, query: QuerySet, pos: int,
+                  n_queries: int | None = None) -> Bool[Tensor, "batch query"]:
     """Which query rows a statistic averages over (before the commit; 'committed' is resolved later)."""
+    return query_window(state, _query_set(state, query, pos), n_queries)
+
+
+def _query_set(state: DenoisingState, query: QuerySet, pos: int) -> Bool[Tensor, "batch pos"]:
     visible = state.key_visible[:, :pos]
     if query == "all":
         rows = visible
@@ -131,12 +145,12 @@ class ReceivedAttention(Reducer):
                 self._consumers[layer] = _KeepRows()
             else:
                 self._consumers[layer] = ColumnSums(
-                    lambda rows: query_weights(state, self.query, rows.n_keys), kind=self.kind)
+                    lambda rows: query_weights(state, self.query, rows.n_keys, rows.n_queries), kind=self.kind)
         return [row_hook(model, l, c) for l, c in self._consumers.items()]
 
     def _committed(self, rows: PatternRows, state: DenoisingState) -> Tensor:
         """The committed rows' statistic, recomputing only those rows (in bounded chunks)."""
-        weights = state.committed[:, : rows.n_keys].to(rows.device)
+        weights = query_window(state, state.committed[:, : rows.n_keys], rows.n_queries).to(rows.device)
         sums = ColumnSums(lambda _: weights, kind=self.kind)
         sums.start(rows)
         index = weights.any(0).nonzero().flatten()
