@@ -1,0 +1,73 @@
+"""Fast-dLLM's approximate KV caches on LLaDA: the speed-up of `kv_cache="prefix"` / `"dual"` over the uncached
+Fast-dLLM loop, and the cost of recording `ReceivedAttention()` on a cached trajectory, in one process
+(paired, alternating rounds; `benchmarks.harness`).
+
+    python -m benchmarks.bench_kvcache                 # d_model 256, 4 layers, prompt 64, 256 tokens, blocks of 32
+    python -m benchmarks.bench_kvcache --size tiny     # a smoke run
+
+The uncached baseline is the same Fast-dLLM loop (`threshold=` / the block schedule) without a cache, so the
+ratio isolates the cache. Nothing is asserted about wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import torch
+
+from benchmarks.harness import alternate, markdown_table, seconds
+from mdm_lens import HookedMDM, MDMConfig, ReceivedAttention
+
+SIZES = {"full": dict(d_model=256, n_layers=4, n_heads=8, d_mlp=688, vocab=512, prompt=64, gen=256, block=32),
+         "tiny": dict(d_model=32, n_layers=2, n_heads=4, d_mlp=64, vocab=64, prompt=8, gen=16, block=8)}
+
+
+def build(size: str) -> tuple[HookedMDM, torch.Tensor, dict]:
+    s = SIZES[size]
+    mask = s["vocab"] - 1
+    cfg = MDMConfig(d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"], d_mlp=s["d_mlp"],
+                    d_vocab=s["vocab"], mask_token_id=mask, n_ctx=s["prompt"] + s["gen"])
+    model = HookedMDM.from_config(cfg, seed=0, init_std=0.05)
+    prompt = torch.randint(0, mask, (1, s["prompt"]), generator=torch.Generator().manual_seed(0))
+    return model, prompt, s
+
+
+def rows(size: str = "full", repeats: int = 5) -> list[list[str]]:
+    model, prompt, s = build(size)
+    base = dict(gen_length=s["gen"], block_length=s["block"], steps=s["gen"], progress=False)
+    out = []
+    for label, extra in (("block schedule, 1 token/step", {}), ("threshold 0.9", dict(threshold=0.9))):
+        uncached = dict(base, **extra) if extra else dict(base, threshold=None)
+        # the uncached Fast-dLLM loop needs a rule: the schedule row compares against LLaDA's own loop
+        plain = lambda kw=uncached: model.generate(prompt, **kw)  # noqa: E731
+        for mode in ("prefix", "dual"):
+            cached = lambda kw=dict(base, **extra, kv_cache=mode): model.generate(prompt, **kw)  # noqa: E731
+            t = alternate(cached, plain, repeats)
+            n = model.generate(prompt, **dict(base, **extra, kv_cache=mode)).trajectory.n_steps
+            out.append([f"{mode} cache vs none", label, seconds(t.a_med), seconds(t.b_med), f"{1 / t.ratio:.2f}×",
+                        f"{n} forwards"])
+    dual = dict(base, kv_cache="dual")
+    t = alternate(lambda: model.generate(prompt, record=[ReceivedAttention()], **dual),
+                  lambda: model.generate(prompt, **dual), repeats)
+    out.append(["ReceivedAttention() on a dual-cache run", "block schedule", seconds(t.a_med), seconds(t.b_med),
+                f"{t.ratio:.3f}", "target ≤ 1.3"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_kvcache", description=__doc__.split("\n")[0])
+    p.add_argument("--size", choices=list(SIZES), default="full")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        table = rows(a.size, a.repeats)
+    print(markdown_table(["comparison", "rule", "ours", "baseline", "speed-up / ratio", "note"], table))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
