@@ -117,5 +117,7 @@ if __name__ == "__main__":
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=30_000)
     a = ap.parse_args()
-    torch.set_num_threads(2)
+    # a tiny model: thousands of small ops, for which a thread pool only adds barriers (on a busy 2-core CPU,
+    # one thread ran example 10 in 16 s where two took 190 s)
+    torch.set_num_threads(1)
     main(a.n, a.steps, a.bands, a.d_sae, a.k, a.tokens)
