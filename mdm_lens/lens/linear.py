@@ -334,8 +334,8 @@ def probe_grid(features: ProbeFeatures | Tensor, target: Tensor | str, *, probe:
     n_boot = validate.integer(n_boot, name="n_boot", min=0)
     ci = validate.number(ci, name="ci", min=0.0, max=1.0, min_open=True, max_open=True)
     opts = dict(l2=validate.number(l2, name="l2", min=0.0, min_open=True),
-                alpha=validate.number(alpha, name="alpha", min=0.0), max_iter=validate.integer(max_iter, name="max_iter",
-                                                                                              min=1))
+                alpha=validate.number(alpha, name="alpha", min=0.0),
+                max_iter=validate.integer(max_iter, name="max_iter", min=1))
     y = _target(target, feats, probe, pool_steps)
     n_items = feats.acts.shape[2]
     classes = None

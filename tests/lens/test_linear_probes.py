@@ -59,11 +59,12 @@ def test_ridge_on_noiseless_linear_data_gives_r2_one():
     assert abs(r2(y[80:], x[80:] @ w + b) - 1) < 1e-6
     w1, _ = fit_ridge(x[:80], y[:80], alpha=10.0)
     assert w1.norm() < w.norm()  # the penalty shrinks the weights
-    # d > n: the dual form; a strong penalty equals the primal solution too
+    # d > n: the dual (n x n) solve gives the primal solution
     wide = torch.randn(10, 30, generator=g, dtype=torch.float64)
     wd, bd = fit_ridge(wide, wide[:, 0], alpha=0.5)
     xc = wide - wide.mean(0)
-    primal = torch.linalg.solve(xc.T @ xc + 0.5 * torch.eye(30, dtype=torch.float64), xc.T @ (wide[:, 0] - wide[:, 0].mean()))
+    yc = wide[:, 0] - wide[:, 0].mean()
+    primal = torch.linalg.solve(xc.T @ xc + 0.5 * torch.eye(30, dtype=torch.float64), xc.T @ yc)
     torch.testing.assert_close(wd, primal, atol=1e-10, rtol=1e-10)
 
 
