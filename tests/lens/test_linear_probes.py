@@ -15,6 +15,17 @@ from mdm_lens.lens import (POOLED, ProbeFeatures, auc, features_from_cache, fit_
 from mdm_lens.lens.linear import _auc_weighted
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny-model generation is thousands of small ops; on a shared CPU a thread pool only adds barriers."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _cell(table, layer, step, metric):
     row = table[(table.layer == layer) & (table.step == step) & (table.metric == metric)]
     assert len(row) == 1
@@ -210,7 +221,7 @@ def test_arguments_raise_typed_errors_naming_the_argument():
 
 
 # --- end to end on the twin ----------------------------------------------------------------------------------
-def test_planted_direction_in_resid_post_at_known_steps_on_the_twin(mdm):
+def test_planted_direction_in_resid_post_at_known_steps_on_the_twin(mdm, one_thread):
     """+v (sign by label) into blocks.1.hook_resid_post at steps 1 and 2, and -v again at blocks.2.hook_resid_pre:
     the cache sees the planted layer-1 stream, while every later layer and step computes what it would have
     without the plant (the tokens equal an unhooked run). So AUC ~ 1 at (layer 1, steps 1-2) and chance
