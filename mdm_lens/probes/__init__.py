@@ -6,12 +6,14 @@
 - :mod:`flow` — regions, token-level rollout, pooled region flow and its diagnostics (§3.8);
 - :mod:`run` — adapters from model runs / ``GenerateOutput`` to the tensor probes;
 - :mod:`retrieval` — retrieval-head scores for diffusion unmasking and ARMs, head masking (§3.7);
-- :mod:`patching` — attention knockout and activation patching of anchors (§2.8–2.10).
+- :mod:`patching` — attention knockout and activation patching of anchors (§2.8–2.10);
+- :mod:`cache_effect` — what an approximate KV cache changes (cached vs fresh forwards, per step and layer).
 
 Every result is a dataclass with ``.to_frame()`` (tidy long-format DataFrame).
 """
 
 from . import flow, floating, patching, qk, retrieval, run
+from .cache_effect import CacheEffect, cache_effect
 from ._results import ResultMixin
 from .patching import KnockoutResult, PatchingResult, knockout, patch_anchor_activations
 from .retrieval import (AblationResult, RetrievalItem, RetrievalScores, ablation_accuracy, from_qa_item, mask_heads,
@@ -23,4 +25,5 @@ __all__ = ["floating", "qk", "flow", "run", "retrieval", "patching", "ResultMixi
            "final_attention", "absorption_by_layer", "AbsorptionByLayer", "anchors_over_steps", "drift_from_output",
            "qk_at_layer", "regions_for_item", "flow_for_items",
            "RetrievalItem", "from_qa_item", "retrieval_scores", "RetrievalScores", "mask_heads", "ablation_accuracy",
-           "AblationResult", "knockout", "KnockoutResult", "patch_anchor_activations", "PatchingResult"]
+           "AblationResult", "knockout", "KnockoutResult", "patch_anchor_activations", "PatchingResult",
+           "cache_effect", "CacheEffect"]
