@@ -308,3 +308,19 @@ def test_received_attention_averages_the_window_rows_a_cached_forward_computes(m
             p = out.cache[step]["pattern", layer].double()
             expected = torch.einsum("bhqk,bq->bhk", p, rows.double()) / rows.sum(-1).clamp(min=1)
             torch.testing.assert_close(rec[step, :, layer].double(), expected, atol=1e-6, rtol=0)
+
+
+def test_nnsight_iter_reads_a_cached_step(model):
+    pytest.importorskip("nnsight")
+    from mdm_lens.nnsight import DiffusionLM
+
+    lm = DiffusionLM(model)
+    kw = dict(gen_length=8, steps=8, block_length=4, kv_cache="dual", fwd_hooks=NO_MASK)
+    saved = []
+    with lm.generate(PROMPT, **kw) as tracer:
+        for _ in tracer.iter[[0, 1]]:
+            saved.append(lm.blocks[1].hook_resid_post.output.save())
+    ref = model.generate(PROMPT, cache="blocks.1.hook_resid_post" @ steps(0, 1), **kw)
+    assert saved[0].shape == (1, 13, 24) and saved[1].shape == (1, 4, 24)  # refresh, then the block window
+    for i in (0, 1):
+        assert torch.equal(saved[i], ref.cache[i]["blocks.1.hook_resid_post"])
