@@ -64,6 +64,16 @@ def mask_token_id(config: dict[str, Any], folder: Path, d_vocab: int) -> int | N
     return value
 
 
+def in_vocab(value: Any, d_vocab: int) -> int | None:
+    """A pad/bos id from config.json or a reference default; dropped (None) when it is not an id of this
+    vocabulary (the defaults belong to the released vocabularies, e.g. LLaDA2's pad 126081)."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < d_vocab:
+        return None
+    return value
+
+
 def dense_width(config: dict[str, Any], key: str, value: Any, moe_layers: list[bool], extra: dict[str, Any]) -> int:
     """`d_mlp` of the dense layers; when every layer is MoE it is the routed experts' width (unused by any
     module, kept so `cfg.d_mlp` stays a meaningful positive number)."""

@@ -55,7 +55,7 @@ def block_length_from(config: dict[str, Any], default: int) -> int:
 
 
 def config_from_llada2(config: dict[str, Any], name: str, folder: Path) -> MDMConfig:
-    from mdm_lens.loading.families import dense_width, mask_token_id
+    from mdm_lens.loading.families import dense_width, in_vocab, mask_token_id
 
     if _get(config, "hidden_act") != "silu":
         raise ConfigError(f"LLaDA2 hidden_act={_get(config, 'hidden_act')!r}; only SiLU-gated MLPs are supported.")
@@ -90,7 +90,8 @@ def config_from_llada2(config: dict[str, Any], name: str, folder: Path) -> MDMCo
         n_ctx=_get(config, "max_position_embeddings"), rope_theta=float(_get(config, "rope_theta")),
         norm_eps=float(_get(config, "rms_norm_eps")), qkv_bias=bool(_get(config, "use_qkv_bias")),
         attention="bidirectional", rope_full_precision=False, tie_word_embeddings=bool(_get(config, "tie_word_embeddings")),
-        pad_token_id=_get(config, "pad_token_id"), bos_token_id=config.get("bos_token_id"),
+        pad_token_id=in_vocab(_get(config, "pad_token_id"), _positive(config, "vocab_size")),
+        bos_token_id=in_vocab(config.get("bos_token_id"), _positive(config, "vocab_size")),
         family="llada2_moe", model_name=name, extra=extra,
     )
     cfg.mask_token_id = mask_token_id(config, folder, cfg.d_vocab)

@@ -45,7 +45,7 @@ def _positive(config: dict[str, Any], key: str) -> Any:
 
 
 def config_from_lladamoe(config: dict[str, Any], name: str, folder: Path) -> MDMConfig:
-    from mdm_lens.loading.families import dense_width, mask_token_id
+    from mdm_lens.loading.families import dense_width, in_vocab, mask_token_id
 
     if _get(config, "hidden_act") != "silu":
         raise ConfigError(f"LLaDA-MoE hidden_act={_get(config, 'hidden_act')!r}; only SiLU-gated MLPs are supported.")
@@ -78,14 +78,15 @@ def config_from_lladamoe(config: dict[str, Any], name: str, folder: Path) -> MDM
             "d_expert": int(_positive(config, "expert_intermediate_size")), "d_shared": shared,
         }
     n_kv = _get(config, "num_key_value_heads") or n_heads
+    d_vocab = int(_positive(config, "vocab_size"))
     cfg = MDMConfig(
         d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, d_head=d_head,
         d_mlp=dense_width(config, "dense_intermediate_size", _get(config, "dense_intermediate_size"), moe_layers, extra),
-        d_vocab=int(_positive(config, "vocab_size")), n_ctx=_get(config, "max_position_embeddings"),
+        d_vocab=d_vocab, n_ctx=_get(config, "max_position_embeddings"),
         rope_theta=float(_positive(config, "rope_theta")), norm_eps=float(_get(config, "rms_norm_eps")),
         qkv_bias=bool(_get(config, "attention_bias")), attention="bidirectional", rope_full_precision=False,
-        tie_word_embeddings=bool(_get(config, "tie_word_embeddings")), pad_token_id=_get(config, "pad_token_id"),
-        bos_token_id=_get(config, "bos_token_id"), family="lladamoe", model_name=name, extra=extra,
+        tie_word_embeddings=bool(_get(config, "tie_word_embeddings")), pad_token_id=in_vocab(_get(config, "pad_token_id"), d_vocab),
+        bos_token_id=in_vocab(_get(config, "bos_token_id"), d_vocab), family="lladamoe", model_name=name, extra=extra,
     )
     cfg.mask_token_id = mask_token_id(config, folder, cfg.d_vocab)
     return cfg

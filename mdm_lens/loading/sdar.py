@@ -36,7 +36,7 @@ SAMPLER_BLOCK_LENGTH = 4  # JetAstra/SDAR generate.py --block_length
 
 
 def config_from_sdar(config: dict[str, Any], family: str, name: str, folder: Path) -> MDMConfig:
-    from mdm_lens.loading.families import dense_width, mask_token_id
+    from mdm_lens.loading.families import dense_width, in_vocab, mask_token_id
     from mdm_lens.loading.llada2 import block_length_from
 
     defaults = REFERENCE_DEFAULTS[family]
@@ -70,8 +70,8 @@ def config_from_sdar(config: dict[str, Any], family: str, name: str, folder: Pat
         d_vocab=get("vocab_size"), n_ctx=get("max_position_embeddings"), rope_theta=theta,
         norm_eps=float(get("rms_norm_eps")), qkv_bias=bool(get("attention_bias")), attention="bidirectional",
         rope_full_precision=False, tie_word_embeddings=bool(get("tie_word_embeddings")),
-        pad_token_id=config.get("pad_token_id") if isinstance(config.get("pad_token_id"), int) else None,
-        bos_token_id=config.get("bos_token_id") if isinstance(config.get("bos_token_id"), int) else None,
+        pad_token_id=in_vocab(config.get("pad_token_id"), get("vocab_size")),
+        bos_token_id=in_vocab(config.get("bos_token_id"), get("vocab_size")),
         family=family, model_name=name, extra=extra,
     )
     cfg.mask_token_id = mask_token_id(config, folder, cfg.d_vocab)
