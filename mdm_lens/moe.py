@@ -32,7 +32,7 @@ from transformer_lens.hook_points import HookPoint
 from mdm_lens import validate
 from mdm_lens.components import GatedMLP
 from mdm_lens.config import MDMConfig
-from mdm_lens.errors import ArgumentError
+from mdm_lens.errors import ArgumentError, ConfigError
 
 
 def select_experts(scores: Float[Tensor, "token expert"], top_k: int, n_group: int = 1, topk_group: int = 1
@@ -93,6 +93,15 @@ class MoEMLP(nn.Module):
             setattr(self, name, HookPoint())
         if self.shared_expert is not None:  # only where it fires
             self.hook_shared_out = HookPoint()
+
+    # --- TL's dense-MLP views do not exist here: say where the weights are ---------------------------
+    def _no_dense_view(self, name: str) -> Tensor:
+        raise ConfigError(f"an MoE layer has no single {name}: use mlp.experts[e].{name} (routed expert e) or "
+                          "mlp.shared_expert." + name + " (the shared expert, where there is one).")
+
+    W_in = property(lambda self: self._no_dense_view("W_in"))
+    W_gate = property(lambda self: self._no_dense_view("W_gate"))
+    W_out = property(lambda self: self._no_dense_view("W_out"))
 
     # --- routing ------------------------------------------------------------------------------------
     def router_logits(self, flat: Float[Tensor, "token d_model"]) -> Float[Tensor, "token expert"]:

@@ -20,6 +20,7 @@ from transformer_lens.hook_points import HookPoint
 
 from mdm_lens.components import Attention, Block, GatedMLP, RMSNorm, apply_rotary
 from mdm_lens.config import MDMConfig
+from mdm_lens.errors import ConfigError
 from mdm_lens.moe import MoEMLP
 
 FAMILY_ARCHES = ("llada2_moe", "lladamoe", "sdar", "sdar_moe")
@@ -45,6 +46,9 @@ class FamilyAttention(Attention):
         super().__init__(cfg)
         extra = cfg.extra
         self.rotary_dim = int(extra.get("rotary_dim") or cfg.d_head)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= cfg.d_head:
+            raise ConfigError(f"rotary_dim={self.rotary_dim} (head_dim · partial_rotary_factor) must be even and in "
+                              f"(0, d_head={cfg.d_head}].")
         self.clip_qkv = extra.get("clip_qkv")
         self.q_norm = HeadRMSNorm(cfg.d_head, cfg.norm_eps, cfg.dtype) if extra.get("qk_norm") else None
         self.k_norm = HeadRMSNorm(cfg.d_head, cfg.norm_eps, cfg.dtype) if extra.get("qk_norm") else None

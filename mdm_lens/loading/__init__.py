@@ -257,9 +257,8 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
     cfg.dtype, cfg.device = dtype, device
     reader = CheckpointReader(folder)
     keys = reader.keys()
-    plan = {"llada": llada_plan, "mdm_lens": native_plan}.get(family, hf_plan)(cfg, keys)
-    if family in FAMILY_ARCHES:
-        plan = family_plan(cfg, keys)
+    plans = {"llada": llada_plan, "mdm_lens": native_plan, **dict.fromkeys(FAMILY_ARCHES, family_plan)}
+    plan = plans.get(family, hf_plan)(cfg, keys)
     with torch.device("meta"):
         model = cls(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
