@@ -28,7 +28,9 @@ def test_hook_shapes_and_sums(models, name, shared):
     c = model.cfg
     spec = c.extra["moe"]
     tokens = torch.randint(0, 100, (B, T), generator=torch.Generator().manual_seed(0))
-    _, cache = model.run_with_cache(tokens)
+    logits, cache = model.run_with_cache(tokens)  # caching the pattern takes the explicit attention path
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(tokens), rtol=0, atol=1e-5)  # = the SDPA path, block mask and all
     layer = 1  # every family's layer 1 is MoE, layer 0 dense (mlp_only_layers / first_k_dense_replace / freq)
     a, m = f"blocks.{layer}.attn.", f"blocks.{layer}.mlp."
     assert cache[a + "hook_q_normed"].shape == (B, T, c.n_heads, c.d_head)
