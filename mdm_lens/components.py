@@ -180,9 +180,7 @@ class Attention(nn.Module):
         q = self.hook_q(q.view(b, p, h, e))
         k = self.hook_k(k.view(b, p, g, e))
         v = self.hook_v(v.view(b, p, g, e))
-        full = self.cfg.rope_full_precision
-        q = self.hook_rot_q(apply_rotary(q, cos, sin, full))
-        k = self.hook_rot_k(apply_rotary(k, cos, sin, full))
+        q, k, v = self.rotate(q, k, v, cos, sin)
         if self.kv is not None:  # the window's new rows join (or overwrite) the cached ones
             k, v = self.kv(k, v)
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [batch, head, pos, d_head]
@@ -199,6 +197,12 @@ class Attention(nn.Module):
             result = self.hook_result(torch.einsum("bphe,hed->bphd", z, self.W_O))
             return result.sum(dim=2)
         return F.linear(z.reshape(b, p, h * e), self.o_weight)
+
+    def rotate(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q/k/v `[batch, pos, head, d_head]` after their hooks → rotated q and k (`hook_rot_q/k`) and v; families
+        with q/k norms, clipping or partial rotary override this (`mdm_lens.qk_attention`)."""
+        full = self.cfg.rope_full_precision
+        return (self.hook_rot_q(apply_rotary(q, cos, sin, full)), self.hook_rot_k(apply_rotary(k, cos, sin, full)), v)
 
     def _explicit(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
                   consumers: list[RowConsumer] = ()) -> Tensor:

@@ -15,9 +15,10 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from mdm_lens import inputs, masks, tokenization, validate
-from mdm_lens.components import Block, RMSNorm, rotary_cos_sin
+from mdm_lens.components import RMSNorm, rotary_cos_sin
 from mdm_lens.config import MDMConfig
 from mdm_lens.hook_surface import CheckedHookSurface, NamesFilter
+from mdm_lens.qk_attention import make_block
 from mdm_lens.errors import HookNameError, InputError, InputTypeError
 
 ReturnType = Literal["logits", "aligned", "both", None]
@@ -96,7 +97,7 @@ class HookedMDM(CheckedHookSurface):
         self.chat_template: Any = None  # mdm_lens.chat.ChatTemplate, read from the checkpoint's tokenizer files
         self.embed = Embed(cfg)
         self.hook_embed = HookPoint()
-        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(make_block(cfg, layer) for layer in range(cfg.n_layers))
         self.ln_final = RMSNorm(cfg)
         self.unembed = Unembed(cfg)
         if cfg.tie_word_embeddings:
@@ -153,16 +154,17 @@ class HookedMDM(CheckedHookSurface):
             return self._rope_cache[key]
         rows = positions[:1] if arange else positions
         scaling = self.cfg.extra.get("rope_scaling")
+        dim = int(self.cfg.extra.get("rotary_dim") or self.cfg.d_head)  # partial rotary: the first `dim` dims
         if scaling:
-            cos, sin = scaled_rotary_cos_sin(rows, self.cfg.d_head, self.cfg.rope_theta, scaling)
+            cos, sin = scaled_rotary_cos_sin(rows, dim, self.cfg.rope_theta, scaling)
         else:
-            cos, sin = rotary_cos_sin(rows, self.cfg.d_head, self.cfg.rope_theta)
+            cos, sin = rotary_cos_sin(rows, dim, self.cfg.rope_theta)
         if arange:
             self._rope_cache[key] = (cos, sin)
         return cos, sin
 
-    def build_mask(self, tokens: Tensor, attention_mask: Tensor | None, attn_mask: Tensor | None
-                   ) -> tuple[Tensor | None, bool]:
+    def build_mask(self, tokens: Tensor, attention_mask: Tensor | None, attn_mask: Tensor | None,
+                   block_length: int | None = None) -> tuple[Tensor | None, bool]:
         """The boolean visibility mask `[batch|1, 1, query, key]` (None = all visible) and the causal flag."""
         causal = self.cfg.attention == "causal"
         pad = None
@@ -170,6 +172,9 @@ class HookedMDM(CheckedHookSurface):
             attention_mask = attention_mask.to(tokens.device)
             pad = masks.pair_mask(attention_mask) if self.cfg.padding_mask == "pair" else masks.key_padding(attention_mask)
         attn_mask = inputs.explicit_mask(attn_mask, tokens)
+        if block_length is not None:  # block diffusion: blocks aligned at position 0 (masks.block_causal)
+            attn_mask = masks.combine(attn_mask, masks.block_causal(tokens.shape[1], block_length,
+                                                                    device=tokens.device))
         if pad is None and attn_mask is None:
             return None, causal
         combined = masks.combine(pad, attn_mask, masks.causal(tokens.shape[1], tokens.device) if causal else None)
@@ -184,6 +189,7 @@ class HookedMDM(CheckedHookSurface):
         attn_mask: Tensor | None = None,
         position_ids: Int[Tensor, "batch pos"] | None = None,
         return_type: ReturnType = "logits",
+        block_length: int | None = None,
     ) -> Any:
         """Run the model.
 
@@ -199,6 +205,10 @@ class HookedMDM(CheckedHookSurface):
             return_type: "logits" (raw: logit i from hidden state i, TL convention), "aligned" (logit i
                 predicts token i; differs from raw only for `cfg.logit_shift` models such as Dream),
                 "both" (a tuple raw, aligned) or None.
+            block_length: block-causal attention (block diffusion: SDAR, LLaDA2): blocks of this length
+                aligned at position 0, each query sees its own block and every earlier one. None = the
+                family default `cfg.extra["block_length"]` (None for the other families: no block mask); a
+                length ≥ the sequence length is full bidirectional attention.
         """
         return_type = validate.choice(return_type, ("logits", "aligned", "both", None), name="return_type",
                                       error=InputError)
@@ -210,7 +220,11 @@ class HookedMDM(CheckedHookSurface):
         else:
             positions, arange = inputs.position_ids(position_ids, tokens), False
         cos, sin = self._rotary(positions, arange)
-        mask, causal = self.build_mask(tokens, attention_mask, attn_mask)
+        if block_length is None:
+            block_length = self.cfg.extra.get("block_length")
+        if block_length is not None:
+            block_length = validate.integer(block_length, name="block_length", min=1, error=InputError)
+        mask, causal = self.build_mask(tokens, attention_mask, attn_mask, block_length)
         resid = self.hook_embed(self.embed(tokens))
         for block in self.blocks:
             resid = block(resid, cos, sin, mask, causal)
@@ -291,9 +305,13 @@ class HookedMDM(CheckedHookSurface):
         return self.W_U[:, t].movedim(0, -1)
 
     def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
-        """Sum of the output biases up to `layer`: zero, since these families have no o/down biases
-        (Qwen2's value bias reaches the residual through `hook_z`, hence through the heads' results)."""
-        return torch.zeros(self.cfg.d_model, dtype=self.W_E.dtype, device=self.W_E.device)
+        """Sum of the output biases up to `layer`: the attention output biases `b_O` (zero except LLaDA2 /
+        LLaDA-MoE with `use_bias`/`attention_bias`); there are no MLP output biases (Qwen2's value bias
+        reaches the residual through `hook_z`, hence through the heads' results)."""
+        out = torch.zeros(self.cfg.d_model, dtype=self.W_E.dtype, device=self.W_E.device)
+        for block in self.blocks[: layer + (1 if mlp_input else 0)]:
+            out = out + block.attn.b_O
+        return out
 
     # --- text helpers (TL names; the work is in mdm_lens.tokenization) --------------------------------
     def to_tokens(self, text: str | Sequence[str], prepend_bos: bool | None = None,

@@ -21,12 +21,14 @@ from mdm_lens.config import MDMConfig
 from mdm_lens import validate
 from mdm_lens.errors import (ArgumentError, ArgumentTypeError, CheckpointError, CheckpointNotFoundError, ConfigError,
                              UnknownModelError)
+from mdm_lens.loading.families import family_config, family_of, family_plan
 from mdm_lens.loading.hf import config_from_hf, hf_family, hf_plan
 from mdm_lens.loading.llada import config_from_llada, is_llada, llada_plan
 from mdm_lens.loading.plan import Plan
 from mdm_lens.loading.readers import CheckpointReader
 from mdm_lens.loading.registry import FAMILY_DEFAULTS, KNOWN_MODELS, KnownModel, lookup
 from mdm_lens.loading.special import apply_special_tokens
+from mdm_lens.qk_attention import FAMILY_ARCHES
 
 ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo" / "assets"
 ZOO_ORG = "mdm-lens"
@@ -112,6 +114,9 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
     try:
         if raw.get("model_type") == "mdm_lens":
             cfg, family = MDMConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"}), "mdm_lens"
+        elif family_of(raw) is not None:  # LLaDA2.x, LLaDA-MoE (model_type "llada"!), SDAR, SDAR-MoE
+            family = family_of(raw)
+            cfg = family_config(raw, family, name, folder)
         elif is_llada(raw):
             cfg, family = config_from_llada(raw, name), "llada"
         else:
@@ -252,7 +257,8 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
     cfg.dtype, cfg.device = dtype, device
     reader = CheckpointReader(folder)
     keys = reader.keys()
-    plan = {"llada": llada_plan, "mdm_lens": native_plan}.get(family, hf_plan)(cfg, keys)
+    plans = {"llada": llada_plan, "mdm_lens": native_plan, **dict.fromkeys(FAMILY_ARCHES, family_plan)}
+    plan = plans.get(family, hf_plan)(cfg, keys)
     with torch.device("meta"):
         model = cls(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
