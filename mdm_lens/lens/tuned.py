@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentTypeError, CheckpointNotFoundError, InputError, OutOfRangeError
-from mdm_lens.lens.logit import check_model, lens_logits, resid_name
+from mdm_lens.lens.logit import _readout, check_model, resid_name
 
 __all__ = ["TunedLens", "train_tuned_lens", "masked_kl"]
 
@@ -152,9 +152,19 @@ def _canvas(model: Any, mask_rate: Any, seed: int) -> Any:
     return MaskedCanvas(model, mask_rate=mask_rate, positions="all", seed=seed)
 
 
-def _layer_kl(model: Any, lens: Any, resid: Tensor, layer: int, target_logp: Tensor, masked: Tensor) -> Tensor:
-    """Mean over the masked positions of KL(final || lens) at one layer (a 0-d tensor)."""
-    logq = lens_logits(model, resid, layer, lens)[masked].float().log_softmax(-1)
+def source_rows(masked: Tensor, shift: bool) -> tuple[Tensor, Tensor]:
+    """(row, position) indices of the residual rows whose raw logits are the aligned predictions at the `masked`
+    positions, in `masked`'s row-major order: the same positions, or (Dream's shift) the one before (position 0
+    reads itself, as in `shift_logits`)."""
+    b, i = masked.nonzero(as_tuple=True)
+    return b, (i - 1).clamp(min=0) if shift else i
+
+
+def _layer_kl(model: Any, lens: Any, resid: Tensor, layer: int, target_logp: Tensor, src: tuple[Tensor, Tensor]
+              ) -> Tensor:
+    """Mean over the masked positions of KL(final || lens) at one layer (a 0-d tensor); only the residual rows
+    that predict masked positions (`src`) go through the final norm and unembedding."""
+    logq = _readout(model, resid[src], layer, lens).float().log_softmax(-1)
     p = target_logp.exp()
     return (p * (target_logp - logq)).sum(-1).mean()
 
@@ -194,9 +204,10 @@ def masked_kl(model: Any, tokens: Any, *, lens: TunedLens | None = None, attenti
             continue
         logits, cache = _forward(model, noisy, am, layers)
         target = logits[masked].float().log_softmax(-1)
+        src = source_rows(masked, model.cfg.logit_shift)
         with torch.no_grad():
             for j, l in enumerate(layers):
-                total[j] += float(_layer_kl(model, lens, cache[resid_name(l)], l, target, masked)) * n
+                total[j] += float(_layer_kl(model, lens, cache[resid_name(l)], l, target, src)) * n
         count += n
     return total / count if count else torch.full((len(layers),), float("nan"), dtype=torch.float64)
 
@@ -204,7 +215,8 @@ def masked_kl(model: Any, tokens: Any, *, lens: TunedLens | None = None, attenti
 def train_tuned_lens(model: Any, tokens: Any, *, attention_mask: Any = None, layers: Any = None, n_steps: int = 300,
                      batch_size: int = 16, lr: float = 1e-3, mask_rate: float | None = None, seed: int = 0
                      ) -> TunedLens:
-    """Train one translator per layer (Adam, `lr`) on masked canvases of `tokens` `[n, pos]` (clean sequences;
+    """Train one translator per layer of `layers` (default: all but the last, whose translator stays the identity:
+    its lens is the model's output) (Adam, `lr`) on masked canvases of `tokens` `[n, pos]` (clean sequences;
     `attention_mask` marks padding, which is never masked): each step draws `batch_size` rows and their masks from
     `seed` and lowers Σ_layers mean-over-masked-positions KL(final || lens). The frozen model's parameters get no
     gradient. `lens.training_info["loss"]` is the per-step mean KL over layers (NaN for a batch with no masked
@@ -215,8 +227,19 @@ def train_tuned_lens(model: Any, tokens: Any, *, attention_mask: Any = None, lay
     batch_size = validate.integer(batch_size, name="batch_size", min=1)
     lr = validate.number(lr, name="lr", min=0.0, min_open=True)
     seed = validate.integer(seed, name="seed")
-    lens = TunedLens.identity(model, layers)
-    params = list(lens.parameters())
+    n = model.cfg.n_layers
+    trained = validate.indices(layers, n, name="layers", what="layer") if layers is not None else list(range(n - 1))
+    if not trained:  # a 1-layer model: its only layer is the output
+        raise InputError("a 1-layer model has no layer before the output to tune.", argument="layers", value=layers,
+                         allowed="layers below the last")
+    # the last layer's lens is the model's output: its translator stays the identity (a tiny non-zero gradient
+    # from rounding would otherwise be blown up by Adam's normalisation)
+    lens = TunedLens.identity(model, sorted(set(trained) | {n - 1}))
+    params = [p for i, l in enumerate(lens.layers) if l in trained and l != n - 1 for p in (lens.delta[i], lens.bias[i])]
+    trained = [l for l in lens.layers if l in trained and l != n - 1]
+    if not params:
+        raise InputError(f"layers={layers} names only the last layer, whose lens is the model's output.",
+                         argument="layers", value=layers, allowed="layers below the last")
     opt = torch.optim.Adam(params, lr=lr)
     canvas = _canvas(model, mask_rate, seed)
     order = torch.Generator().manual_seed(seed + 1)  # batch draws, separate from the masks' generator
@@ -229,16 +252,17 @@ def train_tuned_lens(model: Any, tokens: Any, *, attention_mask: Any = None, lay
         if not bool(masked.any()):
             history.append(math.nan)
             continue
-        logits, cache = _forward(model, noisy, am, lens.layers)
+        logits, cache = _forward(model, noisy, am, trained)
         target = logits[masked].float().log_softmax(-1)
-        loss = sum(_layer_kl(model, lens, cache[resid_name(l)], l, target, masked) for l in lens.layers)
+        src = source_rows(masked, model.cfg.logit_shift)
+        loss = sum(_layer_kl(model, lens, cache[resid_name(l)], l, target, src) for l in trained)
         grads = torch.autograd.grad(loss, params)  # the translators only: the model's weights get no .grad
         for p, g in zip(params, grads):
             p.grad = g
         opt.step()
         opt.zero_grad(set_to_none=True)
-        history.append(float(loss) / len(lens.layers))
-    lens.training_info = {"n_steps": n_steps, "batch_size": batch_size, "lr": lr, "seed": seed,
+        history.append(loss.item() / len(trained))
+    lens.training_info = {"n_steps": n_steps, "trained_layers": trained, "batch_size": batch_size, "lr": lr, "seed": seed,
                           "mask_rate": mask_rate, "objective": "mean KL(final || lens) on masked positions",
                           "n_sequences": int(tokens.shape[0]), "loss": history}
     return lens
