@@ -20,11 +20,16 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def table(mdm, data, tmp_path_factory):
+def folder(mdm, data, tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
     tables = sweep.run(mdm, data[0], "lens", out, batch_size=4, progress=False)
     assert (out / "lens.parquet").is_file()
-    return tables["lens"]
+    return out, tables["lens"]
+
+
+@pytest.fixture(scope="module")
+def table(folder):
+    return folder[1]
 
 
 def test_rows_equal_the_lens_of_the_item_alone(mdm, data, table):
@@ -68,3 +73,21 @@ def test_arm_rows_are_nan_with_a_note(arm, data, tmp_path):
     t = sweep.run(arm, data[0], "lens", tmp_path / "arm", batch_size=4, progress=False)["lens"]
     assert len(t) == 4 and t.value.isna().all() and t.note.str.contains("causal").all()
     assert isinstance(t, pd.DataFrame)
+
+
+def test_report_section_and_grid(folder, tmp_path):
+    from mdm_lens.views import sweep_report
+    from mdm_lens.views.fig_lens import lens_grid, lens_section
+
+    root, t = folder
+    grid = lens_grid(t)
+    one = t[(t.metric == "acc_masked") & (t.layer == 2) & (t.step == 1)].value
+    assert grid.loc[2, 1] == pytest.approx(one.mean()) and grid.shape == (4, 4)
+    sec = lens_section(sweep_report.load_sweeps(root), tmp_path)
+    assert sec.title == "Lenses over denoising steps" and (tmp_path / "lens_tiny-mdm.png").is_file()
+    emerged = t[(t.metric == "emergence_step") & (t.layer == 3) & t.answer.fillna(False).astype(bool)]
+    row = sec.table[sec.table.layer == 3].iloc[0]
+    assert row["answer tokens"] == len(emerged)
+    assert row["emerged by commit"] == pytest.approx(emerged.value.notna().mean(), abs=1e-3)
+    html = sweep_report.report(root, tmp_path / "report")
+    assert "Lenses over denoising steps" in html.read_text()
