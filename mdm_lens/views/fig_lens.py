@@ -35,7 +35,7 @@ def lens_heatmap(grid: Any, steps: Sequence[int], layers: Sequence[int], *, titl
     g = _np(grid)
     _check_grid(g, layers, steps, "grid")
     L, S = g.shape
-    fig = _new((min(11.0, 2.4 + 0.32 * S), min(8.0, 1.6 + 0.38 * L)))
+    fig = _new((min(11.0, max(6.5, 2.4 + 0.32 * S)), min(8.0, max(2.8, 1.6 + 0.38 * L))))
     gs = fig.add_gridspec(1, 2, width_ratios=(S, max(1.5, S * 0.18)), wspace=0.06)
     ax = fig.add_subplot(gs[0])
     side = fig.add_subplot(gs[1], sharey=ax)
@@ -75,13 +75,14 @@ def emergence_map(first: Any, commit: Any, layers: Sequence[int], *, labels: Seq
     if L != len(layers) or c.shape[0] != P:
         raise ValueError(f"first must be [{len(layers)}, {c.shape[0]}], got {f.shape}.")
     top = n_steps if n_steps is not None else int(np.nanmax(np.concatenate([f.reshape(-1), c]))) + 1
-    fig = _new((min(12.0, 2.6 + 0.5 * P), min(8.0, 1.8 + 0.38 * L)))
+    fig = _new((min(12.0, max(6.5, 2.6 + 0.5 * P)), min(8.0, max(2.8, 1.8 + 0.38 * L))))
     ax = fig.add_subplot()
     cm = matplotlib.colormaps[cmap].with_extremes(bad="white")
     im = ax.imshow(np.ma.masked_invalid(f), cmap=cm, vmin=0, vmax=max(top - 1, 1), aspect="auto", origin="lower",
                    extent=(-0.5, P - 0.5, -0.5, L - 0.5))
     for (l, p) in zip(*np.nonzero(np.isfinite(f) & (f < c[None]))):
-        ax.plot(p, l, marker="o", markersize=4, markerfacecolor="none", markeredgecolor="#009E73", linestyle="none")
+        ax.plot(p, l, marker="o", markersize=4, markerfacecolor="none", markeredgecolor="white", markeredgewidth=1.2,
+                linestyle="none")
     for (l, p) in zip(*np.nonzero(~np.isfinite(f))):
         ax.text(p, l, "–", ha="center", va="center", fontsize=7, color="0.5")
     ax.set_xticks(range(P))
@@ -90,10 +91,10 @@ def emergence_map(first: Any, commit: Any, layers: Sequence[int], *, labels: Seq
                        fontsize=7, rotation=0)
     ax.set_yticks(range(0, L, _tick_step(L, 16)))
     ax.set_yticklabels([str(layers[i]) for i in range(0, L, _tick_step(L, 16))])
-    ax.set_xlabel("answer position (token, c = commit step)")
+    ax.set_xlabel("answer position (token; c = its commit step)   ○ top-1 before the commit step   – never")
     ax.set_ylabel("layer")
     cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
-    cb.set_label("emergence step (– never; ○ before commit)")
+    cb.set_label("emergence step")
     ax.set_title(title, loc="left")
     return save(fig, path)
 
