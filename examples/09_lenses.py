@@ -61,6 +61,12 @@ def main(n: int, gen: int, tune_steps: int, out_dir: Path) -> None:
                                         mean_lead=("lead", "mean"))
     print(f"\n== all {n} items: share of (item, position) whose top-1 emerges by the commit, mean lead (steps)")
     print(per_layer)
+    stop = torch.isin(out.generated, torch.tensor([ZT.EOS_ID, ZT.PAD_ID])).long().cumsum(-1) == 0   # answer tokens
+    words = em[stop[em.batch.to_numpy(int), em.position.to_numpy(int)].numpy()]
+    print(f"\n== the answer's own tokens only ({len(words) // model.cfg.n_layers} of them, before the first <eos>)")
+    print(words.groupby("layer").agg(emerged=("emergence_step", lambda s: s.notna().mean()),
+                                     mean_lead=("lead", "mean"),
+                                     early=("lead", lambda s: (s >= 1).sum() / len(s))))
 
     train_ids, train_am = sequences(256, seed=1)
     test_ids, test_am = sequences(64, seed=2)
