@@ -127,7 +127,8 @@ class LensTrace:
         S, L, B, P = self.top1.shape
         acc = self.accuracy("all")[:, -1].nanmean().item() if S else float("nan")
         return (f"LensTrace({self.kind} lens, steps={S}/{self.n_steps}, layers={self.layers}, batch={B}, "
-                f"positions={P}; last layer's top-1 = final token on {acc:.0%} of (step, position); source={self.source})")
+                f"positions={P}; layer {self.layers[-1]}'s top-1 = final token on {acc:.0%} of (step, position); "
+                f"source={self.source})")
 
 
 # --- reduction ----------------------------------------------------------------------------------------

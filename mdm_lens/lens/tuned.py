@@ -181,7 +181,7 @@ def masked_kl(model: Any, tokens: Any, *, lens: TunedLens | None = None, attenti
               ) -> Float[Tensor, "layer"]:
     """Mean KL(final || lens) per layer over all masked positions of `tokens` (masked by the forward process,
     drawn from `seed`, so two lenses evaluated with one seed see the same canvases). `lens=None`: the logit lens.
-    Float64 `[len(layers)]`; NaN (with a warning-free reason: no position was masked) when nothing was masked."""
+    Float64 `[len(layers)]`; all NaN when no position was masked (a mean over nothing is undefined)."""
     check_model(model)
     tokens, attention_mask = _check_tokens(model, tokens, attention_mask)
     layers = validate.indices(layers, model.cfg.n_layers, name="layers", what="layer")
