@@ -80,6 +80,9 @@ def main(n: int, gen: int, tune_steps: int, out_dir: Path) -> None:
     print(pd.DataFrame({"logit lens": kl_logit.numpy(), "tuned lens": kl_tuned.numpy()}).rename_axis("layer"))
 
     tuned = lens_trace(model, out, lens=tuned_lens)
+    print("\n== top-1 = final token on still-masked positions, mean over steps and items, per layer")
+    print(pd.DataFrame({name: t.accuracy("masked").nanmean(-1).nanmean(0).numpy()
+                        for name, t in (("logit lens", logit), ("tuned lens", tuned))}).rename_axis("layer"))
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, trace in (("logit", logit), ("tuned", tuned)):
         grid = trace.accuracy("masked").nanmean(-1).T.numpy()            # [layer, step], mean over items

@@ -88,8 +88,9 @@ def _emergence_rows(model: Any, trace: Any, ids: list[str]) -> pd.DataFrame:
     for metric in EMERGENCE_METRICS:
         v = em[metric].astype("Float64").to_numpy(dtype=float, na_value=np.nan)
         note = em["note"].astype(object).where(em["note"].notna(), None).to_numpy()
-        if metric == "commit_step":
-            note = np.where(np.isnan(v), "never committed", None).astype(object)
+        if metric != "emergence_step":                  # commit NA: never committed (lead is then NA too)
+            never = em["commit_step"].isna().to_numpy()
+            note = np.where(never, "never committed", note if metric == "lead" else None).astype(object)
         parts.append(pd.DataFrame({"item_id": np.asarray(ids, object)[b], "step": pd.NA, "layer": em["layer"],
                                    "answer_position": em["position"], "answer": answer[b, p],
                                    "metric": metric, "value": v, "note": note}))
