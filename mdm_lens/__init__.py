@@ -18,6 +18,10 @@ from mdm_lens.diffusion import IdleStepsWarning  # noqa: E402
 
 __all__ += ["IdleStepsWarning"]
 
+from mdm_lens.lens import LensTrace, TunedLens, answer_emergence, lens_trace, train_tuned_lens  # noqa: E402
+
+__all__ += ["lens_trace", "LensTrace", "TunedLens", "train_tuned_lens", "answer_emergence"]
+
 
 def __getattr__(name: str):  # `mdm_lens.nnsight` loads on first use: nnsight is an optional extra
     if name == "nnsight":
