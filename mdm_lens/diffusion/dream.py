@@ -17,7 +17,7 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.diffusion.arguments import filters, optional
-from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings, masked_canvas
+from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings, Plan, masked_canvas
 from mdm_lens.diffusion.output import TrajectoryRecorder
 from mdm_lens.diffusion.registry import register
 from mdm_lens.diffusion.schedules import dream_schedule, dream_timesteps, dream_transfer_count
@@ -134,32 +134,112 @@ class DreamSettings(CanvasSettings):
     temperature: float = 1.0
     top_p: float | None = 1.0
     top_k: int | None = 50
-    alg: str = "origin"
+    alg: str | None = None  # None: "origin" (Dream), "entropy" / "confidence_threshold" with kv_cache
     alg_temp: float | None = None
     eps: float = 1e-3
+    # Fast-dLLM's block decoding (mdm_lens.diffusion.dream_block): always with a KV cache, as there
+    kv_cache: str | None = None
+    block_length: int | None = None  # with kv_cache; Fast-dLLM's default 32
+    threshold: float | None = None  # its `confidence_threshold` algorithm
 
     def resolve(self, model: Any) -> "DreamSettings":
-        return dataclasses.replace(
+        s = dataclasses.replace(
             self, **self.lengths(model), temperature=self.temperature_or(1.0), **filters(self.top_p, self.top_k),
-            alg=validate.choice(self.alg, ALGORITHMS, name="alg", error=SamplerConfigError),
             alg_temp=optional(self.alg_temp, lambda v: validate.number(v, name="alg_temp", min=0,
                                                                        error=SamplerConfigError)),
             eps=validate.number(self.eps, name="eps", min=0, max=1, min_open=True, max_open=True,
                                 error=SamplerConfigError))
+        return dataclasses.replace(s, **(_block_settings(s) if s.kv_cache is not None or s.threshold is not None
+                                         else _plain_settings(s)))
+
+
+def _plain_settings(s: DreamSettings) -> dict[str, Any]:
+    """Dream's own loop: one block (a block_length equal to gen_length says the same; any other needs kv_cache)."""
+    if s.block_length is not None and s.block_length != s.gen_length:
+        raise SamplerConfigError(f"block_length={s.block_length!r} on Dream is Fast-dLLM's block decoding, which runs "
+                                 "with a KV cache: pass kv_cache='prefix' or 'dual'.", argument="block_length",
+                                 value=s.block_length, allowed=f"None or {s.gen_length} (other values need kv_cache)")
+    return dict(alg=validate.choice("origin" if s.alg is None else s.alg, ALGORITHMS, name="alg",
+                                    error=SamplerConfigError), block_length=None)
+
+
+def _block_settings(s: DreamSettings) -> dict[str, Any]:
+    """Fast-dLLM's Dream loop: a cache is what it runs with; its non-threshold path ranks by entropy whatever `alg`
+    says, so only "entropy" (or unset) is accepted, and `threshold` is its `confidence_threshold` algorithm."""
+    if s.kv_cache is None:
+        raise SamplerConfigError("block_length= / threshold= on Dream are Fast-dLLM's block decoding, which runs with "
+                                 "a KV cache: pass kv_cache='prefix' or 'dual'.", argument="kv_cache", value=None,
+                                 allowed="'prefix' or 'dual'")
+    from mdm_lens.kvcache import MODES
+
+    kv = validate.choice(s.kv_cache, MODES, name="kv_cache", error=SamplerConfigError)
+    threshold = optional(s.threshold, lambda v: validate.number(v, name="threshold", min=0, max=1,
+                                                                error=SamplerConfigError))
+    rule = "confidence_threshold" if threshold is not None else "entropy"
+    if s.alg not in (None, rule):
+        raise SamplerConfigError(f"alg={s.alg!r} with kv_cache: Fast-dLLM's Dream loop ranks by "
+                                 f"{'the threshold rule' if threshold is not None else 'entropy'} whatever alg says.",
+                                 argument="alg", value=s.alg, allowed=f"None or {rule!r}")
+    block = validate.integer(32 if s.block_length is None else s.block_length, name="block_length", min=1,
+                             error=SamplerConfigError)
+    if s.gen_length % block:
+        raise SamplerConfigError(f"gen_length={s.gen_length} is not a multiple of block_length={block}.",
+                                 argument="block_length", value=block, allowed=f"a divisor of {s.gen_length}")
+    n_blocks = s.gen_length // block
+    if threshold is None and (s.steps % n_blocks or s.steps // n_blocks < 2):
+        raise SamplerConfigError(f"steps={s.steps} must be a multiple of the {n_blocks} blocks with at least 2 per "
+                                 "block: with one step per block the reference decodes only each block's first "
+                                 "token and leaves the rest masked.", argument="steps", value=s.steps,
+                                 allowed=f"a multiple of {n_blocks}, >= {2 * n_blocks}")
+    return dict(kv_cache=kv, block_length=block, threshold=threshold, alg=rule)
 
 
 class DreamSampler(CanvasSampler):
     name, Settings = "dream", DreamSettings
-    neutral = dict(alg="origin", alg_temp=None, eps=1e-3, top_p=None, top_k=None)
+    neutral = dict(alg="origin", alg_temp=None, eps=1e-3, top_p=None, top_k=None, kv_cache=None, threshold=None)
+
+    def plan(self, s: DreamSettings) -> Plan:
+        if s.kv_cache is None:
+            return Plan(s.steps)
+        n_blocks = s.gen_length // s.block_length
+        return Plan(s.gen_length + 2 * n_blocks, n_blocks,
+                    adaptive="Fast-dLLM's Dream loop runs until each block holds no mask")
+
+    def check_run(self, ids: Tensor, am: Tensor, s: DreamSettings, obs: Any) -> None:
+        if s.kv_cache is None:
+            return
+        if not bool(am.all()):
+            raise SamplerConfigError(f"kv_cache={s.kv_cache!r} on a padded batch: pass prompts of one length (the "
+                                     "reference's padded cached path slices its mask by key).",
+                                     argument="attention_mask", value=am, allowed="no padding")
+        if s.threshold is not None and ids.shape[0] != 1:
+            raise SamplerConfigError("threshold= on Dream decodes one prompt at a time (the reference commits row 0 "
+                                     "only).", argument="prompt", value=tuple(ids.shape), allowed="a [1, pos] prompt")
+        from mdm_lens.hooks.reducers import ReceivedAttention
+
+        other = [r for r in obs.record if not isinstance(r, ReceivedAttention)]
+        if other:
+            raise SamplerConfigError(f"record={[type(r).__name__ for r in other]} on a kv_cache run: only "
+                                     "ReceivedAttention follows the window rows.", argument="record",
+                                     value=obs.record, allowed="ReceivedAttention only")
 
     def idle_steps(self, s: DreamSettings) -> list[int] | None:
-        if s.alg == "origin":
+        if s.alg == "origin" or s.kv_cache is not None:
             return None  # random order
         return [step for step, c in enumerate(dream_schedule(s.gen_length, s.steps, s.eps)) if c == 0]
 
     def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: DreamSettings,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
         x, am = masked_canvas(ids, am, s.gen_length, model.cfg.mask_token_id)
+        if s.kv_cache is not None:
+            from mdm_lens.diffusion.dream_block import dream_block_sample
+
+            x, recorder = dream_block_sample(
+                runner, model, x, am, ids.shape[1], kv_cache=s.kv_cache, steps=s.steps, gen_length=s.gen_length,
+                block_length=s.block_length, threshold=s.threshold, temperature=s.temperature, top_p=s.top_p,
+                top_k=s.top_k, alg_temp=s.alg_temp, eps=s.eps, mask_id=model.cfg.mask_token_id,
+                budget=self.plan(s).n_steps, generator=generator, progress=bar)
+            return x, am, recorder
         x, recorder = dream_sample(runner, x, am, ids.shape[1], steps=s.steps, mask_id=model.cfg.mask_token_id,
                                    eps=s.eps, alg=s.alg, alg_temp=s.alg_temp, temperature=s.temperature,
                                    top_p=s.top_p, top_k=s.top_k, generator=generator, progress=bar)
