@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens.diffusion.dream import sample_tokens
+from mdm_lens.diffusion.fastdllm import window_forward
 from mdm_lens.diffusion.output import TrajectoryRecorder
 from mdm_lens.diffusion.schedules import dream_timesteps, dream_transfer_count
 from mdm_lens.diffusion.state import DenoisingState
@@ -59,21 +60,8 @@ def dream_block_sample(runner: Any, model: Any, x: Tensor, attention_mask: Tenso
         start, end = prompt_length + b * block_length, prompt_length + (b + 1) * block_length
         i = 0
         while True:
-            if step >= budget:
-                raise SamplerConfigError(f"block {b} still holds mask tokens after {budget} forwards: the model keeps "
-                                         f"predicting the mask token {mask_id} itself.", argument="kv_cache",
-                                         value=kv_cache)
-            lo, hi = (0, total) if i == 0 else (start, total if kv_cache == "prefix" else end)
-            masked = x == mask_id
-            cache.computed(lo, hi, step)
-            state = DenoisingState(step, budget, b, n_blocks, x.clone(), masked, prompt_index, key_visible,
-                                   slice(start, end))
-            state.extra.update(kv_cache=kv_cache, refresh=i == 0, query_start=lo, query_end=hi,
-                               kv_age=cache.age.clone())
-            with cache.attached("fill" if i == 0 else kv_cache, (lo, hi)):
-                logits = runner.forward(state, x[:, lo:hi], position_ids=torch.arange(lo, hi, device=x.device)[None])
-            if i == 0 and kv_cache == "prefix":
-                cache.trim(start)
+            lo, hi, masked, state, logits = window_forward(runner, cache, x, step, budget, b, n_blocks, i, kv_cache,
+                                                           start, end, prompt_index, key_visible, mask_id)
             window = x[:, lo:hi]
             if i == 0:
                 conf, x0 = _sample(logits, temperature, top_p, top_k, generator)

@@ -153,20 +153,8 @@ def cached_sample(runner: Any, model: Any, x: Tensor, attention_mask: Tensor, pr
         counts = llada_transfer_counts(x[:, blk] == mask_id, steps // n_blocks)
         i = 0
         while True:
-            if step >= budget:
-                raise SamplerConfigError(f"block {b} still holds mask tokens after {budget} forwards: the model keeps "
-                                         f"predicting the mask token {mask_id} itself.", argument="kv_cache",
-                                         value=kv_cache)
-            lo, hi = (0, total) if i == 0 else (start, total if kv_cache == "prefix" else end)
-            masked = x == mask_id
-            cache.computed(lo, hi, step)
-            state = DenoisingState(step, budget, b, n_blocks, x.clone(), masked, prompt_index, key_visible, blk)
-            state.extra.update(kv_cache=kv_cache, refresh=i == 0, query_start=lo, query_end=hi,
-                               kv_age=cache.age.clone())
-            with cache.attached("fill" if i == 0 else kv_cache, (lo, hi)):
-                logits = runner.forward(state, x[:, lo:hi], position_ids=torch.arange(lo, hi, device=x.device)[None])
-            if i == 0 and kv_cache == "prefix":
-                cache.trim(start)
+            lo, hi, masked, state, logits = window_forward(runner, cache, x, step, budget, b, n_blocks, i, kv_cache,
+                                                           start, end, prompt_index, key_visible, mask_id)
             eligible = masked[:, lo:hi].clone()
             eligible[:, end - lo:] = False
             if i > 0 and kv_cache == "prefix":
@@ -191,6 +179,28 @@ def cached_sample(runner: Any, model: Any, x: Tensor, attention_mask: Tensor, pr
                 break
             i += 1
     return x, recorder
+
+
+def window_forward(runner: Any, cache: KVCache, x: Tensor, step: int, budget: int, b: int, n_blocks: int, i: int,
+                   kv_cache: str, start: int, end: int, prompt_index: Tensor, key_visible: Tensor,
+                   mask_id: int) -> tuple[int, int, Tensor, DenoisingState, Tensor]:
+    """One forward of a cached block loop: the block-start refresh (`i == 0`: every row, filling the cache) or a
+    window against the cache (prefix: block start to the end; dual: the block). Returns the window, the canvas's
+    mask, the step's state (with `refresh`, `query_start`/`query_end` and `kv_age` in `extra`) and its logits."""
+    if step >= budget:
+        raise SamplerConfigError(f"block {b} still holds mask tokens after {budget} forwards: the model keeps "
+                                 f"predicting the mask token {mask_id} itself.", argument="kv_cache", value=kv_cache)
+    total = x.shape[1]
+    lo, hi = (0, total) if i == 0 else (start, total if kv_cache == "prefix" else end)
+    masked = x == mask_id
+    cache.computed(lo, hi, step)
+    state = DenoisingState(step, budget, b, n_blocks, x.clone(), masked, prompt_index, key_visible, slice(start, end))
+    state.extra.update(kv_cache=kv_cache, refresh=i == 0, query_start=lo, query_end=hi, kv_age=cache.age.clone())
+    with cache.attached("fill" if i == 0 else kv_cache, (lo, hi)):
+        logits = runner.forward(state, x[:, lo:hi], position_ids=torch.arange(lo, hi, device=x.device)[None])
+    if i == 0 and kv_cache == "prefix":
+        cache.trim(start)
+    return lo, hi, masked, state, logits
 
 
 def propose(logits: Tensor, x: Tensor, eligible: Tensor, temperature: float, remasking: str,
