@@ -31,7 +31,7 @@ from mdm_lens.errors import MemoryBudgetError
 from mdm_lens.probes import flow as F
 from mdm_lens.probes import patching, retrieval
 from mdm_lens.probes import run as R
-from mdm_lens.sweep import lens_tables, shared as SH
+from mdm_lens.sweep import cache_tables, lens_tables, shared as SH
 from mdm_lens.sweep.tables import (DRIFT_METRICS, KEY_COLUMNS, PATTERN_BUDGET_BYTES, STEP_METRICS,  # noqa: F401
                                    _anchor_mass, frame, temporal)
 from mdm_lens.sweep.templates import Rendered
@@ -40,7 +40,7 @@ from mdm_lens.items import char_span_to_token_span
 
 __all__ = ["PROBES", "NEEDS_QA", "Batch", "Settings", "make_batch", "sub_batches", "compute"]
 
-PROBES = ("accuracy", "absorption", "temporal", "qk", "retrieval", "flow", "knockout", "lens")
+PROBES = ("accuracy", "absorption", "temporal", "qk", "retrieval", "flow", "knockout", "lens", "cache")
 NEEDS_QA = {"accuracy": "answers", "retrieval": "a question with passages and answers",
             "flow": "a question with passages"}
 
@@ -352,7 +352,8 @@ def knockout(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFram
 
 # --- dispatch ---------------------------------------------------------------------------------------
 
-_BATCHED: dict[str, Callable] = {"accuracy": accuracy, "qk": qk, "lens": lens_tables.lens}
+_BATCHED: dict[str, Callable] = {"accuracy": accuracy, "qk": qk, "lens": lens_tables.lens,
+                                 "cache": cache_tables.cache}
 _ATTENTION = ("absorption", "flow")
 _PER_ITEM: dict[str, Callable] = {"retrieval": retrieval_rows, "knockout": knockout}
 
