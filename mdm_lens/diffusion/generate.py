@@ -17,6 +17,7 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.diffusion import arm, diffusion_gemma, dream, llada, registry  # noqa: F401  (each registers itself)
+from mdm_lens.diffusion import llada2, sdar  # noqa: F401  (block diffusion: LLaDA2.x, SDAR)
 from mdm_lens.diffusion.canvas import CanvasSampler, Plan
 from mdm_lens.diffusion.output import GenerateOutput
 from mdm_lens.diffusion.registry import Observation
@@ -28,6 +29,10 @@ SamplerName = str  # a registered sampler's name (`registry.names()`) or "auto"
 def default_sampler(model: Any) -> str:
     if model.cfg.family == "diffusion_gemma":
         return "diffusion_gemma"
+    if model.cfg.family == "llada2_moe":
+        return "llada2"
+    if model.cfg.family in ("sdar", "sdar_moe"):
+        return "sdar"
     if model.cfg.attention == "causal":
         return "arm"
     return "dream" if model.cfg.logit_shift else "llada"
