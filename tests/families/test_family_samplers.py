@@ -190,6 +190,95 @@ def test_llada2_invariants_and_observation(models):
     assert [s for s, *_ in seen] == [i for i, b in enumerate(tr.block_of_step.tolist()) if b == 1]
 
 
+def ref_llada21(model, prompt, *, gen_length, block_length, temperature=0.0, top_p=None, top_k=None,
+                eos_early_stop=False, threshold=0.95, editing_threshold=0.9, max_post_steps=16, num_to_transfer=1,
+                eos_id, mask_id=100, seed=0):
+    """(canvas, returned span) of LLaDA2.1's generate (modeling_llada21_moe.py @ ca176752)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt_length = prompt.shape[1]
+    num_blocks = (prompt_length + gen_length + block_length - 1) // block_length
+    total_length = num_blocks * block_length
+    position_ids = torch.arange(total_length).unsqueeze(0)
+    x = torch.full((1, total_length), mask_id, dtype=torch.long)
+    x[:, :prompt_length] = prompt.clone()
+    for num_block in range(prompt_length // block_length, num_blocks):
+        end = (num_block + 1) * block_length
+        cur_x = x[:, :end]
+        block_start = num_block * block_length
+        post_steps = 0
+        while True:
+            old = cur_x[:, -block_length:].clone()
+            active = cur_x[:, -block_length:] == mask_id
+            if not torch.any(active):
+                post_steps += 1
+            if post_steps > max_post_steps:
+                break
+            prompt_in_block = torch.zeros(block_length, dtype=torch.bool)
+            if block_start < prompt_length:
+                prompt_in_block[:min(prompt_length - block_start, block_length)] = True
+            logits = model(cur_x, position_ids=position_ids[:, :end], block_length=block_length)
+            x0, x0_p = ref_sample(logits[:, -block_length:, :], temperature, top_k, top_p, gen)
+            fill = torch.zeros_like(x0, dtype=torch.bool)
+            if active.sum() > 0:
+                conf = torch.where(active, x0_p, -torch.inf)
+                high = (conf[0] > threshold) & active[0]
+                if high.sum().item() >= num_to_transfer:
+                    fill[0] = high
+                else:
+                    _, idx = torch.topk(conf[0], k=min(num_to_transfer, active.sum().item()))
+                    fill[0, idx] = True
+            edit = torch.zeros_like(x0, dtype=torch.bool)
+            editable = ~active & ~prompt_in_block[None, :]
+            edit_conf = torch.where(editable, x0_p, -torch.inf)
+            edit[0] = (edit_conf[0] > editing_threshold) & editable[0] & (x0[0] != old[0])
+            chosen = fill | edit
+            if chosen.any():
+                cur_x[:, -block_length:][chosen] = x0[chosen]
+            if active.sum() == 0 and not edit.any():
+                break
+        x[:, :end] = cur_x
+        if eos_early_stop:
+            part = x[0, prompt_length:end]
+            if (part == mask_id).sum() == 0 and len((part == eos_id).nonzero(as_tuple=True)[0]) > 0:
+                break
+    answer = x[:, :prompt_length + gen_length]
+    eos_positions = (answer[0][prompt_length:] == eos_id).nonzero(as_tuple=True)[0]
+    first = eos_positions[0].item() if len(eos_positions) > 0 else gen_length
+    return x, answer[:, prompt_length:prompt_length + first + 1]
+
+
+LLADA21_CASES = [
+    dict(prompt=6, gen_length=12, block_length=4, editing_threshold=0.9),
+    dict(prompt=6, gen_length=12, block_length=4, editing_threshold=0.0, max_post_steps=3),
+    dict(prompt=5, gen_length=10, block_length=4, editing_threshold=0.02, temperature=0.9, threshold=0.03,
+         num_to_transfer=2, max_post_steps=4, top_k=8),
+    dict(prompt=6, gen_length=16, block_length=4, editing_threshold=0.0, max_post_steps=2, eos=59,
+         eos_early_stop=True),  # planted EOS in the first block: later blocks stay masked
+]
+
+
+@pytest.mark.parametrize("case", LLADA21_CASES)
+def test_llada21_editing_matches_reference(models, monkeypatch, case):
+    model = models["llada2"]
+    case = dict(case)
+    prompt, eos = _prompt(case.pop("prompt")), case.pop("eos", 98)
+    monkeypatch.setattr(model.cfg, "eos_token_id", eos)
+    with torch.no_grad():
+        canvas, span = ref_llada21(model, prompt, eos_id=eos, **case)
+    edits = []
+    out = generate(model, prompt, sampler="llada2", fwd_hooks=[
+        ("hook_embed", lambda t, hook: edits.append(model.state))], **case)
+    n = prompt.shape[1] + case["gen_length"]
+    assert torch.equal(out.tokens, canvas[:, :n])
+    assert out.answer_length == [min(span.shape[1], case["gen_length"])]
+    n_edits = sum(int(st.extra["edited"].sum()) for st in edits)
+    assert int(out.trajectory.n_committed.sum()) >= n_edits
+    if case["editing_threshold"] == 0.0:
+        assert n_edits > 0  # the planted low threshold does edit decoded tokens
+    if case.get("eos_early_stop"):
+        assert out.answer_length == [1] and bool((out.generated[0, 2:] == 100).all())
+
+
 # ---- SDAR -------------------------------------------------------------------------------------------------------
 def ref_sdar(model, prompt, *, gen_length, block_length, steps, temperature=1.0, top_k=0, top_p=1.0,
              remasking_strategy="low_confidence_dynamic", confidence_threshold=0.85, eb_threshold=None,
@@ -335,6 +424,9 @@ def test_auto_picks_family_sampler(models):
     ("llada2", dict(prompt=torch.tensor([[5, 98, 7]]), eos_early_stop=True), InputError, "prompt"),
     ("llada2", dict(prompt=torch.tensor([[5, 6], [7, 8]])), SamplerConfigError, "prompt"),
     ("llada2", dict(cfg_scale=1.0), SamplerConfigError, "cfg_scale"),
+    ("llada2", dict(editing_threshold=0.9, steps=4), SamplerConfigError, "steps"),
+    ("llada2", dict(max_post_steps=4), SamplerConfigError, "max_post_steps"),
+    ("llada2", dict(editing_threshold=0.9, num_to_transfer=5), SamplerConfigError, "num_to_transfer"),
 ])
 def test_refused_before_compute(models, name, kwargs, error, argument):
     model = models[name]
