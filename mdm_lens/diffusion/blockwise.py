@@ -106,6 +106,14 @@ class AlignedBlockSampler(CanvasSampler):
     """A block-diffusion sampler over the aligned canvas (see the module docstring). Subclasses give
     `block_plan(s, first, num_blocks)` and `run(...)`, which returns (canvas, recorder, answer lengths)."""
 
+    def is_neutral(self, option: str, value: Any, given: dict[str, Any]) -> bool:
+        gen_length = given.get("gen_length")
+        if option == "block_length" and value is not None and gen_length is not None and value == gen_length:
+            return True  # as LLaDA's: one block over the canvas, what a sampler without blocks does
+        if option in ("top_k", "top_p"):  # off: None, top_k 0, top_p 1 (both references filter nothing then)
+            return value is None or (option == "top_k" and value == 0) or (option == "top_p" and value == 1.0)
+        return super().is_neutral(option, value, given)
+
     def plan(self, s: Any, prompt_length: int | None = None) -> Plan:
         """With the prompt length unknown (`mdm_lens.diffusion.generate.plan`): the bound for the longest layout."""
         if prompt_length is None:
