@@ -117,7 +117,7 @@ class AlignedBlockSampler(CanvasSampler):
     def plan(self, s: Any, prompt_length: int | None = None) -> Plan:
         """With the prompt length unknown (`mdm_lens.diffusion.generate.plan`): the bound for the longest layout."""
         if prompt_length is None:
-            first, num_blocks = 0, -(-s.gen_length // s.block_length) + 1
+            first, num_blocks = 1, -(-s.gen_length // s.block_length) + 2  # a prompt block, a straddling block
         else:
             first, num_blocks, _ = layout(prompt_length, s.gen_length, s.block_length)
         return self.block_plan(s, first, num_blocks)

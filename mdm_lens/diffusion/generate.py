@@ -55,7 +55,8 @@ def generate(model: Any, prompt: Any, *, sampler: SamplerName = "auto", attentio
         prompt: text (needs a tokenizer) or token ids `[batch, pos]`, left-padded with `attention_mask` (a
             right-padded batch is refused: the canvas is appended after the prompt).
         sampler: a registered sampler (`mdm_lens.diffusion.registry.names()`: "llada", "dream", "arm",
-            "diffusion_gemma", ...) or "auto" (the model family's own).
+            "diffusion_gemma", "llada2", "sdar", ...) or "auto" (the model family's own: "llada2" for LLaDA2.x,
+            "sdar" for SDAR / SDAR-MoE, "llada" for LLaDA and LLaDA-MoE).
         fwd_hooks: a list of TL `(name, fn)` pairs (names may be globs or filters) or `at_steps(fn, [...], name=...)`.
         hook_steps: the steps at which plain `fwd_hooks` fire (default every step), e.g. `[0, -1]` or `steps(every=4)`.
         record: a list of streaming reducers, e.g. `[ReceivedAttention(), KeyValueNorms()]`.

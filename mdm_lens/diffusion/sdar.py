@@ -160,7 +160,7 @@ class SDARSampler(AlignedBlockSampler):
         no_commit = torch.zeros_like(prompt_index)
         step = 0
 
-        def forward(kind: str, lo: int, hi: int, block: int, blk: slice) -> Tensor:
+        def forward(kind: str, lo: int, hi: int, block: int, blk: slice) -> tuple[DenoisingState, Tensor]:
             cache.computed(lo, hi, step)
             state = DenoisingState(step, plan.n_steps, block, plan.n_blocks, x.clone(), x == mask_id, prompt_index,
                                    key_visible, blk)

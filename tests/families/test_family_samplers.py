@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from family_checkpoints import write_llada2, write_lladamoe, write_sdar
 
 from mdm_lens import HookedMDM
-from mdm_lens.diffusion.generate import default_sampler, generate
+from mdm_lens.diffusion.generate import default_sampler, generate, plan
 from mdm_lens.errors import InputError, SamplerConfigError
 from mdm_lens.hooks.reducers import KeyValueNorms, ReceivedAttention
 from mdm_lens.hooks.steps import at_steps, steps
@@ -394,6 +394,13 @@ def test_sdar_topk_rewrite_quirk(models):
     assert tr.commit_step[0, rewritten[0]] == 2 and int(tr.n_committed.sum()) > 11
 
 
+def test_replay_refused(models):
+    for name, model in (("llada2", models["llada2"]), ("sdar", models["sdar"])):
+        out = generate(model, _prompt(4), sampler=name, gen_length=4, block_length=4)
+        with pytest.raises(SamplerConfigError, match="replay is not available"):
+            out.replay(model, 0)
+
+
 def test_sdar_invariants(models):
     """steps = block_length with the dynamic rule: every generated slot committed exactly once, prompt untouched."""
     out = generate(models["sdar"], _prompt(5), sampler="sdar", gen_length=11, block_length=4, seed=3)
@@ -410,6 +417,10 @@ def test_auto_picks_family_sampler(models):
     b = generate(models["lladamoe"], p, sampler="llada", gen_length=8, steps=8)
     assert a.sampler == "llada" and torch.equal(a.tokens, b.tokens) and not bool((a.tokens == 100).any())
     assert generate(models["sdar"], p, gen_length=4, block_length=4).sampler == "sdar"
+    bound = plan(models["sdar"], gen_length=8, block_length=4)  # prompt unknown: the longest layout
+    assert bound.n_steps == 1 + 5 * 3 and bound.n_blocks == 3 and bound.adaptive
+    for n in (1, 4, 6):  # the bound holds the real runs' forwards
+        assert generate(models["sdar"], _prompt(n), gen_length=8, block_length=4).n_steps <= bound.n_steps
 
 
 @pytest.mark.parametrize("name,kwargs,error,argument", [
