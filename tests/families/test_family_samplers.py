@@ -394,6 +394,27 @@ def test_sdar_topk_rewrite_quirk(models):
     assert tr.commit_step[0, rewritten[0]] == 2 and int(tr.n_committed.sum()) > 11
 
 
+def test_sdar_block_cache_is_exact(models):
+    """Keys/values stored by `append` forwards (the prompt's blocks, then a finished block) and read by a `block`
+    forward give the logits of a full block-masked forward (1e-5: different SDPA key sets), and hook_pattern on
+    the cached forward is [batch, head, block rows, all keys so far]."""
+    from mdm_lens.kvcache import KVCache
+
+    model, x = models["sdar"], _prompt(12)
+    cache, shapes = KVCache(model, 12), []
+    pos = torch.arange(12)[None]
+    with torch.no_grad():
+        full = model(x, block_length=4)
+        with cache.attached("append"):
+            model(x[:, :4], position_ids=pos[:, :4], block_length=4)
+            model(x[:, 4:8], position_ids=pos[:, 4:8], block_length=4)
+        with cache.attached("block"), model.hooks(fwd_hooks=[("blocks.0.attn.hook_pattern",
+                                                                lambda t, hook: shapes.append(tuple(t.shape)))]):
+            block = model(x[:, 8:12], position_ids=pos[:, 8:12], block_length=4)
+    assert (block - full[:, 8:12]).abs().max() <= 1e-5
+    assert shapes == [(1, model.cfg.n_heads, 4, 12)] and cache.layers[0].k.shape[1] == 8  # block mode stores nothing
+
+
 def test_replay_refused(models):
     for name, model in (("llada2", models["llada2"]), ("sdar", models["sdar"])):
         out = generate(model, _prompt(4), sampler=name, gen_length=4, block_length=4)
