@@ -9,6 +9,10 @@ forwards over a window of query rows attend to [cached keys; this forward's keys
 Keys are cached after the rotary embedding at their own positions (the reference caches them before it and
 rotates all keys again at each forward: the same numbers). Hooks on a cached forward see the rows it really
 computes (`hook_rot_k` / `hook_v`: the window's new rows; `hook_pattern`: `[batch, head, window, all keys]`).
+Block diffusion (SDAR, `mdm_lens.diffusion.sdar`) caches exactly: `append` forwards (the prompt's whole blocks, a
+finished block) attend to [cache; own rows] and keep their rows; `block` forwards (a block being denoised) attend
+the same way and keep nothing. An empty cache is allowed in both (a prompt shorter than one block).
+
 `age[pos]` is the step whose forward computed the keys/values a forward attends to at `pos` (the window's own rows:
 that forward's step; -1: not cached).
 """
@@ -36,6 +40,12 @@ class LayerKV:
     def __call__(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if self.mode == "fill":
             self.k, self.v = k, v
+            return k, v
+        if self.mode in ("block", "append"):  # block diffusion: earlier blocks never attend later ones
+            if self.k is not None and self.v is not None:
+                k, v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
+            if self.mode == "append":  # a finished block's rows join the cache for good
+                self.k, self.v = k, v
             return k, v
         if self.k is None or self.v is None:
             raise RuntimeError("a cached forward ran before the cache was filled")

@@ -172,7 +172,9 @@ class HookedMDM(CheckedHookSurface):
             attention_mask = attention_mask.to(tokens.device)
             pad = masks.pair_mask(attention_mask) if self.cfg.padding_mask == "pair" else masks.key_padding(attention_mask)
         attn_mask = inputs.explicit_mask(attn_mask, tokens)
-        if block_length is not None:  # block diffusion: blocks aligned at position 0 (masks.block_causal)
+        # block diffusion: blocks aligned at position 0 (masks.block_causal); one block spanning every row is no
+        # restriction, so no mask is built (a KV-cached forward over one block then attends to the cached keys too)
+        if block_length is not None and block_length < tokens.shape[1]:
             attn_mask = masks.combine(attn_mask, masks.block_causal(tokens.shape[1], block_length,
                                                                     device=tokens.device))
         if pad is None and attn_mask is None:

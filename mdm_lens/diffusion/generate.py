@@ -17,6 +17,7 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.diffusion import arm, diffusion_gemma, dream, llada, registry  # noqa: F401  (each registers itself)
+from mdm_lens.diffusion import llada2, sdar  # noqa: F401  (block diffusion: LLaDA2.x, SDAR)
 from mdm_lens.diffusion.canvas import CanvasSampler, Plan
 from mdm_lens.diffusion.output import GenerateOutput
 from mdm_lens.diffusion.registry import Observation
@@ -28,6 +29,10 @@ SamplerName = str  # a registered sampler's name (`registry.names()`) or "auto"
 def default_sampler(model: Any) -> str:
     if model.cfg.family == "diffusion_gemma":
         return "diffusion_gemma"
+    if model.cfg.family == "llada2_moe":
+        return "llada2"
+    if model.cfg.family in ("sdar", "sdar_moe"):
+        return "sdar"
     if model.cfg.attention == "causal":
         return "arm"
     return "dream" if model.cfg.logit_shift else "llada"
@@ -50,7 +55,8 @@ def generate(model: Any, prompt: Any, *, sampler: SamplerName = "auto", attentio
         prompt: text (needs a tokenizer) or token ids `[batch, pos]`, left-padded with `attention_mask` (a
             right-padded batch is refused: the canvas is appended after the prompt).
         sampler: a registered sampler (`mdm_lens.diffusion.registry.names()`: "llada", "dream", "arm",
-            "diffusion_gemma", ...) or "auto" (the model family's own).
+            "diffusion_gemma", "llada2", "sdar", ...) or "auto" (the model family's own: "llada2" for LLaDA2.x,
+            "sdar" for SDAR / SDAR-MoE, "llada" for LLaDA and LLaDA-MoE).
         fwd_hooks: a list of TL `(name, fn)` pairs (names may be globs or filters) or `at_steps(fn, [...], name=...)`.
         hook_steps: the steps at which plain `fwd_hooks` fire (default every step), e.g. `[0, -1]` or `steps(every=4)`.
         record: a list of streaming reducers, e.g. `[ReceivedAttention(), KeyValueNorms()]`.

@@ -71,6 +71,9 @@ class GenerateOutput:
     cache: Any = None
     model_name: str = ""
     texts: list[str] | None = None  # decoded generations when the model has a tokenizer
+    # block samplers whose reference returns a shorter span (LLaDA2: up to and including the first EOS): each
+    # row's answer length from `prompt_length` (None: all generated tokens are answer)
+    answer_length: list[int] | None = None
 
     @property
     def key_visible(self) -> Bool[Tensor, "batch pos"]:

@@ -28,6 +28,11 @@ def _canvas(out: Any, s: int) -> tuple[Tensor, Tensor]:
 
 
 def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
+    if out.sampler in ("llada2", "sdar"):  # their forwards cover a canvas prefix / one KV-cached block
+        raise SamplerConfigError(f"replay is not available for sampler={out.sampler!r} runs: their forwards cover a "
+                                 "canvas prefix or one KV-cached block that x_steps does not describe; hook the run "
+                                 "itself (fwd_hooks / cache=).", argument="out", value=out.sampler,
+                                 allowed="a llada, dream, arm or diffusion_gemma run")
     n = out.trajectory.n_steps
     s = validate.index(step, n, name="step", what=f"step of this {n}-step run")
     phase = validate.choice(phase, ("cond", "uncond"), name="phase")
