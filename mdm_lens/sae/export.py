@@ -31,11 +31,9 @@ the same whatever the world size.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -44,183 +42,21 @@ import torch
 from torch import Tensor
 
 from mdm_lens import validate
-from mdm_lens.diffusion import arguments as GA
-from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputError, SamplerConfigError
-from mdm_lens.hooks.names import expand_names
-from mdm_lens.hooks.steps import Steps, as_steps
+from mdm_lens.errors import ArgumentError, InputError, SamplerConfigError
+from mdm_lens.hooks.steps import as_steps
 from mdm_lens.hooks.trajectory import TrajectoryCache
 from mdm_lens.sae import export_store as ES
+from mdm_lens.sae.export_plan import (SAMPLER_KEYS, Plan, Prompt, Source, check_hooks_arg, check_model,
+                                      check_sampler_kwargs, data_hash, make_plan, parse_steps, read_data,
+                                      render_prompts)
 from mdm_lens.sweep import runner as R
 from mdm_lens.sweep import templates as TM
-from mdm_lens.sweep.items import read_items
 from mdm_lens.sweep.store import SweepStore
 
-__all__ = ["export_activations", "POSITIONS", "SAMPLER_KEYS"]
+__all__ = ["export_activations", "parse_steps", "POSITIONS", "SAMPLER_KEYS"]
 
 POSITIONS = ("masked", "unmasked", "all", "generated")
-SAMPLER_KEYS = ("temperature", "cfg_scale", "remasking", "logits_eos_inf", "confidence_eos_eot_inf", "alg",
-                "alg_temp", "eps", "top_p", "top_k")
 LAYOUT = 1  # how rows are cut into batches and laid out; a folder of another layout is refused
-
-
-@dataclass(frozen=True)
-class _Prompt:
-    item_id: str
-    ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class _Source:
-    kind: str                 # "jsonl", "text" or "ids"
-    items: list[Any]          # SweepItems, texts, or id lists
-    path: str | None = None
-    skipped: tuple = ()
-
-
-@dataclass(frozen=True)
-class _Plan:
-    hooks: dict[str, int]     # hook name -> d_in (heads flattened, as SAELens does)
-    when: Steps
-    gen_kwargs: dict[str, Any]
-    settings: dict[str, Any]
-
-
-# --- arguments -----------------------------------------------------------------------------------------
-def _read_data(data: Any, skip_bad: bool, limit: int | None) -> _Source:
-    if isinstance(data, (str, Path)):
-        read = read_items(data, skip_bad=skip_bad)
-        items = read.items[:limit] if limit else read.items
-        if not items:
-            raise InputError(f"{data}: no usable items.", argument="data", value=str(data), allowed="a jsonl with items")
-        return _Source("jsonl", items, str(data), tuple(read.skipped))
-    if isinstance(data, Tensor):
-        data = validate.tensor(data, name="data", ndim=(1, 2), dtype="int")
-        rows = [data.tolist()] if data.ndim == 1 else data.tolist()
-        kind = "ids"
-    elif isinstance(data, (list, tuple)) and data and all(isinstance(d, str) for d in data):
-        rows, kind = list(data), "text"
-    elif isinstance(data, (list, tuple)) and data and all(isinstance(d, (list, tuple, Tensor)) for d in data):
-        rows, kind = [], "ids"
-        for i, r in enumerate(data):
-            r = validate.tensor(torch.as_tensor(r) if not isinstance(r, Tensor) else r, name=f"data[{i}]", ndim=1,
-                                dtype="int")
-            rows.append(r.tolist())
-    else:
-        raise ArgumentTypeError(f"data={validate.describe(data)}: expected a jsonl path, a list of text prompts or "
-                                "token ids.", argument="data", value=data,
-                                allowed="str/Path (jsonl), list[str], list[list[int]] or an int tensor [batch, pos]")
-    rows = rows[:limit] if limit else rows
-    if kind == "text" and not all(rows):
-        raise InputError("data holds an empty prompt.", argument="data", value=data, allowed="non-empty texts")
-    return _Source(kind, rows)
-
-
-def _hook_names(hooks: Any) -> Any:
-    ok = isinstance(hooks, str) or (isinstance(hooks, (list, tuple)) and hooks and all(isinstance(h, str)
-                                                                                       for h in hooks))
-    if not ok:
-        raise ArgumentTypeError(f"hooks={validate.describe(hooks)} must be a hook name, a glob or a non-empty list of "
-                                "them.", argument="hooks", value=hooks, allowed="str or list of str")
-    return hooks
-
-
-def _sampler_kwargs(kw: Any) -> dict[str, Any]:
-    if kw is None:
-        return {}
-    if not isinstance(kw, dict):
-        raise ArgumentTypeError(f"sampler_kwargs={validate.describe(kw)} must be a dict.", argument="sampler_kwargs",
-                                value=kw, allowed=f"a dict with keys from {SAMPLER_KEYS}")
-    for k in kw:
-        validate.choice(k, SAMPLER_KEYS, name="sampler_kwargs", error=SamplerConfigError)
-    return dict(kw)
-
-
-def _check_model(model: Any) -> None:
-    cfg = getattr(model, "cfg", None)
-    if cfg is None or not hasattr(model, "generate"):
-        raise ArgumentTypeError(f"model={validate.describe(model)} is not a HookedMDM.", argument="model", value=model,
-                                allowed="a HookedMDM or a hub id / folder")
-    if cfg.attention == "causal" or cfg.family == "diffusion_gemma" or cfg.mask_token_id is None:
-        raise InputError(f"{cfg.model_name}: export_activations needs a masked diffusion model sampled by LLaDA's or "
-                         "Dream's sampler (a causal model has no masked positions; DiffusionGemma re-decides its "
-                         "canvas every step).", argument="model", value=cfg.model_name,
-                         allowed="a bidirectional MDM with a mask token")
-
-
-def _hook_widths(model: Any, names: list[str]) -> dict[str, int]:
-    """d_in per hook from one forward of a short masked canvas: the activation must be `[batch, pos, ...]`
-    (an attention pattern, `[batch, head, query, key]`, has no per-position row and is refused)."""
-    n = min(model.cfg.n_ctx, model.cfg.n_heads + 2)  # a length no head count can equal
-    toks = torch.full((1, n), model.cfg.mask_token_id, dtype=torch.long, device=model.input_device)
-    if model.cfg.bos_token_id is not None:
-        toks[0, 0] = model.cfg.bos_token_id
-    _, cache = model.run_with_cache(toks, names_filter=names, return_type=None)
-    widths = {}
-    for name in names:
-        shape = tuple(cache[name].shape)
-        if len(shape) not in (3, 4) or shape[:2] != (1, n):
-            raise InputError(f"hook {name!r} gives activations of shape {shape} on a [1, {n}] input, not "
-                             "[batch, pos, ...]: only per-position activations can be exported.", argument="hooks",
-                             value=name, allowed="hook points shaped [batch, pos, d] or [batch, pos, head, d_head]")
-        widths[name] = int(np.prod(shape[2:]))
-    return widths
-
-
-def _plan(model: Any, hooks: Any, when: Steps, n_steps: int | None, gen_length: int | None,
-          block_length: int | None, sampler_kwargs: dict[str, Any]) -> _Plan:
-    from mdm_lens.diffusion.generate import default_sampler
-
-    sampler = default_sampler(model)
-    given: dict[str, Any] = {k: GA.DEFAULT for k in (*SAMPLER_KEYS, "stop_at_eos")}
-    given.update(steps=n_steps, gen_length=gen_length, block_length=GA.DEFAULT if block_length is None else block_length)
-    given.update(sampler_kwargs)
-    res = GA.resolve(model, sampler, given)
-    n_blocks = res.gen_length // res.values["block_length"] if sampler == "llada" else 1
-    if tuple(when.phases) != ("cond",):
-        raise SamplerConfigError(f"steps(phases={when.phases}): the export reads the sampler's 'cond' forward only.",
-                                 argument="steps", value=when.phases, allowed="steps(...) with phases=('cond',)")
-    when.check(res.steps, n_blocks, ("cond",), what="steps")
-    names = expand_names(model, hooks)
-    kw = dict(steps=res.steps, gen_length=res.gen_length, **sampler_kwargs)
-    if block_length is not None:
-        kw["block_length"] = block_length
-    settings = dict(sampler=sampler, steps=res.steps, gen_length=res.gen_length, **res.values)
-    return _Plan(_hook_widths(model, names), when, kw, settings)
-
-
-def _prompts(model: Any, src: _Source, template: str, gen_length: int) -> tuple[list[_Prompt], str]:
-    tmpl = ""
-    if src.kind == "jsonl":
-        tmpl = TM.resolve_template(model, template)
-        out = [_Prompt(it.id, tuple(TM.render(model, it, tmpl).ids)) for it in src.items]
-    elif src.kind == "text":
-        if model.tokenizer is None:
-            raise InputError("text prompts need a tokenizer; this model has none: pass token ids.", argument="data",
-                             value=src.items[0], allowed="token ids")
-        out = [_Prompt(str(i), tuple(model.to_tokens(t)[0].tolist())) for i, t in enumerate(src.items)]
-    else:
-        out = [_Prompt(str(i), tuple(int(t) for t in r)) for i, r in enumerate(src.items)]
-    d_vocab, mask = model.cfg.d_vocab, model.cfg.mask_token_id
-    for p in out:
-        if not p.ids:
-            raise InputError(f"item {p.item_id!r} has no token.", argument="data", value=p.item_id,
-                             allowed="at least one token per prompt")
-        bad = [t for t in p.ids if not 0 <= t < d_vocab or t == mask]
-        if bad:
-            raise InputError(f"item {p.item_id!r}: token id {bad[0]} is out of range or the mask token {mask}.",
-                             argument="data", value=bad[0], allowed=f"ids in [0, {d_vocab}) other than {mask}")
-        if len(p.ids) + gen_length > model.cfg.n_ctx:
-            raise InputError(f"item {p.item_id!r}: {len(p.ids)} prompt tokens + gen_length {gen_length} exceed the "
-                             f"model's context of {model.cfg.n_ctx}.", argument="data", value=p.item_id,
-                             allowed=f"prompts of at most {model.cfg.n_ctx - gen_length} tokens")
-    return out, tmpl
-
-
-def _data_hash(src: _Source, prompts: list[_Prompt]) -> str:
-    if src.kind == "jsonl":
-        return R._file_hash(src.path)
-    blob = json.dumps([[p.item_id, list(p.ids)] for p in prompts]).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 # --- rows ------------------------------------------------------------------------------------------------
@@ -235,7 +71,7 @@ def _select(positions: str, masked: Tensor, prompt_length: int) -> Tensor:
     return keep
 
 
-def _group_rows(model: Any, out: Any, item_ids: list[str], plan: _Plan, positions: str,
+def _group_rows(model: Any, out: Any, item_ids: list[str], plan: Plan, positions: str,
                store_dtype: str) -> dict[str, list]:
     """The rows of one `generate` output (its `TrajectoryCache` holds the plan's hooks at the chosen steps):
     per item, step, position, as numpy pieces per column."""
@@ -265,7 +101,7 @@ def _group_rows(model: Any, out: Any, item_ids: list[str], plan: _Plan, position
     return cols
 
 
-def _run_batch(model: Any, prompts: list[_Prompt], idx: list[int], plan: _Plan, positions: str, seed: int,
+def _run_batch(model: Any, prompts: list[Prompt], idx: list[int], plan: Plan, positions: str, seed: int,
                store_dtype: str) -> dict[str, np.ndarray]:
     """One batch: each equal-length group (in batch order) is one `generate` call, as in the sweep."""
     groups: dict[int, list[int]] = {}
@@ -315,22 +151,22 @@ def export_activations(model: Any, data: Any, hooks: str | Sequence[str], *, out
     validate.choice(device.split(":")[0] if isinstance(device, str) else device, ("cpu", "cuda"), name="device")
     skip_bad, force = validate.boolean(skip_bad, name="skip_bad"), validate.boolean(force, name="force")
     when = as_steps(steps, name="steps")
-    hooks = _hook_names(hooks)
-    sampler_kwargs = _sampler_kwargs(sampler_kwargs)
+    hooks = check_hooks_arg(hooks)
+    sampler_kwargs = check_sampler_kwargs(sampler_kwargs)
     ES.require_datasets()
-    src = _read_data(data, skip_bad, limit)
+    src = read_data(data, skip_bad, limit)
 
     world = R._Dist(device)
     if device == "cuda" and world.on:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', world.rank))}"
     try:
         model = R._load(model, device, dtype)
-        _check_model(model)
-        plan = _plan(model, hooks, when, n_steps, gen_length, block_length, sampler_kwargs)
-        prompts, tmpl = _prompts(model, src, template, plan.settings["gen_length"])
+        check_model(model)
+        plan = make_plan(model, hooks, when, n_steps, gen_length, block_length, sampler_kwargs)
+        prompts, tmpl = render_prompts(model, src, template, plan.settings["gen_length"])
         fingerprint = dict(kind="export_activations", layout=LAYOUT, model=model.cfg.model_name,
                            config_hash=R._config_hash(model), data=src.path or f"<{src.kind}>",
-                           data_hash=_data_hash(src, prompts), hooks=list(plan.hooks), steps=repr(plan.when),
+                           data_hash=data_hash(src, prompts), hooks=list(plan.hooks), steps=repr(plan.when),
                            positions=positions, batch_size=batch_size, seed=seed, template=tmpl, limit=limit,
                            skip_bad=skip_bad, store_dtype=store_dtype, dtype=dtype,
                            settings=json.loads(json.dumps(plan.settings, default=str)))
@@ -360,7 +196,7 @@ def export_activations(model: Any, data: Any, hooks: str | Sequence[str], *, out
         world.close()
 
 
-def _work(model: Any, prompts: list[_Prompt], batches: list[list[int]], plan: _Plan, positions: str, seed: int,
+def _work(model: Any, prompts: list[Prompt], batches: list[list[int]], plan: Plan, positions: str, seed: int,
           store_dtype: str, feats: Any, store: SweepStore, world: Any, progress: bool | None) -> dict[str, Any]:
     done = store.done_batches()
     mine = [k for k in range(len(batches)) if k % world.world == world.rank and k not in done]
@@ -385,8 +221,8 @@ def _work(model: Any, prompts: list[_Prompt], batches: list[list[int]], plan: _P
     return dict(rank=world.rank, batches=len(mine), items=items, rows=rows, compute_s=round(time.perf_counter() - t, 3))
 
 
-def _finish(store: SweepStore, batches: list[list[int]], plan: _Plan, fingerprint: dict, src: _Source,
-            prompts: list[_Prompt], model: Any, device: str, out: Any, batch_size: int, store_dtype: str, seed: int,
+def _finish(store: SweepStore, batches: list[list[int]], plan: Plan, fingerprint: dict, src: Source,
+            prompts: list[Prompt], model: Any, device: str, out: Any, batch_size: int, store_dtype: str, seed: int,
             world: Any, t0: float) -> None:
     done = store.done_batches()
     missing = [k for k in range(len(batches)) if k not in done]
