@@ -118,7 +118,7 @@ def test_layout_is_saelens_cached_activations(mdm, tmp_path):
     assert man["rows"] == len(ds) == 2 * (4 + 1) and man["items"] == 2   # masked: 4 at step 0, 1 at the last
 
 
-def test_saelens_training_on_exported_activations_lowers_the_mse(mdm, tmp_path):
+def test_saelens_training_on_exported_activations_lowers_the_mse(mdm, tmp_path, monkeypatch):
     pytest.importorskip("sae_lens")
     from sae_lens import (CacheActivationsRunnerConfig, LanguageModelSAERunnerConfig, LanguageModelSAETrainingRunner,
                           LoggingConfig, StandardTrainingSAE, StandardTrainingSAEConfig)
@@ -136,10 +136,19 @@ def test_saelens_training_on_exported_activations_lowers_the_mse(mdm, tmp_path):
     cfg = LanguageModelSAERunnerConfig(
         sae=sae_cfg, model_name="mdm-lens/tiny-mdm", hook_name=RESID, dataset_path="unused",
         use_cached_activations=True, cached_activations_path=str(out), context_size=1, training_tokens=2048,
-        train_batch_size_tokens=64, store_batch_size_prompts=64, n_batches_in_buffer=4, device="cpu",
+        train_batch_size_tokens=64, store_batch_size_prompts=32, n_batches_in_buffer=256, device="cpu",
         act_store_device="cpu", logger=LoggingConfig(log_to_wandb=False), output_path=None, n_eval_batches=0,
         exclude_special_tokens=False, lr=1e-3, streaming=False)
-    trained = LanguageModelSAETrainingRunner(cfg, override_model=mdm, override_sae=sae).run()
+    # SAELens' runner wants a token dataset beside the cache; with use_cached_activations it reads only the cache
+    placeholder = datasets.Dataset.from_dict({"input_ids": [[mdm.cfg.bos_token_id]]})
+
+    def no_model(*a, **k):
+        raise AssertionError("SAELens ran the model instead of reading the exported cache")
+
+    for name in ("run_with_cache", "forward"):
+        monkeypatch.setattr(mdm, name, no_model)
+    trained = LanguageModelSAETrainingRunner(cfg, override_dataset=placeholder, override_model=mdm,
+                                             override_sae=sae).run()
     with torch.no_grad():
         after = ((trained.decode(trained.encode(acts)) - acts) ** 2).mean().item()
     assert after < 0.5 * before
