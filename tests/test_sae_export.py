@@ -27,7 +27,7 @@ datasets = pytest.importorskip("datasets")
 REPO = Path(__file__).resolve().parents[1]
 RESID, Z = "blocks.1.hook_resid_post", "blocks.0.attn.hook_z"
 LENGTHS = (6, 6, 6, 8, 8)
-GEN = dict(n_steps=8, gen_length=8, block_length=4)
+GEN = dict(n_steps=4, gen_length=8, block_length=4)   # 2 blocks of 2 steps, 2 commits a step
 
 
 def _prompts(model, lengths=LENGTHS, seed=0):
@@ -68,15 +68,15 @@ def test_rows_equal_generate_with_a_cache_bit_for_bit(mdm, tmp_path):
     for batch in make_batches([len(p) for p in prompts], 3, "length"):
         for length in dict.fromkeys(len(prompts[i]) for i in batch):
             group = [i for i in batch if len(prompts[i]) == length]
-            out = mdm.generate(torch.tensor([prompts[i] for i in group]), steps=8, gen_length=8, block_length=4,
+            out = mdm.generate(torch.tensor([prompts[i] for i in group]), steps=4, gen_length=8, block_length=4,
                                seed=item_seed(5, str(group[0])), cache=[RESID, Z] @ when, progress=False)
             for b, i in enumerate(group):
-                for s in (0, 2, 7):
+                for s in (0, 2, 3):
                     n = length + 8
                     sl = slice(row, row + n)
                     assert (got["item_id"][sl] == str(i)).all() and (got["step"][sl] == s).all()
                     assert (got["position"][sl] == np.arange(n)).all()
-                    assert (got["block"][sl] == s // 4).all()          # 2 blocks of 4 steps
+                    assert (got["block"][sl] == s // 2).all()          # 2 blocks of 2 steps
                     x = out.trajectory.x_steps[s, b]
                     assert (got["token_ids"][sl, 0] == x.numpy()).all()
                     assert (got["is_masked"][sl] == (x == mdm.cfg.mask_token_id).numpy()).all()
@@ -85,9 +85,9 @@ def test_rows_equal_generate_with_a_cache_bit_for_bit(mdm, tmp_path):
                     assert np.array_equal(got[Z][sl, 0], out.cache[s][Z][b].flatten(1).numpy())  # heads flattened
                     row += n
     assert row == len(ds) == sum(LENGTHS) * 3 + 5 * 8 * 3
-    # planted: at step 0 exactly the canvas is masked; at the last step one position is left per item
+    # planted: at step 0 exactly the canvas is masked; two positions are left at the last step
     m = got["is_masked"]
-    for s, n_left in ((0, 8), (7, 1)):
+    for s, n_left in ((0, 8), (3, 2)):
         ids, counts = np.unique(got["item_id"][m & (got["step"] == s)], return_counts=True)
         assert len(ids) == 5 and (counts == n_left).all()
     assert (got["token_ids"][m, 0] == mdm.cfg.mask_token_id).all()
@@ -116,6 +116,24 @@ def test_layout_is_saelens_cached_activations(mdm, tmp_path):
     assert (cfg["hook_name"], cfg["d_in"], cfg["context_size"], cfg["training_tokens"]) == (RESID, 128, 1, len(ds))
     man = json.loads((out / "manifest.json").read_text())
     assert man["rows"] == len(ds) == 2 * (4 + 1) and man["items"] == 2   # masked: 4 at step 0, 1 at the last
+
+
+def test_shard_table_is_the_one_from_dict_builds(mdm):
+    from mdm_lens.sae import export_store as ES
+
+    g = np.random.default_rng(0)
+    n = 7
+    cols = {RESID: g.standard_normal((n, 1, 5)).astype(np.float32), "token_ids": g.integers(0, 99, (n, 1), np.int32),
+            "item_id": [f"q{i % 3}" for i in range(n)], "step": g.integers(0, 9, n, np.int32),
+            "block": np.zeros(n, np.int32), "position": np.arange(n, dtype=np.int32), "is_masked": g.random(n) < 0.5,
+            "final_token_id": g.integers(0, 99, n, np.int32)}
+    for dtype in ES.STORE_DTYPES:
+        feats = ES.features({RESID: 5}, dtype)
+        c = {**cols, RESID: cols[RESID].astype(dtype)}
+        ours, ref = ES.to_dataset(c, feats), datasets.Dataset.from_dict(c, features=feats)
+        assert ours.features == ref.features and ours.data.table.equals(ref.data.table)
+    empty = {k: v[:0] for k, v in cols.items()}
+    assert len(ES.to_dataset(empty, ES.features({RESID: 5}, "float32"))) == 0
 
 
 def test_saelens_training_on_exported_activations_lowers_the_mse(mdm, tmp_path, monkeypatch):
@@ -218,9 +236,9 @@ def test_invalid_arguments_raise_typed_errors_before_compute(mdm, arm, tmp_path,
     cases = [
         (HookNameError, "blocks.9", dict(hooks="blocks.9.hook_resid_post")),
         (InputError, "per-position", dict(hooks="blocks.0.attn.hook_pattern")),
-        (SamplerConfigError, "steps", dict(steps=steps(8))),                 # an 8-step run has steps 0..7
-        (SamplerConfigError, "both name step 0", dict(steps=steps(0, -8))),
-        (SamplerConfigError, "blocks", dict(steps=steps(blocks=[2]))),       # 2 blocks of 4
+        (SamplerConfigError, "steps", dict(steps=steps(4))),                 # a 4-step run has steps 0..3
+        (SamplerConfigError, "both name step 0", dict(steps=steps(0, -4))),
+        (SamplerConfigError, "blocks", dict(steps=steps(blocks=[2]))),       # 2 blocks
         (SamplerConfigError, "cond", dict(steps=steps(0, phases=("uncond",)))),
         (ArgumentTypeError, "steps", dict(steps=4.5)),
         (ArgumentError, "positions", dict(positions="some")),

@@ -34,7 +34,7 @@ import numpy as np
 
 from mdm_lens.errors import InputError
 
-__all__ = ["META_COLUMNS", "STORE_DTYPES", "features", "write_shard", "consolidate", "saelens_config",
+__all__ = ["META_COLUMNS", "STORE_DTYPES", "features", "to_dataset", "write_shard", "consolidate", "saelens_config",
            "require_datasets"]
 
 META_COLUMNS = ("token_ids", "item_id", "step", "block", "position", "is_masked", "final_token_id")
@@ -63,6 +63,38 @@ def features(hooks: dict[str, int], store_dtype: str) -> Any:
     return ds.Features(f)
 
 
+def _nested(a: np.ndarray) -> Any:
+    """A numpy array [n, d1, ..., dk] as nested Arrow lists over its flat values (no copy per row)."""
+    import pyarrow as pa
+
+    values = pa.array(a.reshape(-1))
+    for k in range(a.ndim - 1, 0, -1):
+        offsets = np.arange(int(np.prod(a.shape[:k])) + 1, dtype=np.int32) * a.shape[k]
+        values = pa.ListArray.from_arrays(pa.array(offsets), values)
+    return values
+
+
+def to_dataset(columns: dict[str, Any], feats: Any) -> Any:
+    """The rows as a `datasets.Dataset` with ``feats``: the Arrow table `Dataset.from_dict(columns,
+    features=feats)` builds (tests/test_sae_export.py checks they are equal), made straight from the numpy
+    buffers: `from_dict` walks the activations value by value (~50x slower here)."""
+    import pyarrow as pa
+
+    ds = require_datasets()
+    schema = feats.arrow_schema
+    arrays = []
+    for name in schema.names:
+        typ, v = schema.field(name).type, columns[name]
+        if isinstance(typ, pa.ExtensionType):                      # Array2D: list<list<value>>
+            arrays.append(pa.ExtensionArray.from_storage(typ, _nested(np.asarray(v)).cast(typ.storage_type)))
+        elif pa.types.is_fixed_size_list(typ):                     # token_ids: Sequence(int32, length=1)
+            v = np.asarray(v)
+            arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1)), v.shape[1]).cast(typ))
+        else:
+            arrays.append(pa.array(v, type=typ))
+    return ds.Dataset(pa.Table.from_arrays(arrays, schema=schema), info=ds.DatasetInfo(features=feats))
+
+
 def _shard_dir(parts: Path, k: int) -> Path:
     return parts / f"b{k:06d}"
 
@@ -71,7 +103,7 @@ def write_shard(parts: Path, k: int, columns: dict[str, np.ndarray], feats: Any)
     """Batch k's rows as a saved dataset, written to a temporary folder and renamed into place, so a killed
     run leaves either a whole shard or none (a shard without its `.done` marker is rewritten on resume)."""
     ds = require_datasets()
-    table = ds.Dataset.from_dict(columns, features=feats)
+    table = to_dataset(columns, feats)
     tmp = parts / f".b{k:06d}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     quiet = ds.utils.are_progress_bars_disabled()
