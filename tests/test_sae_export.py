@@ -201,6 +201,8 @@ def test_a_killed_run_resumes_with_each_row_exactly_once(mdm, tmp_path, monkeypa
     _assert_same(again, fresh)
     with pytest.raises(ArgumentError, match="other arguments"):     # a rerun with other arguments is refused
         export_activations(mdm, prompts, RESID, out=out, **{**kw, "positions": "all"})
+    forced = export_activations(mdm, prompts, RESID, out=out, force=True, **{**kw, "positions": "all"})
+    assert len(forced) == sum(range(5, 11)) * 2 + 6 * 2 * 4 and len(list(out.glob("data-*.arrow"))) == 6
 
 
 def test_two_gloo_ranks_give_the_rows_of_one_process(mdm, tmp_path):

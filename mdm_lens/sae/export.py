@@ -176,6 +176,8 @@ def export_activations(model: Any, data: Any, hooks: str | Sequence[str], *, out
         if world.rank == 0:
             try:
                 store.prepare(fingerprint, force)
+                if force:
+                    ES.clear(store.root)
             except ArgumentError as e:
                 err = e
         err = world.broadcast(err)

@@ -34,7 +34,7 @@ import numpy as np
 
 from mdm_lens.errors import InputError
 
-__all__ = ["META_COLUMNS", "STORE_DTYPES", "features", "to_dataset", "write_shard", "consolidate", "saelens_config",
+__all__ = ["META_COLUMNS", "STORE_DTYPES", "features", "to_dataset", "write_shard", "clear", "consolidate", "saelens_config",
            "require_datasets"]
 
 META_COLUMNS = ("token_ids", "item_id", "step", "block", "position", "is_masked", "final_token_id")
@@ -124,6 +124,14 @@ def _link(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
+
+
+def clear(root: Path) -> None:
+    """Remove a previous export's dataset files (``force``: the sweep store wipes its parts and arguments)."""
+    for name in ("state.json", "dataset_info.json", "manifest.json", "cache_activations_runner_cfg.json"):
+        (root / name).unlink(missing_ok=True)
+    for old in root.glob("data-*.arrow"):
+        old.unlink()
 
 
 def consolidate(root: Path, parts: Path, batches: list[int]) -> Any:
