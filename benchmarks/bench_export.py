@@ -1,7 +1,10 @@
 """Step-wise activation export and SAE splicing, as ratios in one process.
 
     python -m benchmarks.bench_export                  # the "full" bench model (8L d512), 5 paired rounds
-    python -m benchmarks.bench_export --size tiny --rounds 1 --items 4      # smoke run
+    python -m benchmarks.bench_export --size tiny --rounds 1 --items 4 --n-steps 4      # smoke run
+
+Defaults: 8 prompts of 32 random tokens, batch 4, 16 steps, gen_length 32 (two commits a step), the hook
+`blocks.{n_layers // 2}.hook_resid_post`, exported steps `steps(every=4)` (0, 4, 8, 12 and the last).
 
 (1) `mdm_lens.sae.export_activations(model, ids, hook, steps=steps(every=4), positions=..., out=DIR)` against
 the `generate` calls it makes, run plainly with the same `TrajectoryCache` (same hook, same steps, same
@@ -121,9 +124,10 @@ def splice_vs_plain(model, data, hook, gen, rounds) -> tuple[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_export", description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="full")
-    p.add_argument("--items", type=int, default=16)
-    p.add_argument("--prompt-length", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--items", type=int, default=8)
+    p.add_argument("--prompt-length", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--n-steps", type=int, default=16, help="denoising steps; gen_length is twice this")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
@@ -133,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_export_"))
     try:
         model = ws.ours(hf_llama(size))
-        g = size.steps if a.size == "full" else 8
+        g = a.n_steps
         gen = dict(n_steps=g, gen_length=2 * g)  # 2 tokens per step
         hook = f"blocks.{size.n_layers // 2}.hook_resid_post"
         data = prompts(size.vocab, a.items, a.prompt_length)

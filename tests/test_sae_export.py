@@ -95,7 +95,7 @@ def test_rows_equal_generate_with_a_cache_bit_for_bit(mdm, tmp_path):
 
     # the other position sets are the matching subsets of "all", row for row
     plen = np.array([LENGTHS[int(i)] for i in got["item_id"]])
-    want = {"masked": m, "unmasked": ~m, "generated": got["position"] >= plen}
+    want = {"masked": m, "generated": got["position"] >= plen}    # "unmasked" (= ~is_masked): the gloo test
     for positions, keep in want.items():
         sub = _cols(export_activations(mdm, prompts, [RESID, Z], out=tmp_path / positions, steps=when,
                                        positions=positions, batch_size=3, seed=5, progress=False, **GEN))
@@ -222,6 +222,12 @@ def test_two_gloo_ranks_give_the_rows_of_one_process(mdm, tmp_path):
                                    positions="unmasked", n_steps=6, gen_length=6, batch_size=2, progress=False))
     two = _cols(datasets.load_from_disk(str(tmp_path / "two")))
     assert sorted(set(one["step"].tolist())) == [0, 3, 5] and len(set(_keys(one))) == len(one["step"]) > 0
+    assert not one["is_masked"].any() and (one["token_ids"][:, 0] != mdm.cfg.mask_token_id).all()
+    for item in set(one["item_id"].tolist()):     # one commit a step: step s sees the prompt + s positions
+        rows = one["item_id"] == item
+        n_prompt = int((rows & (one["step"] == 0)).sum())
+        assert (one["position"][rows & (one["step"] == 0)] == np.arange(n_prompt)).all()
+        assert [int((rows & (one["step"] == s)).sum()) for s in (3, 5)] == [n_prompt + 3, n_prompt + 5]
     _assert_same(two, one)
     man = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert man["world_size"] == 2 and [r["rank"] for r in man["ranks"]] == [0, 1]
