@@ -1,4 +1,4 @@
-"""`mdm-lens` command line: `demo`, `sweep`, `report`, `zoo export`, `bench`."""
+"""`mdm-lens` command line: `demo`, `sweep`, `report`, `zoo export`, `bench`, `export-activations`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,45 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(args.rest)
 
 
+def _export_activations(args: argparse.Namespace) -> int:
+    import os
+
+    from mdm_lens.sae.export import export_activations, parse_steps
+
+    ds = export_activations(args.model, args.data, [h.strip() for h in args.hooks.split(",") if h.strip()],
+                            out=args.out, steps=parse_steps(args.steps), positions=args.positions,
+                            n_steps=args.n_steps, gen_length=args.gen_length, block_length=args.block_length,
+                            batch_size=args.batch_size, seed=args.seed, template=args.template, limit=args.limit,
+                            skip_bad=args.skip_bad, store_dtype=args.store_dtype, device=args.device,
+                            dtype=args.dtype, force=args.force, progress=not args.no_progress)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"export-activations: {args.out}  ({len(ds)} rows, columns {', '.join(ds.column_names)})")
+    return 0
+
+
+def _add_export_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--model", required=True, help="hub id or local folder (e.g. mdm-lens/tiny-mdm)")
+    p.add_argument("--data", required=True, help="jsonl: KILT / Attention-Floating items or {id, prompt} lines")
+    p.add_argument("--hooks", required=True, help="comma-separated hook names or globs (blocks.1.hook_resid_post)")
+    p.add_argument("--out", required=True, help="dataset folder (datasets.load_from_disk; reruns resume into it)")
+    p.add_argument("--steps", default=None, help="denoising steps to export: all (default), '0,-1', 'every=4'")
+    p.add_argument("--positions", default="masked", choices=("masked", "unmasked", "all", "generated"))
+    p.add_argument("--n-steps", type=int, default=None, help="denoising steps of the sampler (default gen_length)")
+    p.add_argument("--gen-length", type=int, default=None, help="default: the checkpoint's trained canvas, else 32")
+    p.add_argument("--block-length", type=int, default=None, help="LLaDA block length (default gen_length)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="first N usable items")
+    p.add_argument("--template", default="auto", choices=("auto", "zoo", "rag", "chat"))
+    p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank under torchrun)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
+    p.add_argument("--store-dtype", default="float32", choices=("float32", "float16"), help="activation dtype")
+    p.add_argument("--force", action="store_true", help="overwrite a folder made with other arguments")
+    p.add_argument("--skip-bad", action="store_true", help="skip malformed lines (counted in manifest.json)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
 def _gold(v: str):
     return int(v) if v.lstrip("-").isdigit() else v
 
@@ -73,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run the ratio benchmarks (repository checkout only)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
+    export = _add_export_arguments(sub.add_parser(
+        "export-activations", help="step-wise activations in SAELens' cached-activation layout (torchrun for many ranks)"))
+    export.set_defaults(func=_export_activations)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
