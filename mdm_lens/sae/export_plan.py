@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens import validate
-from mdm_lens.diffusion import arguments as GA
+from mdm_lens.diffusion import registry
 from mdm_lens.errors import ArgumentTypeError, InputError, SamplerConfigError
 from mdm_lens.hooks.names import expand_names
 from mdm_lens.hooks.steps import Steps
@@ -27,8 +27,9 @@ from mdm_lens.sweep.items import read_items
 __all__ = ["parse_steps", "SAMPLER_KEYS", "Prompt", "Source", "Plan", "read_data", "check_hooks_arg",
            "check_sampler_kwargs", "check_model", "hook_widths", "make_plan", "render_prompts", "data_hash"]
 
-SAMPLER_KEYS = ("temperature", "cfg_scale", "remasking", "logits_eos_inf", "confidence_eos_eot_inf", "alg",
-                "alg_temp", "eps", "top_p", "top_k")
+# the sampler settings `sampler_kwargs` may hold: every registered sampler's, less the ones with their own argument
+# (the model's own sampler then refuses those it does not have, as generate does)
+SAMPLER_KEYS = tuple(sorted(registry.all_settings() - {"steps", "gen_length", "block_length"}))
 
 
 @dataclass(frozen=True)
@@ -165,24 +166,30 @@ def hook_widths(model: Any, names: list[str]) -> dict[str, int]:
 
 
 def make_plan(model: Any, hooks: Any, when: Steps, n_steps: int | None, gen_length: int | None,
-          block_length: int | None, sampler_kwargs: dict[str, Any]) -> Plan:
+              block_length: int | None, sampler_kwargs: dict[str, Any]) -> Plan:
+    from mdm_lens.diffusion.canvas import CanvasSampler
     from mdm_lens.diffusion.generate import default_sampler
 
     sampler = default_sampler(model)
-    given: dict[str, Any] = {k: GA.DEFAULT for k in (*SAMPLER_KEYS, "stop_at_eos")}
-    given.update(steps=n_steps, gen_length=gen_length, block_length=GA.DEFAULT if block_length is None else block_length)
-    given.update(sampler_kwargs)
-    res = GA.resolve(model, sampler, given)
-    n_blocks = res.gen_length // res.values["block_length"] if sampler == "llada" else 1
+    plugin = registry.get(sampler)
+    given: dict[str, Any] = dict(sampler_kwargs, steps=n_steps, gen_length=gen_length)
+    if block_length is not None:
+        given["block_length"] = block_length
+    resolved = plugin.settings(model, given)  # the sampler's own checks, as generate runs them
+    plugin.check_model(model)
+    if not isinstance(plugin, CanvasSampler):
+        raise SamplerConfigError(f"the export runs canvas samplers (LLaDA, Dream and their kin); {sampler!r} is not "
+                                 "one.", argument="model", value=sampler, allowed="a canvas sampler's model")
+    planned = plugin.plan(resolved)
     if tuple(when.phases) != ("cond",):
         raise SamplerConfigError(f"steps(phases={when.phases}): the export reads the sampler's 'cond' forward only.",
                                  argument="steps", value=when.phases, allowed="steps(...) with phases=('cond',)")
-    when.check(res.steps, n_blocks, ("cond",), what="steps")
+    when.check(planned.n_steps, planned.n_blocks, ("cond",), what="steps")
     names = expand_names(model, hooks)
-    kw = dict(steps=res.steps, gen_length=res.gen_length, **sampler_kwargs)
+    kw = dict(steps=resolved.steps, gen_length=resolved.gen_length, **sampler_kwargs)
     if block_length is not None:
         kw["block_length"] = block_length
-    settings = dict(sampler=sampler, steps=res.steps, gen_length=res.gen_length, **res.values)
+    settings = dict(sampler=sampler, **resolved.as_dict())
     return Plan(hook_widths(model, names), when, kw, settings)
 
 
