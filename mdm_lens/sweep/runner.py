@@ -44,7 +44,7 @@ from mdm_lens.sweep.summary import summarize
 __all__ = ["run", "parse_probes", "item_seed", "make_batches", "extend_plan", "Plan", "DTYPES", "BATCHING"]
 
 BATCHING = ("length", "padded")
-LAYOUT = 2   # how items are cut into units (batches, closed-book units); part files of another layout are refused
+LAYOUT = 3   # how items are cut into units (batches, closed-book units); part files of another layout are refused
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
