@@ -14,6 +14,7 @@ from mdm_lens import sweep
 from mdm_lens.probes import run as R
 from mdm_lens.sweep import templates as TM
 from mdm_lens.zoo import jsonl
+from test_sweep_resume import _one_thread  # noqa: F401  (autouse: one BLAS thread for many short runs)
 
 
 def _write(path, lines):
