@@ -228,3 +228,14 @@ def test_tables_carry_the_gold_set(mdm, tmp_path):
     flow = tabs["flow"][(tabs["flow"].item_id == "two") & (tabs["flow"].metric == "answer_row")]
     assert flow[flow.kind == "gold"].region.tolist() == ["doc1", "doc3"]
     assert set(tabs["flow"].gold_indices) == {"0,2", ""}
+
+
+def test_score_takes_the_best_accepted_answer_and_nan_without_items():
+    from mdm_lens import items as I
+
+    it = I.QAItem(question="q", answer="paris", passages=[], gold_index=None, prompt="q", passage_spans=[],
+                  question_span=(0, 1), evidence_span=None, answers=("paris", "city of light"))
+    res = I.score(["the city of light", "paris"], [it, it])
+    assert (res["exact_match"], res["substring_match"], res["f1"], res["n"]) == (1.0, 1.0, 1.0, 2.0)
+    empty = I.score([], [])
+    assert empty["n"] == 0 and all(empty[k] != empty[k] for k in ("exact_match", "substring_match", "f1"))  # NaN

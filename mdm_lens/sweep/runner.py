@@ -10,6 +10,10 @@ near-equal confidences). With ``length``, accuracy's closed-book runs are units 
 batches, cut the same way by closed-book prompt length (one sampler call per length, not per length and
 batch). Unit k (batch or closed-book unit) runs on rank ``k % world_size``. Each rank writes its batches' part files;
 rank 0 merges them in batch order once every rank is done, so 1 rank and N ranks give the same rows.
+
+Resume and growth: the units are planned once and kept in the folder (:func:`extend_plan`, ``parts/plan.json``); a
+rerun runs the same units (only those without a ``.done`` marker), and a higher ``limit`` adds units for the new
+items only. Every argument and every item is checked (:mod:`mdm_lens.sweep.checks`) before ``out`` is touched.
 Launch with ``torchrun --nproc-per-node N -m mdm_lens.sweep ...`` (gloo on CPU, nccl on GPU), or call
 :func:`run` in one process.
 
