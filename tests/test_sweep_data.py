@@ -86,20 +86,22 @@ def _fake_model(tokenizer):
 
 @pytest.mark.parametrize("template", ["rag", "zoo"])
 def test_needle_is_the_earliest_answer_in_a_gold_passage_not_at_offset_0(mdm, template):
-    # gold passage 1 starts well after offset 0; "beta" (2nd answer) occurs before "delta" (1st answer) in it.
-    # Comparing the passage-relative start of "beta" with the absolute start of "delta" picked wrongly.
+    # gold passage 1 starts well after offset 0, and the 1st answer "beta" occurs before the 2nd, "delta", in it.
+    # Comparing the passage-relative start of "delta" with the absolute start of "beta" picked "delta".
+    model = _fake_model(mdm.tokenizer) if template == "rag" else mdm
     item = sweep.SweepItem(id="a", line=1, question="which one ?", passages=("alpha gamma", "zeta beta eta delta"),
-                           answers=("delta", "beta"), gold_indices=(1,))
-    qa = TM.render(_fake_model(mdm.tokenizer) if template == "rag" else mdm, item, template).qa
-    assert qa.passage_spans[1][0] > 10
+                           answers=("beta", "delta"), gold_indices=(1,))
+    qa = TM.render(model, item, template).qa
+    assert qa.passage_spans[1][0] > len("zeta ") + 10
     assert qa.prompt[slice(*qa.evidence_span)] == "beta"
     assert qa.evidence_span[0] == qa.passage_spans[1][0] + len("zeta ")
-    assert qa.answer == "beta" and qa.answers == ("beta", "delta")      # the answer the needle points at
-    # several gold passages: the earliest match over all of them, in prompt order
+    assert qa.answer == "beta"
+    # several gold passages: the earliest match over all of them, in prompt order; ``answer`` is the one it matched
     two = sweep.SweepItem(id="b", line=1, question="q ?", passages=("x y", "one delta", "beta two"),
                           answers=("beta", "delta"), gold_indices=(1, 2))
-    qa = TM.render(_fake_model(mdm.tokenizer) if template == "rag" else mdm, two, template).qa
+    qa = TM.render(model, two, template).qa
     assert qa.gold_indices == (1, 2) and qa.evidence_span[0] == qa.passage_spans[1][0] + len("one ")
+    assert qa.answer == "delta" and qa.answers == ("delta", "beta")
     kinds = [r.kind for r in R.regions_for_item(qa, 0, TM.encode_with_offsets(mdm, qa.prompt, "zoo")[1])
              if r.name.startswith("doc")]
     assert kinds == ["doc", "gold", "gold"]
