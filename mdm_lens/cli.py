@@ -29,9 +29,34 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+GOLD_NAMES = ("random", "first", "middle", "last")
+
+
+def _check_zoo_export(args: argparse.Namespace) -> None:
+    """Every ``zoo export`` flag and their combination, named as flags, before anything is written."""
+    from pathlib import Path
+
+    from mdm_lens import validate
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.zoo.pools import MAX_PASSAGES
+
+    validate.integer(args.n, name="--n", min=1)
+    validate.integer(args.seed, name="--seed", min=0)
+    nd = validate.integer(args.n_distractors, name="--n-distractors", min=0, max=MAX_PASSAGES - 1)
+    g = args.gold_position
+    if isinstance(g, str):
+        validate.choice(g, GOLD_NAMES, name="--gold-position")
+    else:
+        validate.integer(g, name="--gold-position", min=-(nd + 1), max=nd)
+    if Path(args.out).is_dir():
+        raise ArgumentError(f"--out {args.out!r} is a folder; give the path of the jsonl file to write.",
+                            argument="out", value=args.out, allowed="a file path")
+
+
 def _zoo_export(args: argparse.Namespace) -> int:
     from mdm_lens.zoo import jsonl
 
+    _check_zoo_export(args)
     jsonl.export(args.out, args.n, args.seed, n_distractors=args.n_distractors, gold_position=args.gold_position)
     print(f"wrote {args.n} items to {args.out}")
     return 0
@@ -83,13 +108,18 @@ def _add_export_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def _gold(v: str):
-    return int(v) if v.lstrip("-").isdigit() else v
+    """An index (negative counts from the end, as in Python) or a position name; anything else is a usage error."""
+    if v.lstrip("-").isdigit():
+        return int(v)
+    if v not in GOLD_NAMES:
+        raise argparse.ArgumentTypeError(f"{v!r} is neither an index nor one of {', '.join(GOLD_NAMES)}")
+    return v
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mdm_lens.sweep.__main__ import add_arguments
+    from mdm_lens.sweep.__main__ import Parser, add_arguments, fail
 
-    parser = argparse.ArgumentParser(prog="mdm-lens", description="Interpretability for masked diffusion LMs.")
+    parser = Parser(prog="mdm-lens", description="Interpretability for masked diffusion LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="a small sweep over the shipped tiny twins, written as an HTML report")
     demo.add_argument("--out", default="mdm_lens_report", help="folder for the report (default: ./mdm_lens_report)")
@@ -118,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except MDMLensError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except MDMLensError as e:      # bad arguments or data: one line, exit 2 (as argparse's usage errors)
+        return fail(e, 2)
+    except OSError as e:           # the file system said no (permissions, a full disk): one line, exit 1
+        return fail(e, 1)
 
 
 if __name__ == "__main__":

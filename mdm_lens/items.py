@@ -10,12 +10,13 @@ through a toy package.
   its first member, kept for single-gold callers. ``char_span_to_token_span`` maps any span to the token range
   of one tokenisation, so regions land on exactly the positions the model sees.
 * Template literals shared by every renderer (``BOS``, ``QUESTION_CUE``, ``ANSWER_PREFIX``, ``passage_marker``).
-* SQuAD-style scoring (``normalize``, ``exact_match``, ``substring_match``, ``token_f1``, ``score``), so numbers
-  are comparable with the usual RAG-QA literature.
+* SQuAD-style scoring (``normalize``, ``exact_match``, ``substring_match``, ``token_f1``, ``score``: the best of an
+  item's accepted answers), so numbers are comparable with the usual RAG-QA literature.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections import Counter
@@ -149,16 +150,20 @@ def token_f1(pred: str, gold: str) -> float:
 
 
 def score(preds: Iterable[str], items: Sequence[QAItem]) -> dict[str, float]:
-    """Mean exact match, substring match and token F1 of predictions against items."""
+    """Mean exact match, substring match and token F1 of predictions against items; an item with several
+    accepted answers (``QAItem.answers``) scores its best one, as SQuAD does. No items: every mean is NaN
+    (undefined, not 0) and ``n`` is 0."""
     preds = list(preds)
     if len(preds) != len(items):
-        raise ValueError(f"{len(preds)} predictions for {len(items)} items")
+        raise InputError(f"{len(preds)} predictions for {len(items)} items", argument="preds", value=len(preds),
+                         allowed=f"{len(items)} predictions, one per item")
     n = len(items)
     if n == 0:
-        return {"exact_match": 0.0, "substring_match": 0.0, "f1": 0.0, "n": 0.0}
-    em = sum(exact_match(p, it.answer) for p, it in zip(preds, items))
-    sm = sum(substring_match(p, it.answer) for p, it in zip(preds, items))
-    f1 = sum(token_f1(p, it.answer) for p, it in zip(preds, items))
+        return {"exact_match": math.nan, "substring_match": math.nan, "f1": math.nan, "n": 0.0}
+    golds = [it.answers or (it.answer,) for it in items]
+    em = sum(max(exact_match(p, a) for a in g) for p, g in zip(preds, golds))
+    sm = sum(max(substring_match(p, a) for a in g) for p, g in zip(preds, golds))
+    f1 = sum(max(token_f1(p, a) for a in g) for p, g in zip(preds, golds))
     return {"exact_match": em / n, "substring_match": sm / n, "f1": f1 / n, "n": float(n)}
 
 

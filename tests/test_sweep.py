@@ -117,7 +117,7 @@ def test_bad_options_fail_before_the_model_loads(data, tmp_path):
         sweep.run("no/such-model", data[0], "absorption", tmp_path / "o", dtype="fp17")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
-    with pytest.raises(InputError, match=r"p.jsonl:1: probe 'flow' needs"):
+    with pytest.raises(InputError, match=r"p.jsonl:1: item 'a': probe 'flow' needs"):
         sweep.run("no/such-model", prompts, "flow", tmp_path / "o")
 
 

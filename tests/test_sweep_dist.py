@@ -1,5 +1,5 @@
-"""`mdm-lens sweep` across processes: a real 2-rank gloo torchrun gives the same tables as 1 process, and a
-run killed mid-way resumes with no lost or duplicated rows."""
+"""`mdm-lens sweep` across processes: a real 2-rank gloo torchrun resuming a killed 1-process run gives the same
+tables as 1 uninterrupted process, and a run killed mid-way resumes with no lost or duplicated rows."""
 
 from __future__ import annotations
 
@@ -29,23 +29,48 @@ def _tables(folder: Path) -> dict[str, pd.DataFrame]:
     return {p.stem: pd.read_parquet(p) for p in sorted(folder.glob("*.parquet"))}
 
 
-def test_two_gloo_ranks_give_the_rows_of_one_process(mdm, tmp_path):
+def test_two_gloo_ranks_resuming_a_killed_one_process_run_give_its_rows(mdm, tmp_path):
+    """A one-process run killed after 2 units, resumed by a real 2-rank gloo torchrun: the rows of one
+    uninterrupted process (so world size is neither in the rows nor in the resume)."""
+    from unittest import mock
+
+    from mdm_lens.sweep import store as S
+
     data = tmp_path / "items.jsonl"
     jsonl.export(data, 6, seed=34)
-    args = ["--model", "mdm-lens/tiny-mdm", "--data", str(data), "--probes", "accuracy,absorption,temporal",
-            "--batch-size", "2", "--no-progress"]
+    probes = "accuracy,absorption,temporal"
+    orig, calls = S.SweepStore.write_batch, [0]
+
+    def write_batch(self, k, tables, ids):
+        if calls[0] == 2:
+            raise KeyboardInterrupt("planted kill")
+        calls[0] += 1
+        return orig(self, k, tables, ids)
+
+    with mock.patch.object(S.SweepStore, "write_batch", write_batch):
+        try:
+            sweep.run(mdm, data, probes, tmp_path / "two", batch_size=2, progress=False)
+        except KeyboardInterrupt:
+            pass
+    plan = json.loads((tmp_path / "two" / "parts" / "plan.json").read_text())["units"]
+    done = [int(p.name[1:7]) for p in (tmp_path / "two" / "parts").glob("b*.done")]
+    assert len(done) == 2
+    args = ["--model", "mdm-lens/tiny-mdm", "--data", str(data), "--probes", probes, "--batch-size", "2",
+            "--no-progress"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "mdm_lens.sweep", *args, "--out", str(tmp_path / "two")]
-    done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    sweep.run(mdm, data, "accuracy,absorption,temporal", tmp_path / "one", batch_size=2, progress=False)
+    ran = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    sweep.run(mdm, data, probes, tmp_path / "one", batch_size=2, progress=False)
     two, one = _tables(tmp_path / "two"), _tables(tmp_path / "one")
     assert sorted(two) == sorted(one) and len(one["absorption"]) == 6 * 4 * 2 * 3 + 6 * 4 * 2 + 6 * 4 * 3 * 2
     for name in one:
         pd.testing.assert_frame_equal(two[name], one[name], check_exact=True)
     man = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert man["world_size"] == 2 and [r["rank"] for r in man["ranks"]] == [0, 1]
-    assert sum(r["items"] for r in man["ranks"]) == 6 and all(r["items"] > 0 for r in man["ranks"])
+    before = sum(len(plan[k]["ids"]) for k in done if plan[k]["kind"] == "batch")
+    assert sum(r["items"] for r in man["ranks"]) == 6 - before and man["items_done"] == 6
+    assert sum(r["batches"] for r in man["ranks"]) == len(plan) - 2 and all(r["batches"] > 0 for r in man["ranks"])
 
 
 def test_killed_run_resumes_without_lost_or_duplicated_rows(mdm, tmp_path):

@@ -4,9 +4,9 @@
     tables = sweep.run("mdm-lens/tiny-mdm", "items.jsonl", "absorption,accuracy", "runs/tiny", limit=64)
     tables["absorption_summary"]     # layer mean ± std over items
 
-See ``runner`` (sharding, seeds, resume), ``items`` (input formats), ``templates`` (prompts), ``adapter``
-(which probe makes which rows), ``shared`` (qk at every layer from one forward) and ``store`` (the folder
-layout).
+See ``runner`` (sharding, seeds, resume, ``--limit`` growth), ``items`` (input formats), ``templates`` (prompts),
+``checks`` (which items each probe can use), ``adapter`` (which probe makes which rows), ``shared`` (qk at every
+layer from one forward), ``store`` (the folder layout) and ``manifest`` (what ran).
 """
 
 from mdm_lens.sweep.adapter import PROBES

@@ -1,16 +1,21 @@
 """Sweep input: one item per jsonl line, in the KILT / Attention-Floating layout or as plain ``{id, prompt}``.
 
-Accepted keys (first one present wins):
+Accepted keys (aliases of one field may appear together only with equal values; different values are an error):
 
 - question: ``input``, ``question``, ``query``
 - passages: ``passage`` / ``passages`` / ``ctxs`` as a list of strings or of objects with ``segment`` /
-  ``text`` / ``passage`` (and an optional ``title``); a single string is one passage
+  ``text`` / ``passage`` (and an optional ``title``); a single string is one passage; an empty passage is an error
 - answers: ``output`` / ``answer`` / ``answers`` as a string, a list of strings, or objects with
-  ``answer`` / ``text`` (KILT's ``output: [{answer: ...}]``); a list of such lists is flattened
-- gold passage index: ``gold_index`` / ``gold_idx`` / ``gold_position`` (0-based); or a passage object with
-  ``gold: true`` / ``is_gold: true`` / ``has_answer: true``
+  ``answer`` / ``text`` (KILT's ``output: [{answer: ...}]``); a list of such lists is flattened. Several keys
+  (``answer`` plus ``answers``, as TriviaQA-style files have) are joined: every accepted answer is kept, in
+  key order, without repeats
+- gold passages: ``gold_index`` / ``gold_idx`` / ``gold_position`` (0-based, an int or a list of ints); or passage
+  objects with ``gold`` / ``is_gold`` / ``has_answer`` true. Several gold passages are all gold
+  (``SweepItem.gold_indices``). Markers that disagree (an explicit index other than the flagged passages, or
+  ``gold: true`` with ``is_gold: false`` on one passage) are an error, never a silent pick
 - id: ``id`` / ``_id`` / ``qid`` (default: ``line{N}``, 1-based line number)
-- plain prompts: ``{"id": ..., "prompt": "..."}`` (no question; the prompt is used as it is)
+- plain prompts: ``{"id": ..., "prompt": "..."}`` (no question; the prompt is used as it is). A line with both a
+  ``prompt`` and a question is an error (which one would run is not clear)
 
 A malformed line raises :class:`mdm_lens.errors.InputError` naming the file and the line; with
 ``skip_bad=True`` it is skipped and recorded in ``ReadResult.skipped`` (line number and reason).
@@ -31,12 +36,16 @@ QUESTION_KEYS = ("input", "question", "query")
 PASSAGE_KEYS = ("passage", "passages", "ctxs")
 ANSWER_KEYS = ("output", "answer", "answers")
 GOLD_KEYS = ("gold_index", "gold_idx", "gold_position")
+GOLD_FLAGS = ("gold", "is_gold", "has_answer")
 ID_KEYS = ("id", "_id", "qid")
 
 
 @dataclass(frozen=True)
 class SweepItem:
-    """One parsed input line. ``prompt`` is set for plain-prompt lines (then ``question`` is None)."""
+    """One parsed input line. ``prompt`` is set for plain-prompt lines (then ``question`` is None).
+
+    ``gold_indices`` is the gold SET (sorted); ``gold_index`` its smallest member (None without gold), kept for
+    single-gold readers. Either may be given; they are made consistent here."""
 
     id: str
     line: int
@@ -45,6 +54,17 @@ class SweepItem:
     answers: tuple[str, ...] = ()
     gold_index: int | None = None
     prompt: str | None = None
+    gold_indices: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        gold = tuple(sorted({int(g) for g in self.gold_indices}))
+        if self.gold_index is not None and not gold:
+            gold = (int(self.gold_index),)
+        if gold and self.gold_index is not None and int(self.gold_index) != gold[0]:
+            raise InputError(f"gold_index={self.gold_index!r} is not the smallest of gold_indices={gold!r}",
+                             argument="gold_index", value=self.gold_index, allowed=f"min(gold_indices) = {gold[0]}")
+        object.__setattr__(self, "gold_indices", gold)
+        object.__setattr__(self, "gold_index", gold[0] if gold else None)
 
     @property
     def is_qa(self) -> bool:
@@ -62,11 +82,18 @@ class _Bad(Exception):
     pass
 
 
-def _first(obj: dict, keys: tuple[str, ...]) -> Any:
-    for k in keys:
-        if k in obj and obj[k] is not None:
-            return obj[k]
-    return None
+def _short(v: Any, n: int = 60) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
+def _one(obj: dict, keys: tuple[str, ...], what: str) -> Any:
+    """The value of the alias keys of one field; aliases present with different values are an error."""
+    present = [(k, obj[k]) for k in keys if k in obj and obj[k] is not None]
+    for k, v in present[1:]:
+        if v != present[0][1]:
+            raise _Bad(f"conflicting {what}: {present[0][0]}={_short(present[0][1])} and {k}={_short(v)}")
+    return present[0][1] if present else None
 
 
 def _text(v: Any, keys: tuple[str, ...], what: str) -> str:
@@ -76,26 +103,38 @@ def _text(v: Any, keys: tuple[str, ...], what: str) -> str:
         for k in keys:
             if isinstance(v.get(k), str):
                 return v[k]
-    raise _Bad(f"{what} must be a string or an object with one of {list(keys)}, got {json.dumps(v)[:80]}")
+    raise _Bad(f"{what} must be a string or an object with one of {list(keys)}, got {_short(v, 80)}")
 
 
-def _passages(raw: Any) -> tuple[tuple[str, ...], int | None]:
+def _flag(p: dict, i: int) -> bool | None:
+    """A passage object's gold flag: True / False where flagged, None where not; flags that disagree: error."""
+    flags = {k: p[k] for k in GOLD_FLAGS if isinstance(p.get(k), bool)}
+    if len(set(flags.values())) > 1:
+        raise _Bad(f"conflicting gold markers on passage {i}: " + ", ".join(f"{k}={v}" for k, v in flags.items()))
+    return next(iter(flags.values())) if flags else None
+
+
+def _passages(raw: Any) -> tuple[tuple[str, ...], dict[int, bool]]:
+    """Passage texts and the gold flags they carry (passage index → flag, flagged passages only)."""
     if raw is None:
-        return (), None
+        return (), {}
     if isinstance(raw, (str, dict)):
         raw = [raw]
     if not isinstance(raw, list):
         raise _Bad(f"passages must be a list, got {type(raw).__name__}")
-    texts, gold = [], None
+    texts, flags = [], {}
     for i, p in enumerate(raw):
         body = _text(p, ("segment", "text", "passage", "content"), f"passage {i}")
         if isinstance(p, dict):
             if isinstance(p.get("title"), str) and p["title"]:
                 body = f"{p['title']}: {body}"
-            if any(p.get(k) is True for k in ("gold", "is_gold", "has_answer")) and gold is None:
-                gold = i
+            f = _flag(p, i)
+            if f is not None:
+                flags[i] = f
+        if not body.strip():
+            raise _Bad(f"passage {i} is empty")
         texts.append(body)
-    return tuple(texts), gold
+    return tuple(texts), flags
 
 
 def _answers(raw: Any) -> tuple[str, ...]:
@@ -114,37 +153,70 @@ def _answers(raw: Any) -> tuple[str, ...]:
     return tuple(s for s in out if s.strip())
 
 
+def _all_answers(obj: dict) -> tuple[str, ...]:
+    """Every answer under every answer key, in key order, without repeats (nothing is dropped)."""
+    out: list[str] = []
+    for k in ANSWER_KEYS:
+        for a in _answers(obj.get(k)):
+            if a not in out:
+                out.append(a)
+    return tuple(out)
+
+
+def _explicit_gold(obj: dict, n: int) -> tuple[int, ...] | None:
+    raw = _one(obj, GOLD_KEYS, "gold passage indices")
+    if raw is None:
+        return None
+    values = raw if isinstance(raw, list) else [raw]
+    if not values or any(isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < n for g in values):
+        allowed = f"a passage index in 0..{n - 1}" if n else "none: the item has no passages"
+        raise _Bad(f"gold index {_short(raw)} is invalid ({allowed})")
+    return tuple(sorted(set(values)))
+
+
+def _gold(obj: dict, n: int, flags: dict[int, bool]) -> tuple[int, ...]:
+    explicit = _explicit_gold(obj, n)
+    flagged = tuple(i for i, f in sorted(flags.items()) if f)
+    if explicit is None:
+        return flagged
+    denied = [i for i in explicit if flags.get(i) is False]
+    if (flagged and flagged != explicit) or denied:
+        raise _Bad(f"conflicting gold markers: the gold index says {list(explicit)} but the passages flag "
+                   f"{list(flagged)} as gold" + (f" and {denied} as not gold" if denied else ""))
+    return explicit
+
+
 def parse_item(obj: Any, line: int) -> SweepItem:
     """One decoded json line → a ``SweepItem`` (raises ``_Bad`` with the reason)."""
     if not isinstance(obj, dict):
         raise _Bad(f"expected a json object, got {type(obj).__name__}")
-    raw_id = _first(obj, ID_KEYS)
-    if raw_id is not None and not isinstance(raw_id, (str, int)):
-        raise _Bad(f"id must be a string or an integer, got {json.dumps(raw_id)[:40]}")
+    raw_id = _one(obj, ID_KEYS, "ids")
+    if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, (str, int))):
+        raise _Bad(f"id must be a string or an integer, got {_short(raw_id, 40)}")
     item_id = f"line{line}" if raw_id is None else str(raw_id)
-    question = _first(obj, QUESTION_KEYS)
+    question = _one(obj, QUESTION_KEYS, "questions")
+    prompt = obj.get("prompt")
     if question is None:
-        prompt = obj.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise _Bad(f"no question ({'/'.join(QUESTION_KEYS)}) and no prompt")
-        return SweepItem(id=item_id, line=line, prompt=prompt, answers=_answers(_first(obj, ANSWER_KEYS)))
+        if any(k in obj for k in PASSAGE_KEYS + GOLD_KEYS):
+            raise _Bad("a plain prompt line cannot carry passages or a gold index (they would not be shown)")
+        return SweepItem(id=item_id, line=line, prompt=prompt, answers=_all_answers(obj))
+    if prompt is not None:
+        raise _Bad("the line has both a prompt and a question; give one (a plain prompt, or a QA item)")
     if not isinstance(question, str) or not question.strip():
         raise _Bad("the question must be a non-empty string")
-    passages, gold = _passages(_first(obj, PASSAGE_KEYS))
-    explicit = _first(obj, GOLD_KEYS)
-    if explicit is not None:
-        if isinstance(explicit, bool) or not isinstance(explicit, int) or not 0 <= explicit < max(len(passages), 1):
-            raise _Bad(f"gold index {explicit!r} is not a passage index in 0..{len(passages) - 1}")
-        gold = explicit
+    passages, flags = _passages(_one(obj, PASSAGE_KEYS, "passages"))
+    gold = _gold(obj, len(passages), flags)
     return SweepItem(id=item_id, line=line, question=question.strip(), passages=passages,
-                     answers=_answers(_first(obj, ANSWER_KEYS)), gold_index=gold if passages else None)
+                     answers=_all_answers(obj), gold_indices=gold)
 
 
 def read_items(path: str | Path, skip_bad: bool = False) -> ReadResult:
     """Read every line of a jsonl file (blank lines ignored); ids must be unique."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"--data {str(path)!r}: no such file.")
+        raise InputError(f"--data {str(path)!r}: no such file.", argument="data", value=str(path))
     items, skipped, seen = [], [], {}
     with path.open(encoding="utf-8") as f:
         for n, text in enumerate(f, 1):

@@ -10,6 +10,10 @@ near-equal confidences). With ``length``, accuracy's closed-book runs are units 
 batches, cut the same way by closed-book prompt length (one sampler call per length, not per length and
 batch). Unit k (batch or closed-book unit) runs on rank ``k % world_size``. Each rank writes its batches' part files;
 rank 0 merges them in batch order once every rank is done, so 1 rank and N ranks give the same rows.
+
+Resume and growth: the units are planned once and kept in the folder (:func:`extend_plan`, ``parts/plan.json``); a
+rerun runs the same units (only those without a ``.done`` marker), and a higher ``limit`` adds units for the new
+items only. Every argument and every item is checked (:mod:`mdm_lens.sweep.checks`) before ``out`` is touched.
 Launch with ``torchrun --nproc-per-node N -m mdm_lens.sweep ...`` (gloo on CPU, nccl on GPU), or call
 :func:`run` in one process.
 
@@ -20,14 +24,11 @@ samplers no randomness is drawn, and every row equals the item run alone.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import heapq
-import json
 import os
-import platform
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,15 +38,17 @@ import torch
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, InputError
 from mdm_lens.sweep import adapter as A
+from mdm_lens.sweep import checks as C
+from mdm_lens.sweep import manifest as M
 from mdm_lens.sweep import templates as TM
 from mdm_lens.sweep.items import SweepItem, read_items
 from mdm_lens.sweep.store import SweepStore
 from mdm_lens.sweep.summary import summarize
 
-__all__ = ["run", "parse_probes", "item_seed", "make_batches", "DTYPES", "BATCHING"]
+__all__ = ["run", "parse_probes", "item_seed", "make_batches", "extend_plan", "Plan", "DTYPES", "BATCHING"]
 
 BATCHING = ("length", "padded")
-LAYOUT = 2   # how items are cut into units (batches, closed-book units); part files of another layout are refused
+LAYOUT = 3   # how items are cut into units (batches, closed-book units); part files of another layout are refused
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,18 +102,6 @@ def make_batches(lengths: Sequence[int], batch_size: int, batching: str) -> list
     return sorted((sorted(b, key=key) for b in bins), key=lambda b: key(b[0]))
 
 
-def _check_items(items: list[SweepItem], probes: list[str], path: str) -> None:
-    for p, need in A.NEEDS_QA.items():
-        if p not in probes:
-            continue
-        for it in items:
-            ok = it.is_qa and bool(it.answers) if p == "accuracy" else (it.is_qa and bool(it.passages) and
-                                                                           (p != "retrieval" or bool(it.answers)))
-            if not ok:
-                raise InputError(f"{path}:{it.line}: probe {p!r} needs {need}; item {it.id!r} has none. Drop {p!r} "
-                                 "from --probes or fix the data.")
-
-
 class _Dist:
     """World info; initialises the default process group from torchrun's environment when there is one."""
 
@@ -142,35 +133,22 @@ class _Dist:
             self.dist.destroy_process_group()
 
 
-def _config_hash(model: Any) -> str:
-    cfg = dataclasses.asdict(model.cfg) if dataclasses.is_dataclass(model.cfg) else dict(vars(model.cfg))
-    cfg.pop("dtype", None)
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+def _load(model: Any, device: str | None, dtype: str | None) -> Any:
+    """A hub id / folder is loaded (float32 on cpu unless told); a loaded model is used as it is, and a
+    ``device`` / ``dtype`` that is not its own is refused (the manifest must say what ran)."""
+    if isinstance(model, str):
+        from mdm_lens import HookedMDM
 
-
-def _file_hash(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
-
-
-def _versions() -> dict[str, str]:
-    import numpy
-    import pyarrow
-
-    import mdm_lens
-    return {"mdm_lens": getattr(mdm_lens, "__version__", "?"), "torch": torch.__version__, "pandas": pd.__version__,
-            "pyarrow": pyarrow.__version__, "numpy": numpy.__version__, "python": platform.python_version()}
-
-
-def _load(model: Any, device: str, dtype: str) -> Any:
-    if not isinstance(model, str):
-        return model
-    from mdm_lens import HookedMDM
-
-    return HookedMDM.from_pretrained(model, dtype=DTYPES[dtype], device=device)
+        return HookedMDM.from_pretrained(model, dtype=DTYPES[dtype or "float32"], device=device or "cpu")
+    if dtype is not None and M.model_dtype(model) != dtype:
+        raise ArgumentError(f"dtype={dtype!r} but the model passed is in {M.model_dtype(model)}; pass dtype=None "
+                            "(or load the model in that dtype).", argument="dtype", value=dtype,
+                            allowed=f"None or {M.model_dtype(model)!r}")
+    have = M.model_device(model)
+    if device is not None and not (have == device or (device == "cuda" and have.startswith("cuda"))):
+        raise ArgumentError(f"device={device!r} but the model passed is on {have}; pass device=None (or move the "
+                            "model).", argument="device", value=device, allowed=f"None or {have!r}")
+    return model
 
 
 def _progress(enabled: bool, total: int, world: int) -> Any:
@@ -183,38 +161,56 @@ def _progress(enabled: bool, total: int, world: int) -> Any:
 
 def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Path, *, limit: int | None = None,
         batch_size: int = 8, steps: int | None = None, gen_length: int | None = None, block_length: int | None = None,
-        seed: int = 0, device: str = "cpu", dtype: str = "float32", template: str = "auto", force: bool = False,
-        skip_bad: bool = False, keep_keys: int = 1, n_random: int = 2, batching: str = "length",
-        progress: bool | None = None) -> dict[str, pd.DataFrame]:
+        seed: int = 0, device: str | None = None, dtype: str | None = None, template: str = "auto",
+        force: bool = False, skip_bad: bool = False, keep_keys: int = 1, n_random: int = 2, batching: str = "length",
+        max_passages: int = 5, progress: bool | None = None) -> dict[str, pd.DataFrame]:
     """Run ``probes`` over the items of ``data`` (jsonl) and write the tables to ``out``; see the module doc.
 
-    ``model``: a hub id / local folder (loaded with ``dtype`` on ``device``) or a loaded ``HookedMDM``.
+    ``model``: a hub id / local folder (loaded with ``dtype``, default float32, on ``device``, default cpu) or a
+    loaded ``HookedMDM`` (then ``device`` / ``dtype``, when given, must be the model's own).
+    ``limit``: the first N usable items; rerunning with a higher limit into the same folder computes only the
+    new items. ``skip_bad``: skip malformed lines AND items a probe cannot use, recording why
+    (``skipped.parquet``, the manifest). ``max_passages``: passages the ``rag`` / ``chat`` prompts show.
     Returns ``{table: DataFrame}`` with the merged long tables (``accuracy``, ``absorption``, ``temporal``,
-    ``temporal_keys``, ``qk``, ``retrieval``, ``flow``, ``knockout``, as asked) and ``{probe}_summary``.
-    Every argument is checked, and the data read, before the model is loaded.
+    ``temporal_keys``, ``qk``, ``retrieval``, ``flow``, ``knockout``, as asked), ``{probe}_summary`` and
+    ``skipped``. Every argument is checked, and the data read, before the model is loaded; every item is checked
+    before anything is written to ``out``.
     """
     t0 = time.perf_counter()
+    asked = dict(model=model if isinstance(model, str) else model.cfg.model_name, data=str(data), probes=probes,
+                 out=str(out), limit=limit, batch_size=batch_size, steps=steps, gen_length=gen_length,
+                 block_length=block_length, seed=seed, device=device, dtype=dtype, template=template, force=force,
+                 skip_bad=skip_bad, keep_keys=keep_keys, n_random=n_random, batching=batching,
+                 max_passages=max_passages)
     names = parse_probes(probes)
     batch_size = validate.integer(batch_size, name="batch_size", min=1)
     limit = None if limit is None else validate.integer(limit, name="limit", min=1)
     seed = validate.integer(seed, name="seed", min=0)
     keep_keys = validate.integer(keep_keys, name="keep_keys", min=0)
     n_random = validate.integer(n_random, name="n_random", min=0)
+    max_passages = validate.integer(max_passages, name="max_passages", min=1)
     for v, n in ((steps, "steps"), (gen_length, "gen_length"), (block_length, "block_length")):
         if v is not None:
             validate.integer(v, name=n, min=1)
-    validate.choice(dtype, tuple(DTYPES), name="dtype")
+    if dtype is not None:
+        validate.choice(dtype, tuple(DTYPES), name="dtype")
     validate.choice(template, TM.TEMPLATES, name="template")
     validate.choice(batching, BATCHING, name="batching")
-    validate.choice(device.split(":")[0], ("cpu", "cuda"), name="device")
+    if device is not None:
+        validate.choice(device.split(":")[0] if isinstance(device, str) else device, ("cpu", "cuda"), name="device")
+    validate.boolean(force, name="force")
+    validate.boolean(skip_bad, name="skip_bad")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ArgumentError(f"out={str(out)!r} is a file, not a folder; choose a folder path.", argument="out",
+                            value=str(out), allowed="a folder (new or a sweep folder)")
     read = read_items(data, skip_bad=skip_bad)
-    items = read.items[:limit] if limit else read.items
-    if not items:
-        raise InputError(f"{data}: no usable items" + (f" ({len(read.skipped)} skipped)" if read.skipped else "") + ".")
-    _check_items(items, names, str(data))
+    screened = C.screen(read.items, names, str(data), skip_bad, limit)
+    if not screened.items:
+        raise InputError(f"{data}: no usable items ({len(read.skipped) + len(screened.skipped)} skipped).",
+                         argument="data", value=str(data))
 
-    world = _Dist(device)
-    if device == "cuda" and world.on:
+    world = _Dist(device or "cpu")
+    if (device or "cpu") == "cuda" and world.on:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', world.rank))}"
     try:
         model = _load(model, device, dtype)
@@ -222,112 +218,148 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
         g = int(gen_length or model.cfg.extra.get("gen_length", 32))
         s = A.Settings(gen_length=g, steps=int(steps or g), block_length=block_length, keep_keys=keep_keys,
                        n_random=n_random, exact=batching == "length")
-        fingerprint = dict(model=model.cfg.model_name, config_hash=_config_hash(model), data=str(Path(data).resolve()),
-                           data_hash=_file_hash(str(data)), probes=names, batch_size=batch_size, steps=s.steps,
-                           gen_length=g, block_length=block_length, seed=seed, dtype=dtype, template=tmpl,
-                           skip_bad=skip_bad, keep_keys=keep_keys, n_random=n_random, limit=limit,
-                           batching=batching, layout=LAYOUT)
+        kw = A._gen_kwargs(model, s)
+        C.check_sampler(model, kw)
+        sel = C.select(model, screened, names, tmpl, g, max_passages, str(data), skip_bad, limit)
+        skipped = [dict(item_id=None, **d) for d in read.skipped] + sel.skipped
+        if not sel.items:
+            raise InputError(f"{data}: no usable items ({len(skipped)} skipped; first: {skipped[0]['reason']}).",
+                             argument="data", value=str(data))
+        items, rendered = sel.items, sel.rendered
+        fingerprint = dict(model=model.cfg.model_name, config_hash=M.config_hash(model),
+                           data=str(Path(data).resolve()), data_hash=M.file_hash(str(data)), probes=names,
+                           batch_size=batch_size, steps=kw["steps"], gen_length=g,
+                           block_length=kw.get("block_length"), seed=seed, dtype=M.model_dtype(model),
+                           template=tmpl, keep_keys=keep_keys, n_random=n_random, batching=batching,
+                           max_passages=max_passages, layout=LAYOUT)
+        # every check is done: only now is anything written to ``out``
         store = SweepStore(out)
         store.keep_written = world.rank == 0
-        err = None
+        plan = err = None
+        closed = [TM.render(model, r.item, tmpl, context=False) for r in rendered] if "accuracy" in names else None
         if world.rank == 0:
             try:
                 store.prepare(fingerprint, force)
+                plan = extend_plan(store.load_plan(), [it.id for it in items], [len(r.ids) for r in rendered],
+                                   None if closed is None or not s.exact else [len(c.ids) for c in closed],
+                                   batch_size, batching)
+                store.save_plan(plan.units)
             except ArgumentError as e:
                 err = e
-        err = world.broadcast(err)
+        err, plan = world.broadcast((err, plan))
         if err is not None:
             raise err
-        rendered = _render(model, items, tmpl, s)
-        closed = [TM.render(model, r.item, tmpl, context=False) for r in rendered] if "accuracy" in names else None
-        batches = make_batches([len(r.ids) for r in rendered], batch_size, batching)
-        # length: the closed-book runs are units of their own, packed by closed-book prompt length over all items
-        # (one sampler call per length instead of per length and batch); padded: they run with their batch
-        books = make_batches([len(c.ids) for c in closed], batch_size, batching) if closed and s.exact else []
-        store.set_batches([[items[i].id for i in b] for b in batches + books])
-        tables = _work(model, rendered, closed, batches, books, names, s, seed, store, world, progress)
-        _ = t0
-        info = dict(rank=tables.pop("__rank_info__"), wall_s=round(time.perf_counter() - t0, 3))
-        store.write_rank(world.rank, {**info["rank"], "wall_s": info["wall_s"]})
+        store.set_batches({k: plan.units[k][1] for k in plan.active})
+        with M.SamplerLog(model) as log:
+            info = _work(model, rendered, closed, plan, names, s, seed, store, world, progress, items)
+        info.update(wall_s=round(time.perf_counter() - t0, 3), device=M.model_device(model), sampler=log.seen)
+        store.write_rank(world.rank, info)
         world.barrier()
         if world.rank == 0:
-            merged = store.merge(list(range(len(batches) + len(books))), {it.id: i for i, it in enumerate(items)})
-            summaries = summarize(merged)
-            store.write_tables(summaries, "_summary")
-            store.write_manifest(_manifest(fingerprint, read, items, store, world, model, device, out, data, limit,
-                                           tmpl, merged, time.perf_counter() - t0, len(batches)))
+            order = {it.id: i for i, it in enumerate(items)}
+            merged = store.merge(plan.active, order)
+            store.write_tables(summarize(merged), "_summary")
+            store.write_tables({"skipped": _skipped_table(skipped)}, "")
+            ranks = store.rank_infos()
+            sampler = store.add_sampler_settings([e for r in ranks for e in r.pop("sampler", [])])
+            done = store.done_items([k for k in plan.active if plan.units[k][0] == "batch"])
+            store.write_manifest(M.build(fingerprint=fingerprint, asked=asked, read=read, n_selected=len(items),
+                                         done=done, skipped=skipped, warnings=sel.warnings, ranks=ranks,
+                                         sampler=sampler, model=model, world_size=world.world, tables=merged,
+                                         wall=time.perf_counter() - t0))
         world.barrier()
         return _read_tables(Path(out), names)
     finally:
         world.close()
 
 
-def _render(model: Any, items: list[SweepItem], tmpl: str, s: A.Settings) -> list[TM.Rendered]:
-    """Every prompt, tokenised once (batches are cut by length); too long for the model → an error up front."""
-    out = []
-    for it in items:
-        r = TM.render(model, it, tmpl)
-        if len(r.ids) + s.gen_length > model.cfg.n_ctx:
-            raise InputError(f"item {it.id!r} (line {it.line}): {len(r.ids)} prompt tokens + gen_length "
-                             f"{s.gen_length} exceed the model's context of {model.cfg.n_ctx}.")
-        out.append(r)
+@dataclass
+class Plan:
+    """Every unit planned in the folder (by number: kind ``batch`` / ``book`` and item ids) and the numbers this
+    run uses (``active``, ascending)."""
+
+    units: list[tuple[str, list[str]]]
+    active: list[int]
+
+
+def extend_plan(old: list[tuple[str, list[str]]], ids: list[str], lengths: list[int], closed: list[int] | None,
+                batch_size: int, batching: str) -> Plan:
+    """The units of this run: the folder's planned units whose items are all selected (first come first: no item
+    twice), then new units for the rest, numbered after the old ones: batches (:func:`make_batches` over the
+    uncovered items' prompt lengths), then closed-book units (``closed``: closed-book lengths, or None when
+    accuracy's closed-book rows run inside the batches). A rerun of the same items therefore runs the same
+    units (resume = uninterrupted run), and a higher ``limit`` adds units for the new items only."""
+    selected = set(ids)
+    units = [(k, list(u)) for k, u in old]
+    active: list[int] = []
+    covered: dict[str, set[str]] = {"batch": set(), "book": set()}
+    for k, (kind, members) in enumerate(units):
+        if kind not in covered or (kind == "book" and closed is None):
+            continue
+        if set(members) <= selected and not covered[kind] & set(members):
+            active.append(k)
+            covered[kind] |= set(members)
+    for kind, lens in (("batch", lengths), ("book", closed)):
+        if lens is None:
+            continue
+        rest = [i for i, x in enumerate(ids) if x not in covered[kind]]
+        for b in make_batches([lens[i] for i in rest], batch_size, batching):
+            active.append(len(units))
+            units.append((kind, [ids[rest[j]] for j in b]))
+    return Plan(units, sorted(active))
+
+
+def _with_gold_sets(tables: dict[str, pd.DataFrame], items: list[SweepItem]) -> dict[str, pd.DataFrame]:
+    """Tables that carry ``gold_index`` (the smallest gold passage) get ``gold_indices`` too: the item's whole gold
+    set as sorted comma-separated 0-based indices ("" when none), unless the table already has it."""
+    gold = {it.id: ",".join(map(str, it.gold_indices)) for it in items}
+    out = {}
+    for name, df in tables.items():
+        if "gold_index" in df.columns and "gold_indices" not in df.columns and "item_id" in df.columns:
+            df = df.copy()
+            df.insert(df.columns.get_loc("gold_index") + 1, "gold_indices", df["item_id"].map(gold))
+        out[name] = df
     return out
 
 
-def _work(model: Any, rendered: list[TM.Rendered], closed: list[TM.Rendered] | None, batches: list[list[int]],
-          books: list[list[int]], names: list[str], s: A.Settings, seed: int, store: SweepStore, world: _Dist,
-          progress: bool | None) -> dict[str, Any]:
-    """This rank's units: the batches (``k < len(batches)``), then the closed-book units ``books`` (their
-    ``accuracy`` no-context rows only); unit k runs on rank ``k % world_size``."""
-    units = batches + books
+def _skipped_table(skipped: list[dict]) -> pd.DataFrame:
+    df = pd.DataFrame(skipped, columns=["item_id", "line", "reason"])
+    return df.astype({"item_id": "object", "line": "int64", "reason": "object"})
+
+
+def _work(model: Any, rendered: list[TM.Rendered], closed: list[TM.Rendered] | None, plan: Plan, names: list[str],
+          s: A.Settings, seed: int, store: SweepStore, world: _Dist, progress: bool | None,
+          items: list[SweepItem]) -> dict[str, Any]:
+    """This rank's units of ``plan.active`` that are not done: unit k runs on rank ``k % world_size``. A ``batch``
+    unit runs every probe (with ``--batching padded`` also accuracy's closed-book rows); a ``book`` unit only
+    accuracy's closed-book rows."""
+    index = {it.id: i for i, it in enumerate(items)}
     done = store.done_batches()
-    mine = [k for k in range(len(units)) if k % world.world == world.rank and k not in done]
-    total = sum(len(batches[k]) for k in mine if k < len(batches))
+    mine = [k for k in plan.active if k % world.world == world.rank and k not in done]
+    total = sum(len(plan.units[k][1]) for k in mine if plan.units[k][0] == "batch")
     show = world.rank == 0 and (progress if progress is not None else True)
     bar = _progress(show, total, world.world)
     t = time.perf_counter()
     n_items = 0
     try:
         for k in mine:
-            idx = units[k]
+            kind, ids = plan.units[k]
+            idx = [index[i] for i in ids]
             rows = [rendered[i] for i in idx]
             nocontext = None if closed is None else [closed[i] for i in idx]
             batch = A.make_batch(model, rows, nocontext, [item_seed(seed, r.item.id) for r in rows], idx)
-            if k >= len(batches):
-                store.write_batch(k, {"accuracy": A.accuracy_closed_book(model, batch, s)}, batch.item_ids)
-                continue
-            store.write_batch(k, A.compute(model, batch, names, s, closed_book=not books), batch.item_ids)
-            n_items += len(rows)
-            if bar is not None:
+            if kind == "book":
+                tables = {"accuracy": A.accuracy_closed_book(model, batch, s)}
+            else:
+                tables = A.compute(model, batch, names, s, closed_book=not s.exact)
+                n_items += len(rows)
+            store.write_batch(k, _with_gold_sets(tables, items), batch.item_ids)
+            if bar is not None and kind == "batch":
                 bar.update(len(rows))
     finally:
         if bar is not None:
             bar.close()
-    return {"__rank_info__": dict(rank=world.rank, batches=len(mine), items=n_items,
-                                  compute_s=round(time.perf_counter() - t, 3))}
-
-
-def _manifest(fp: dict, read: Any, items: list[SweepItem], store: SweepStore, world: _Dist, model: Any, device: str,
-              out: Any, data: Any, limit: int | None, tmpl: str, merged: dict[str, pd.DataFrame], wall: float,
-              n_batches: int) -> dict:
-    done = store.done_items(range(n_batches))
-    return {
-        "arguments": {**fp, "out": str(out), "device": device},
-        "versions": _versions(),
-        "model": {"id": model.cfg.model_name, "family": model.cfg.family, "config_sha256_16": fp["config_hash"],
-                  "n_layers": model.cfg.n_layers, "n_heads": model.cfg.n_heads},
-        "template": tmpl,
-        "data": {"path": str(data), "lines_read": len(read.items) + len(read.skipped), "items": len(read.items),
-                 "selected": len(items)},
-        "items_done": len(done),
-        "items_skipped": len(read.skipped),
-        "skipped": read.skipped[:1000],
-        "world_size": world.world,
-        "ranks": store.rank_infos(),
-        "tables": {name: len(df) for name, df in merged.items()},
-        "wall_s": round(wall, 3),
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    return dict(rank=world.rank, batches=len(mine), items=n_items, compute_s=round(time.perf_counter() - t, 3))
 
 
 def _read_tables(root: Path, names: list[str]) -> dict[str, pd.DataFrame]:

@@ -1,6 +1,11 @@
 """Sweep folder layout, atomic part files, resume and the rank-0 merge.
 
-    DIR/sweep.json            the arguments that decide the rows (a rerun with others is refused unless --force)
+    DIR/sweep.json            the arguments that decide the rows (a rerun with others is refused unless --force;
+                              a folder with no finished batch is simply reused with the new arguments)
+    DIR/parts/plan.json       the units (batches, closed-book units) ever planned here, by number: resuming runs
+                              the same units, so a resumed run equals an uninterrupted one; more items (a higher
+                              --limit) get new units, numbered after the old ones
+    DIR/parts/sampler.json    every distinct sampler ``out.settings`` (seed aside) the runs here used
     DIR/parts/b000012.{table}.parquet   rows of batch 12, one file per table, written tmp → rename
     DIR/parts/b000012.done    written last: the batch is complete (its item ids, one per line)
     DIR/parts/rank{r}.json    per-rank counts and wall time of the last run
@@ -34,32 +39,75 @@ class SweepStore:
     def __init__(self, out: str | Path):
         self.root = Path(out)
         self.parts = self.root / "parts"
-        self.batch_ids: list[list[str]] | None = None
+        self.batch_ids: dict[int, list[str]] | None = None
         self.keep_written = True        # keep what write_batch wrote for merge (the merging rank only)
         self._fresh: dict[int, dict[str, pa.Table]] = {}
 
-    def set_batches(self, batch_ids: list[list[str]]) -> None:
-        """The item ids of every batch of this run, in batch order: a ``.done`` marker must list them."""
-        self.batch_ids = [list(b) for b in batch_ids]
+    def set_batches(self, batch_ids: list[list[str]] | dict[int, list[str]]) -> None:
+        """The item ids of every unit of this run (a list in unit order, or unit number → ids): a unit's
+        ``.done`` marker must list exactly them."""
+        items = batch_ids.items() if isinstance(batch_ids, dict) else enumerate(batch_ids)
+        self.batch_ids = {int(k): list(b) for k, b in items}
+
+    # --- plan ----------------------------------------------------------------------------------------
+    def load_plan(self) -> list[tuple[str, list[str]]]:
+        """Every unit planned in this folder so far, by number: (kind, item ids); [] in a new folder."""
+        path = self.parts / "plan.json"
+        if not path.exists():
+            return []
+        return [(u["kind"], list(u["ids"])) for u in json.loads(path.read_text())["units"]]
+
+    def save_plan(self, plan: list[tuple[str, list[str]]]) -> None:
+        _atomic_write(self.parts / "plan.json", json.dumps({"units": [{"kind": k, "ids": ids} for k, ids in plan]}))
+
+    # --- sampler settings ----------------------------------------------------------------------------
+    def sampler_settings(self) -> list[dict[str, Any]]:
+        path = self.parts / "sampler.json"
+        return json.loads(path.read_text()) if path.exists() else []
+
+    def add_sampler_settings(self, seen: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Rank 0: the union of the recorded settings and ``seen`` (kept in first-seen order)."""
+        known = self.sampler_settings()
+        keys = {json.dumps(s, sort_keys=True, default=str) for s in known}
+        for s in seen:
+            key = json.dumps(s, sort_keys=True, default=str)
+            if key not in keys:
+                keys.add(key)
+                known.append(json.loads(key))
+        _atomic_write(self.parts / "sampler.json", json.dumps(known, indent=1))
+        return known
 
     # --- arguments ---------------------------------------------------------------------------------
     def prepare(self, fingerprint: dict[str, Any], force: bool) -> None:
-        """Rank 0: create DIR, or check that DIR was made with the same arguments (``force`` wipes it)."""
+        """Rank 0: create DIR, or check that DIR was made with the same arguments (``force`` wipes it). A folder
+        with no finished batch holds nothing to lose: it is reused with the new arguments, without ``force``
+        (a run that failed before computing anything never forces ``--force`` on the next)."""
+        if self.root.exists() and not self.root.is_dir():
+            raise ArgumentError(f"--out {str(self.root)!r} is a file, not a folder; choose a folder path.",
+                                argument="out", value=str(self.root), allowed="a folder (new or a sweep folder)")
         spec = self.root / "sweep.json"
+        wipe = force
         if spec.exists():
             old = json.loads(spec.read_text())
             if old != fingerprint:
-                if not force:
+                if not force and self._any_done():
                     diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
                     raise ArgumentError(f"{self.root} holds a sweep made with other arguments (differs in: "
                                         f"{', '.join(diff)}); use --force to overwrite it, or another --out.",
                                         argument="out", value=str(self.root))
-            if force:
-                shutil.rmtree(self.parts, ignore_errors=True)
-                for f in self.root.glob("*.parquet"):
-                    f.unlink()
+                wipe = True
+        if wipe:
+            shutil.rmtree(self.parts, ignore_errors=True)
+            for f in self.root.glob("*.parquet"):
+                f.unlink()
+        (self.root / "manifest.json").unlink(missing_ok=True)     # written again when this run completes
         self.parts.mkdir(parents=True, exist_ok=True)
+        for f in self.parts.glob("rank*.json"):     # the last run's per-rank counts (its world size may differ)
+            f.unlink()
         _atomic_write(spec, json.dumps(fingerprint, indent=1, sort_keys=True))
+
+    def _any_done(self) -> bool:
+        return self.parts.is_dir() and any(self.parts.glob("b*.done"))
 
     # --- batches -----------------------------------------------------------------------------------
     def done_batches(self) -> set[int]:
@@ -68,7 +116,7 @@ class SweepStore:
         done = set()
         for p in self.parts.glob("b*.done"):
             k = int(p.name[1:7])
-            if self.batch_ids is None or (k < len(self.batch_ids) and p.read_text().splitlines() == self.batch_ids[k]):
+            if self.batch_ids is None or (k in self.batch_ids and p.read_text().splitlines() == self.batch_ids[k]):
                 done.add(k)
         return done
 

@@ -8,7 +8,9 @@ Templates (``--template``, default ``auto``):
 - ``rag``: the paper's RAG layout (Attention-Floating §1.f): an instruction line, ``Context:`` with
   ``Passage i:\\n{text}`` for the first ``max_passages`` (5) passages, then ``Question: {q}\\nAnswer:``
   (LLaDA: ``Question: {q}\\n\\nShort Answer:``, as its released prompt). No passages → the placeholder
-  ``No relevant context available.``; the no-context variant uses the placeholder too.
+  ``No relevant context available.``; the no-context variant uses the placeholder too. Passages past
+  ``max_passages`` are not shown: ``Rendered.dropped`` lists them (the sweep records it, and refuses an item
+  whose gold passage would be dropped).
 - ``chat``: the ``rag`` text as the user turn of the checkpoint's chat template (generation prompt added),
   read from ``chat_template.jinja`` / ``tokenizer_config.json`` by ``mdm_lens.chat`` (``tokenizer.json`` has
   none), or a transformers tokenizer's own. A model without one raises ``InputError`` naming ``template``.
@@ -26,6 +28,7 @@ from typing import Any
 
 from mdm_lens import tokenization
 from mdm_lens.chat import has_chat_template, render_user_turn
+from mdm_lens.errors import InputError
 from mdm_lens.sweep.items import SweepItem
 from mdm_lens import items as D
 
@@ -47,6 +50,7 @@ class Rendered:
     ids: list[int]
     offsets: list[tuple[int, int]]
     qa: D.QAItem | None
+    dropped: tuple[int, ...] = ()       # passage indices not shown (past ``max_passages``)
 
 
 def resolve_template(model: Any, template: str) -> str:
@@ -57,14 +61,22 @@ def resolve_template(model: Any, template: str) -> str:
     return "chat" if has_chat_template(model) else "rag"
 
 
-def _answer_span(passage: str, start: int, answers: tuple[str, ...]) -> tuple[int, int] | None:
-    """First whole-word occurrence of any gold answer inside the gold passage (the needle)."""
+def _answer_span(passages: list[str], spans: list[tuple[int, int]], gold: tuple[int, ...],
+                 answers: tuple[str, ...]) -> tuple[tuple[int, int], str] | None:
+    """The needle: the earliest whole-word occurrence (in prompt order) of any gold answer inside any gold
+    passage, and the answer it is; at one start the longest answer wins. Offsets are absolute (prompt chars):
+    comparing a passage-relative start with an absolute one would let a later answer win."""
     best = None
-    for a in answers:
-        m = re.search(r"(?<!\w)" + re.escape(a.strip()) + r"(?!\w)", passage, flags=re.I)
-        if m and (best is None or m.start() < best[0]):
-            best = (start + m.start(), start + m.end())
-    return best
+    for g in gold:
+        start = spans[g][0]
+        for a in answers:
+            m = re.search(r"(?<!\w)" + re.escape(a.strip()) + r"(?!\w)", passages[g], flags=re.I)
+            if m is None:
+                continue
+            key = (start + m.start(), -(m.end() - m.start()))
+            if best is None or key < best[0]:
+                best = (key, (start + m.start(), start + m.end()), a)
+    return None if best is None else (best[1], best[2])
 
 
 class _Builder:
@@ -86,13 +98,14 @@ class _Builder:
 
 
 def _qa_item(item: SweepItem, b: _Builder, passages: list[str], p_spans: list, m_spans: list,
-             q_span: tuple[int, int], prefix: str, gold: int | None) -> D.QAItem:
-    ev = None
-    if gold is not None and gold < len(passages):
-        ev = _answer_span(passages[gold], p_spans[gold][0], item.answers)
-    return D.QAItem(question=item.question or "", answer=item.answers[0] if item.answers else "", passages=passages,
-                    gold_index=gold, prompt=b.text, passage_spans=p_spans, question_span=q_span, evidence_span=ev,
-                    answer_prefix=prefix, marker_spans=m_spans)
+             q_span: tuple[int, int], prefix: str, gold: tuple[int, ...]) -> D.QAItem:
+    """``answer`` is the answer the evidence span points at (the first answer when none is found)."""
+    found = _answer_span(passages, p_spans, gold, item.answers) if gold else None
+    ev, answer = (None, item.answers[0] if item.answers else "") if found is None else found
+    answers = tuple(dict.fromkeys((answer, *item.answers))) if answer else item.answers
+    return D.QAItem(question=item.question or "", answer=answer, passages=passages, gold_index=None,
+                    gold_indices=gold, prompt=b.text, passage_spans=p_spans, question_span=q_span, evidence_span=ev,
+                    answer_prefix=prefix, marker_spans=m_spans, answers=answers)
 
 
 def _zoo(item: SweepItem, context: bool) -> D.QAItem:
@@ -109,7 +122,7 @@ def _zoo(item: SweepItem, context: bool) -> D.QAItem:
     q_span = b.add(item.question or "")
     b.add(" ")
     b.add(D.ANSWER_PREFIX)
-    return _qa_item(item, b, passages, p_spans, m_spans, q_span, D.ANSWER_PREFIX, item.gold_index if context else None)
+    return _qa_item(item, b, passages, p_spans, m_spans, q_span, D.ANSWER_PREFIX, item.gold_indices if context else ())
 
 
 def _rag(item: SweepItem, context: bool, family: str, max_passages: int) -> D.QAItem:
@@ -128,7 +141,7 @@ def _rag(item: SweepItem, context: bool, family: str, max_passages: int) -> D.QA
     prefix = "Short Answer:" if family == "llada" else "Answer:"
     b.add("\n\n" if family == "llada" else "\n")
     b.add(prefix)
-    gold = item.gold_index if context and item.gold_index is not None and item.gold_index < len(real) else None
+    gold = tuple(g for g in item.gold_indices if g < len(real)) if context else ()
     qa = _qa_item(item, b, shown if real else [], p_spans if real else [], m_spans if real else [], q_span,
                   prefix, gold)
     return qa
@@ -169,7 +182,11 @@ def render(model: Any, item: SweepItem, template: str, context: bool = True, max
         if template == "chat":
             full = render_user_turn(model, qa.prompt)
             at = full.find(qa.prompt)
-            qa = _shift(qa, full, at) if at >= 0 else replace(qa, prompt=full, passage_spans=[], marker_spans=[],
-                                                               evidence_span=None, gold_index=None)
+            if at < 0:      # the template rewrote the text: no span could be placed, so refuse (never drop them)
+                raise InputError("the checkpoint's chat template changes the user text (e.g. trims or escapes it), "
+                                 f"so the passage and question spans of item {item.id!r} cannot be placed in it; "
+                                 "use --template rag.", argument="template", value=template, allowed="rag")
+            qa = _shift(qa, full, at)
     ids, off = encode_with_offsets(model, qa.prompt, template)
-    return Rendered(item, qa.prompt, ids, off, qa)
+    shown = len(item.passages) if template == "zoo" or not context else max_passages
+    return Rendered(item, qa.prompt, ids, off, qa, tuple(range(shown, len(item.passages))))

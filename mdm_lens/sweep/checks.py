@@ -1,0 +1,175 @@
+"""Which items each probe can use, checked before anything runs (nothing is scored on an item a probe cannot use).
+
+Two stages: :func:`data_problems` needs only the parsed line (no answers for ``accuracy``, a closed-book item for
+``retrieval``, ...); :func:`render_problems` needs the model and the rendered prompt (too long for the context,
+a gold passage past ``max_passages``, no needle for ``retrieval``, a gold answer the tokenizer can only spell
+with its unknown token, an answer longer than knockout's canvas). The runner raises on the first problem, or,
+with ``--skip-bad``, skips the item and records every reason (``skipped.parquet`` and the manifest).
+
+:func:`render_warnings` lists what is worth knowing but leaves the item usable (non-gold passages not shown).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from mdm_lens import tokenization
+from mdm_lens.errors import InputError
+from mdm_lens.sweep import templates as TM
+from mdm_lens.sweep.items import SweepItem
+from mdm_lens.sweep.templates import Rendered
+
+__all__ = ["data_problems", "render_problems", "render_warnings", "unknown_token_ids", "ANSWER_PROBES", "Selection",
+           "screen", "select", "check_sampler"]
+
+#: Probes that score the gold answer's text or tokens.
+ANSWER_PROBES = ("accuracy", "retrieval", "knockout")
+
+
+def data_problems(item: SweepItem, probes: Sequence[str]) -> list[str]:
+    """Reasons (one per probe and cause) why ``probes`` cannot use ``item``, from its parsed fields alone."""
+    out = []
+    if "accuracy" in probes:
+        if not item.is_qa:
+            out.append("probe 'accuracy' needs a question (a plain prompt has no closed-book variant)")
+        elif not item.answers:
+            out.append("probe 'accuracy' needs answers; the item has none")
+    if "retrieval" in probes:
+        if not item.is_qa or not item.passages:
+            out.append("probe 'retrieval' needs a question with passages; the item is "
+                       + ("a plain prompt" if not item.is_qa else "closed-book (no passages)"))
+        else:
+            if not item.answers:
+                out.append("probe 'retrieval' needs answers; the item has none")
+            if not item.gold_indices:
+                out.append("probe 'retrieval' needs a gold passage; the item marks none")
+    if "flow" in probes and (not item.is_qa or not item.passages):
+        out.append("probe 'flow' needs a question with passages; the item is "
+                   + ("a plain prompt" if not item.is_qa else "closed-book (no passages)"))
+    return out
+
+
+def unknown_token_ids(tokenizer: Any) -> set[int]:
+    """The tokenizer's unknown-token id(s): transformers' ``unk_token_id``, a ``tokenizers`` model's
+    ``unk_token``; empty for byte-level vocabularies, which can spell any text."""
+    ids: set[int] = set()
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if isinstance(unk, int):
+        ids.add(unk)
+    model = getattr(tokenizer, "model", None)
+    name = getattr(model, "unk_token", None)
+    if isinstance(name, str) and hasattr(tokenizer, "token_to_id"):
+        i = tokenizer.token_to_id(name)
+        if i is not None:
+            ids.add(int(i))
+    return ids
+
+
+def render_problems(model: Any, r: Rendered, probes: Sequence[str], gen_length: int, unk: set[int]) -> list[str]:
+    """Reasons why ``probes`` cannot use the rendered item ``r`` (``unk``: :func:`unknown_token_ids`)."""
+    item, out = r.item, []
+    if len(r.ids) + gen_length > model.cfg.n_ctx:
+        out.append(f"{len(r.ids)} prompt tokens + gen_length {gen_length} exceed the model's context of "
+                   f"{model.cfg.n_ctx}")
+    lost = [g for g in item.gold_indices if g in r.dropped]
+    if lost and item.passages:
+        out.append(f"gold passage(s) {[g + 1 for g in lost]} of {len(item.passages)} are past max_passages="
+                   f"{len(item.passages) - len(r.dropped)} and would not be shown (raise --max-passages)")
+    if "retrieval" in probes and r.qa is not None and item.gold_indices and not lost and r.qa.evidence_span is None:
+        out.append("probe 'retrieval' needs the gold answer inside a gold passage (its needle); no answer occurs "
+                   "there as a whole word")
+    if any(p in probes for p in ANSWER_PROBES) and item.answers:
+        tok = tokenization.require(model.tokenizer)
+        for a in item.answers:
+            ids = tokenization.encode(tok, a)
+            if unk & set(ids):
+                out.append(f"gold answer {a!r} tokenizes to the unknown token (id {sorted(unk & set(ids))[0]}): it "
+                           "would be scored as that token")
+        if "knockout" in probes:
+            n = len(tokenization.encode(tok, item.answers[0]))
+            if n > gen_length:
+                out.append(f"probe 'knockout' places the gold answer in the canvas, but {item.answers[0]!r} is {n} "
+                           f"tokens > gen_length {gen_length}")
+    return out
+
+
+def render_warnings(r: Rendered) -> list[str]:
+    """What a reader of the tables should know about ``r`` that does not make it unusable."""
+    shown = len(r.item.passages) - len(r.dropped)
+    if r.dropped:
+        return [f"passages {r.dropped[0] + 1}..{r.dropped[-1] + 1} of {len(r.item.passages)} not shown "
+                f"(max_passages={shown})"]
+    return []
+
+
+@dataclass
+class Selection:
+    """The items a sweep runs (data order), their rendered prompts, and what was left out or is worth knowing."""
+
+    items: list[SweepItem]
+    rendered: list[Rendered] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)     # {item_id, line, reason}
+    warnings: list[dict[str, Any]] = field(default_factory=list)    # {item_id, line, warning}
+
+
+def _refuse(path: str, item: SweepItem, reasons: list[str]) -> InputError:
+    return InputError(f"{path}:{item.line}: item {item.id!r}: {reasons[0]} (drop the probe, fix the data, or use "
+                      "--skip-bad to skip such items)", argument="data", value=path)
+
+
+def screen(items: list[SweepItem], probes: Sequence[str], path: str, skip_bad: bool, limit: int | None) -> Selection:
+    """Before the model loads: the items whose parsed fields suit every probe. Without ``skip_bad`` the first of
+    the first ``limit`` items that does not suit raises; with it, such items are skipped with their reasons."""
+    sel = Selection(items=[])
+    for it in items:
+        if not skip_bad and limit is not None and len(sel.items) >= limit:
+            break
+        reasons = data_problems(it, probes)
+        if reasons and not skip_bad:
+            raise _refuse(path, it, reasons)
+        if reasons:
+            sel.skipped.append(dict(item_id=it.id, line=it.line, reason="; ".join(reasons)))
+        else:
+            sel.items.append(it)
+    return sel
+
+
+def select(model: Any, screened: Selection, probes: Sequence[str], template: str, gen_length: int,
+           max_passages: int, path: str, skip_bad: bool, limit: int | None) -> Selection:
+    """The first ``limit`` usable items (all without a limit), rendered once; an item a probe cannot use raises,
+    or with ``skip_bad`` is skipped and recorded. Items past the limit are not rendered."""
+    unk = unknown_token_ids(model.tokenizer) if model.tokenizer is not None else set()
+    sel = Selection(items=[], skipped=list(screened.skipped))
+    for it in screened.items:
+        if limit is not None and len(sel.items) >= limit:
+            break
+        r = TM.render(model, it, template, max_passages=max_passages)
+        reasons = render_problems(model, r, probes, gen_length, unk)
+        if reasons and not skip_bad:
+            raise _refuse(path, it, reasons)
+        if reasons:
+            sel.skipped.append(dict(item_id=it.id, line=it.line, reason="; ".join(reasons)))
+            continue
+        sel.items.append(it)
+        sel.rendered.append(r)
+        sel.warnings += [dict(item_id=it.id, line=it.line, warning=w) for w in render_warnings(r)]
+    sel.skipped.sort(key=lambda d: d["line"])
+    return sel
+
+
+def check_sampler(model: Any, gen_kwargs: dict[str, Any]) -> None:
+    """The sampler settings the sweep will pass (``adapter._gen_kwargs``), checked before anything is written
+    (e.g. a ``block_length`` that does not divide ``gen_length``), as ``generate`` checks them."""
+    from mdm_lens.diffusion import arguments as SA
+    from mdm_lens.diffusion.generate import default_sampler
+
+    sampler = default_sampler(model)
+    if sampler == "diffusion_gemma":     # transformers' own settings; checked by its first call
+        return
+    given = {k: SA.DEFAULT for k in ("block_length", "temperature", "cfg_scale", "remasking", "logits_eos_inf",
+                                     "confidence_eos_eot_inf", "alg", "alg_temp", "eps", "top_p", "top_k",
+                                     "stop_at_eos")}
+    given.update(steps=None, gen_length=None)
+    given.update({k: v for k, v in gen_kwargs.items() if k in given})
+    SA.resolve(model, sampler, given)
