@@ -40,12 +40,12 @@ COLUMNS: dict[str, Column] = {
                                       "clean / anchors / random"),
     "layer": Column("Int64", "index", "transformer layer, 0 = first"),
     "head": Column("Int64", "index", "attention head within the layer"),
-    "step": Column("Int64", "index", "denoising step (recorded steps; <NA> = a per-item, not per-step, metric)"),
+    "step": Column("Int64", "index", "denoising step (recorded steps; `<NA>` = a per-item, not per-step, metric)"),
     "mode": Column("string", "", "absorption: `default` (the clean final sequence, lens rules) or `paper`"),
     "variant": Column("string", "", "absorption anchor rule: pos0 (column 0), top1 (top-1 received key), ...; "
                                     "`anchors` for the n_anchors count"),
     "gold_index": Column("Int64", "index", "position of the (first) gold passage in the prompt, 0 = first; "
-                                           "<NA> when the data names no gold passage"),
+                                           "`<NA>` when the data names no gold passage"),
     "n_passages": Column("Int64", "count", "passages in the prompt"),
     "prediction": Column("string", "", "the generated answer text (up to the first EOS/EoT/pad/mask)"),
     "region": Column("string", "", "flow: prompt region (bos, doc1.., question_cue, query, answer_cue, answer); "
@@ -75,7 +75,7 @@ TABLES: dict[str, tuple[str, list[str]]] = {
                  _KEY + ["condition", "gold_index", "n_passages", "metric", "value", "prediction"]),
     "absorption": ("share of attention the anchor set receives on the clean final sequence, per layer",
                    _KEY + ["layer", "mode", "variant", "metric", "value"]),
-    "temporal": ("anchor sets over the denoising steps (per step) and their drift (step <NA>), per layer",
+    "temporal": ("anchor sets over the denoising steps (per step) and their drift (step `<NA>`), per layer",
                  _KEY + ["layer", "step", "metric", "value"]),
     "temporal_keys": ("received attention per key and step, for the first --keep-keys items",
                       ["item_id", "layer", "step", "key", "token", "token_str", "received", "anchor", "commit_step",
@@ -84,7 +84,7 @@ TABLES: dict[str, tuple[str, list[str]]] = {
            _KEY + ["layer", "head", "metric", "value", "label"]),
     "retrieval": ("retrieval (copy-paste) score per head; NaN for items not answered correctly",
                   _KEY + ["method", "layer", "head", "metric", "value", "correct"]),
-    "flow": ("answer-row attention-rollout flow per prompt region, and per-item ratios (region <NA>)",
+    "flow": ("answer-row attention-rollout flow per prompt region, and per-item ratios (region `<NA>`)",
              _KEY + ["gold_index", "region", "kind", "metric", "value"]),
     "knockout": ("answer log-prob etc. with the anchors or as many random keys knocked out",
                  _KEY + ["metric", "condition", "step", "value", "label"]),
@@ -204,9 +204,12 @@ def check(tables: Mapping[str, pd.DataFrame]) -> list[str]:
     return bad
 
 
+SUMMARIZED = [t for t in TABLES if t != "temporal_keys"]     # the tables that get a {name}_summary
+
+
 def as_dict(names: Any = None) -> dict[str, Any]:
-    """The schema of the tables ``names`` (default: all long tables) as plain JSON-able data."""
-    names = list(TABLES) if names is None else list(names)
+    """The schema of the tables ``names`` (default: every long table and summary) as plain JSON-able data."""
+    names = list(TABLES) + [f"{t}_summary" for t in SUMMARIZED] if names is None else list(names)
     out: dict[str, Any] = {"columns": {}, "tables": {}}
     for name in names:
         base = name[:-len("_summary")] if name.endswith("_summary") else name
@@ -236,7 +239,7 @@ def markdown(names: Any = None) -> str:
                      f"{', '.join(where[c])} |")
     lines += ["", "| table | metric | unit | meaning |", "|---|---|---|---|"]
     for t, info in d["tables"].items():
-        for m, mi in info["metrics"].items():
+        for m, mi in (info["metrics"].items() if not t.endswith("_summary") or t[:-8] not in d["tables"] else ()):
             lines.append(f"| {t} | `{m}` | {_cell(mi['unit'])} | {_cell(mi['meaning'])} |")
     return "\n".join(lines) + "\n"
 

@@ -230,12 +230,12 @@ def _html_item(item: Any) -> tuple[str, bool]:
     return f'<div class="view">{stripped}</div>', bool(n) or "CircuitsVis.render(" in stripped
 
 
-def _table_html(df: Any, caption: str = "") -> str:
+def _table_html(df: Any, caption: str = "", classes: str = "data") -> str:
     try:
-        body = df.to_html(classes="data", border=0, max_rows=300, max_cols=None, na_rep="–",
+        body = df.to_html(classes=classes, border=0, max_rows=300, max_cols=None, na_rep="–",
                           float_format=lambda x: f"{x:.4g}")
     except TypeError:
-        body = df.to_html(classes="data", border=0)
+        body = df.to_html(classes=classes, border=0)
     cap = f'<div class="tcap">{_inline(_html.escape(caption, quote=False))}</div>' if caption else ""
     return f'<div class="tablewrap">{cap}{body}</div>'
 
@@ -290,8 +290,7 @@ def write_report(folder: str | Path, title: str, sections: Sequence[Section], me
         if sec.claims is not None:
             parts.append(_table_html(sec.claims.set_index(sec.claims.columns[0]), "comparisons: Δ = mean over items, 95% percentile-bootstrap "
                                                  "interval resampling items (seeded); a claim needs the interval "
-                                                 "off 0, otherwise it is a tie").replace('class="data"',
-                                                                                          'class="data claims"', 1))
+                                                 "off 0, otherwise it is a tie", classes="data claims"))
         if sec.finding:
             parts.append(f'<p class="finding"><b>Finding.</b> {_inline(_html.escape(sec.finding, quote=False))}</p>')
         parts.append("</section>")

@@ -244,5 +244,8 @@ def qk_section(sweeps: Sequence[Any], img: Path) -> Section | None:
                    table_caption="mean over items", claims=claims.table(), finding=claims.finding())
 
 
-BUILTIN = [("accuracy", accuracy_section, ("accuracy",)), ("absorption", absorption_section, ("absorption",)),
-           ("temporal", temporal_section, ("temporal",), _temporal_skip), ("qk", qk_section, ("qk",))]
+BUILTIN = [dict(key="accuracy", make=accuracy_section, tables=("accuracy",)),
+           dict(key="absorption", make=absorption_section, tables=("absorption",)),
+           dict(key="temporal", make=temporal_section, tables=("temporal",), skip=_temporal_skip,
+                title="Temporal floating"),
+           dict(key="qk", make=qk_section, tables=("qk",))]

@@ -135,21 +135,25 @@ class SectionSpec:
     make: Callable[[Sequence[Sweep], Path], Section | None]
     tables: tuple[str, ...]
     skip: Callable[[Sweep], str | None] | None = None
+    title: str = ""             # shown when every sweep with the table is skipped (the section then says why)
 
 
 SECTIONS: list[SectionSpec] = []
 
 
 def register_section(key: str, make: Callable[[Sequence[Any], Path], Section | None], tables: Sequence[str],
-                     skip: Callable[[Any], str | None] | None = None, after: str | None = None) -> SectionSpec:
-    """Add (or replace, by ``key``) a section; ``after``: the key it follows (default: last)."""
+                     skip: Callable[[Any], str | None] | None = None, after: str | None = None,
+                     title: str | None = None) -> SectionSpec:
+    """Add (or replace, by ``key``) a section; ``after``: the key it follows (default: last); ``title``: the
+    section's title when every sweep that has its tables is skipped (default: the key)."""
     if not isinstance(key, str) or not key:
         raise ArgumentError(f"key={key!r} is not a section name: expected a non-empty str.", argument="key",
                             value=key, allowed="a non-empty str")
     if not callable(make):
         raise ArgumentError(f"make={make!r} is not callable: expected f(sweeps, img) -> Section | None.",
                             argument="make", value=make, allowed="a callable")
-    spec = SectionSpec(key, make, tuple(validate.instances(tables, str, name="tables", allow_single=True)), skip)
+    spec = SectionSpec(key, make, tuple(validate.instances(tables, str, name="tables", allow_single=True)), skip,
+                       title or key)
     keys = [s.key for s in SECTIONS]
     if key in keys:
         SECTIONS[keys.index(key)] = spec
@@ -181,6 +185,8 @@ def sections(sweeps: Sequence[Sweep], img: Path) -> list[Section]:
         why = {s.label: _absent(spec, s) for s in sweeps}
         present = [s for s in sweeps if why[s.label] is None]
         if not present:
+            if spec.skip is not None and any(any(s.table(t) is not None for t in spec.tables) for s in sweeps):
+                out.append(Section(spec.title, absent=[w for w in why.values() if w]))   # skipped, say why
             continue
         sec = spec.make(present, img)
         if sec is not None:
@@ -210,4 +216,4 @@ def report(folder: str | Path, out: str | Path | None = None, title: str | None 
 
 
 for _spec in sweep_layers.BUILTIN + sweep_sections.BUILTIN:      # accuracy … knockout, in this order
-    register_section(*_spec)
+    register_section(**_spec)

@@ -206,5 +206,6 @@ def knockout_section(sweeps: Sequence[Any], img: Path) -> Section | None:
                    claims=claims.table(), finding=claims.finding())
 
 
-BUILTIN = [("retrieval", retrieval_section, ("retrieval",)), ("flow", flow_section, ("flow",)),
-           ("knockout", knockout_section, ("knockout",))]
+BUILTIN = [dict(key="retrieval", make=retrieval_section, tables=("retrieval",)),
+           dict(key="flow", make=flow_section, tables=("flow",)),
+           dict(key="knockout", make=knockout_section, tables=("knockout",))]
