@@ -315,7 +315,8 @@ def test_conform_refuses_undeclared_columns_and_write_puts_the_schema_beside(tmp
 
 @pytest.fixture(scope="module")
 def nogold_sweep(tmp_path_factory):
-    """A real sweep (tiny random MDM, every probe) on KILT-like items that name no gold passage."""
+    """A real sweep (tiny random MDM; every probe but knockout, the slow one, whose columns the planted test
+    checks) on KILT-like items that name no gold passage."""
     import torch
 
     from mdm_lens import HookedMDM, MDMConfig, sweep
@@ -333,7 +334,7 @@ def nogold_sweep(tmp_path_factory):
                                         "passages": [{"segment": f"the city of {c} lies in palundra ."},
                                                      {"segment": "varek owns a pet otter ."}]}) + "\n"
                             for i, c in enumerate(("ketterby", "wistmere"))))
-    tables = sweep.run(model, data, "accuracy,absorption,temporal,qk,retrieval,flow,knockout", root / "s" / "m",
+    tables = sweep.run(model, data, "accuracy,absorption,temporal,qk,retrieval,flow", root / "s" / "m",
                        batch_size=2, progress=False)
     return root, tables
 

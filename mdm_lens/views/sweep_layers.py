@@ -62,6 +62,9 @@ def _position_figures(sweeps: Sequence[Any], img: Path) -> tuple[list[Path], str
 
 
 def accuracy_section(sweeps: Sequence[Any], img: Path) -> Section | None:
+    sweeps = [s for s in sweeps if s.table("accuracy") is not None]     # a maker called directly
+    if not sweeps:
+        return None
     claims, rows, gains = Claims(), [], {}
     for s in sweeps:
         t = s.table("accuracy")
@@ -101,6 +104,9 @@ def _layer_curves(t: pd.DataFrame, mode: str, variant: str) -> tuple[pd.DataFram
 
 
 def absorption_section(sweeps: Sequence[Any], img: Path) -> Section | None:
+    sweeps = [s for s in sweeps if s.table("absorption") is not None]     # a maker called directly
+    if not sweeps:
+        return None
     tabs = {s.label: s.table("absorption") for s in sweeps}
     common = sorted(set.intersection(*(set(_variants(t, "default")) for t in tabs.values())))
     if not common:
@@ -172,6 +178,9 @@ def _heatmaps(s: Any, img: Path) -> list[Path]:
 
 
 def temporal_section(sweeps: Sequence[Any], img: Path) -> Section | None:
+    sweeps = [s for s in sweeps if s.table("temporal") is not None]     # a maker called directly
+    if not sweeps:
+        return None
     images, rows, claims = [], [], Claims()
     for s in sweeps:
         t = s.table("temporal")
@@ -208,6 +217,9 @@ def temporal_section(sweeps: Sequence[Any], img: Path) -> Section | None:
 # --- qk ---------------------------------------------------------------------------------------------
 
 def qk_section(sweeps: Sequence[Any], img: Path) -> Section | None:
+    sweeps = [s for s in sweeps if s.table("qk") is not None]     # a maker called directly
+    if not sweeps:
+        return None
     images, rows, claims = [], [], Claims()
     for s in sweeps:
         t = s.table("qk")

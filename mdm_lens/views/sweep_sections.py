@@ -33,6 +33,9 @@ def _items_without_gold(s: Any) -> set[str]:
 
 
 def retrieval_section(sweeps: Sequence[Any], img: Path) -> Section | None:
+    sweeps = [s for s in sweeps if s.table("retrieval") is not None]     # a maker called directly
+    if not sweeps:
+        return None
     images, rows, claims, notes = [], [], Claims(), []
     per_model, methods = {}, {}
     for s in sweeps:
@@ -97,6 +100,9 @@ def _flow_per_item(t: pd.DataFrame) -> pd.DataFrame:
 
 
 def flow_section(sweeps: Sequence[Any], img: Path) -> Section | None:
+    sweeps = [s for s in sweeps if s.table("flow") is not None]     # a maker called directly
+    if not sweeps:
+        return None
     images, rows, claims, ratios = [], [], Claims(), {}
     notes = []
     for s in sweeps:
@@ -153,6 +159,9 @@ def _effects(t: pd.DataFrame) -> pd.DataFrame:
 
 
 def knockout_section(sweeps: Sequence[Any], img: Path) -> Section | None:
+    sweeps = [s for s in sweeps if s.table("knockout") is not None]     # a maker called directly
+    if not sweeps:
+        return None
     labels, bars, rows, empty = [], {"anchors": [], "random": []}, [], []
     claims = Claims()
     for s in sweeps:
