@@ -354,7 +354,7 @@ def test_report_on_data_without_gold_indices(nogold_sweep):
     root, _ = nogold_sweep
     page = _parse(SR.report(root / "s", out=root / "r"))
     text = (root / "r" / "index.html").read_text()
-    assert "No item names a gold passage (0 of 2 with-context items" in H.unescape(text)
+    assert "No item names a gold passage (with-context items naming one: stand-in-mdm 0 of 2)" in H.unescape(text)
     assert "no item names a gold passage, so no flow-by-gold-position figure" in text
     flow = _by_title(page, "Region-level")["finding"]
     assert "undecided" in flow and "2 excluded" in flow                  # gold ratio: undefined, counted

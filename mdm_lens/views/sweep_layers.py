@@ -31,11 +31,10 @@ def _position_figures(sweeps: Sequence[Any], img: Path) -> tuple[list[Path], str
     different places), for the most common counts; and a sentence on what is (not) drawn."""
     ctx = {s.label: s.table("accuracy") for s in sweeps}
     ctx = {k: t[(t.metric == "acc") & (t.condition == "with_context")] for k, t in ctx.items()}
-    n_ctx = sum(t.item_id.nunique() for t in ctx.values())
     gold = {k: t[t.gold_index.notna()] for k, t in ctx.items()}
-    n_gold = sum(t.item_id.nunique() for t in gold.values())
-    if not n_gold:
-        return [], (f"No item names a gold passage (0 of {n_ctx} with-context items, all models), so accuracy by "
+    counts_text = ", ".join(f"{k} {gold[k].item_id.nunique()} of {t.item_id.nunique()}" for k, t in ctx.items())
+    if not sum(len(t) for t in gold.values()):
+        return [], (f"No item names a gold passage (with-context items naming one: {counts_text}), so accuracy by "
                     "gold position is not drawn.")
     counts = pd.concat(gold.values()).groupby("n_passages")["item_id"].nunique().sort_values(ascending=False)
     drawn = [int(k) for k in counts.index[:MAX_POSITION_FIGURES]]
@@ -55,7 +54,7 @@ def _position_figures(sweeps: Sequence[Any], img: Path) -> tuple[list[Path], str
                                       f"({', '.join(f'{m}: {v} items' for m, v in n.items())})")
         paths.append(path)
     rest = int(counts.iloc[len(drawn):].sum())
-    note = (f"By gold position: {n_gold} of {n_ctx} with-context items name a gold passage; drawn for "
+    note = (f"By gold position: with-context items naming a gold passage: {counts_text}; drawn for "
             f"{', '.join(map(str, drawn))} passages" + (f" ({rest} items with other counts are in "
                                                        "accuracy_summary.parquet)" if rest else "") + ".")
     return paths, note
@@ -144,7 +143,7 @@ def absorption_section(sweeps: Sequence[Any], img: Path) -> Section | None:
             "they compare one statistic; the paper-mode figure keeps each family's own rule (ARMs pos0, MDMs top1), "
             "which are different statistics. Dashed = the same statistic under uniform attention with the same "
             "visibility.")
-    return Section("Absorption by layer", text, [p1, p2], table=pd.DataFrame(rows).round(2),
+    return Section("Absorption by layer", text, [p1, p2], table=pd.DataFrame(rows).set_index("model").round(2),
                    table_caption=f"default mode, {pick}, per layer, over items", claims=claims.table(),
                    finding=claims.finding())
 
@@ -210,7 +209,7 @@ def temporal_section(sweeps: Sequence[Any], img: Path) -> Section | None:
             "of two empty anchor sets is undefined: such step pairs are left out of the mean and counted, and an "
             "item whose every pair is empty is excluded (counted). Anchor positions (top-1 key, modal anchor) are "
             "not averaged over items of different lengths; they are per item in temporal.parquet.")
-    return Section("Temporal floating", text, images, table=pd.DataFrame(rows).round(3),
+    return Section("Temporal floating", text, images, table=pd.DataFrame(rows).set_index("model").round(3),
                    table_caption="drift statistics, mean over items", claims=claims.table(), finding=claims.finding())
 
 
@@ -252,7 +251,7 @@ def qk_section(sweeps: Sequence[Any], img: Path) -> Section | None:
             "averaged, then items. The statistic is the same for every model; the visible keys differ (causal vs "
             "bidirectional attention). Which term carries the advantage is stated only where the advantage itself is "
             "positive.")
-    return Section("QK decomposition", text, images, table=pd.DataFrame(rows).round(3),
+    return Section("QK decomposition", text, images, table=pd.DataFrame(rows).set_index("model").round(3),
                    table_caption="mean over items", claims=claims.table(), finding=claims.finding())
 
 

@@ -77,7 +77,7 @@ def retrieval_section(sweeps: Sequence[Any], img: Path) -> Section | None:
             "copies when its argmax key lies in the gold evidence and holds the emitted token (query p−1 for an "
             "ARM). Score = copied needle tokens / needle length, over correctly answered items (grey cells: not "
             "scored); retrieval head > 0.1. " + ". ".join(n[0].upper() + n[1:] for n in notes) + ("." if notes else ""))
-    return Section("Retrieval heads", text, images, table=pd.DataFrame(rows), claims=claims.table(),
+    return Section("Retrieval heads", text, images, table=pd.DataFrame(rows).set_index("model"), claims=claims.table(),
                    finding=claims.finding())
 
 
@@ -142,7 +142,7 @@ def flow_section(sweeps: Sequence[Any], img: Path) -> Section | None:
             "preference), over the items that have a gold passage and another one (the others are excluded and "
             "counted). The figure takes each model's most common passage count. " + ". ".join(notes)
             + ("." if notes else ""))
-    return Section("Region-level attention flow", text, images, table=pd.DataFrame(rows).round(3),
+    return Section("Region-level attention flow", text, images, table=pd.DataFrame(rows).set_index("model").round(3),
                    claims=claims.table(), finding=claims.finding())
 
 
@@ -211,7 +211,7 @@ def knockout_section(sweeps: Sequence[Any], img: Path) -> Section | None:
     if empty:
         text += (f" Bars at 0 for {', '.join(empty)}: the detector found no anchors there, so nothing was knocked "
                  "out and the random control removed nothing either.")
-    return Section("Anchor knockout vs random control", text, [path], table=pd.DataFrame(rows).round(3),
+    return Section("Anchor knockout vs random control", text, [path], table=pd.DataFrame(rows).set_index("model").round(3),
                    claims=claims.table(), finding=claims.finding())
 
 
