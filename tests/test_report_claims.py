@@ -384,3 +384,19 @@ def test_sweep_and_views_have_no_import_cycle():
             visit(n, stack + [m])
     for m in graph:
         visit(m, [])
+
+
+def test_a_registered_section_follows_its_anchor_and_names_absent_models(planted, tmp_path, monkeypatch):
+    monkeypatch.setattr(SR, "SECTIONS", list(SR.SECTIONS))
+    from mdm_lens.views.report import Section
+
+    seen = []
+    SR.register_section("lens", lambda sweeps, img: seen.append([s.label for s in sweeps]) or Section("Lens", "x"),
+                        tables="qk", skip=lambda s: "not a lens model" if s.causal else None, after="qk")
+    keys = [s.key for s in SR.SECTIONS]
+    assert keys.index("lens") == keys.index("qk") + 1
+    page = _parse(SR.report(planted, out=tmp_path / "r"))
+    assert seen == [["model-a"]]
+    assert _by_title(page, "Lens")["absent"] == "Not in this section: model-b-arm: not a lens model."
+    with pytest.raises(ArgumentError, match="after"):
+        SR.register_section("x", lambda s, i: None, tables="qk", after="nope")

@@ -7,13 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import pandas as pd
 
 from mdm_lens.sweep.summary import jaccard_defined
 from mdm_lens.views import figures
 from mdm_lens.views.report import Section
-from mdm_lens.views.stats import Claims, bootstrap_mean, difference, paired_difference, per_item
+from mdm_lens.views.stats import Claims, bootstrap_mean, paired_difference, per_item
 
 __all__ = ["accuracy_section", "absorption_section", "temporal_section", "qk_section", "BUILTIN"]
 

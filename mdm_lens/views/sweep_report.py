@@ -71,7 +71,10 @@ def _read(name: str, path: Path) -> pd.DataFrame:
     except ArgumentError:            # a table this version does not describe: as it is
         return df
     cols = [c for c in df.columns if c in known]
-    return df if not cols else df.assign(**schema.conform(name, df[cols]))
+    try:
+        return df if not cols else df.assign(**schema.conform(name, df[cols]))
+    except (TypeError, ValueError):  # e.g. a fractional value in an index column of an older table: as it is
+        return df
 
 
 def _why_not_a_sweep(p: Path) -> str | None:

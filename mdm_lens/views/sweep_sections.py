@@ -12,7 +12,7 @@ import pandas as pd
 
 from mdm_lens.views import figures
 from mdm_lens.views.report import Section
-from mdm_lens.views.stats import Claims, bootstrap_mean, difference, paired_difference, per_item
+from mdm_lens.views.stats import Claims, bootstrap_mean, paired_difference, per_item
 
 __all__ = ["retrieval_section", "flow_section", "knockout_section", "BUILTIN"]
 
