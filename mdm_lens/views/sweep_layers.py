@@ -63,13 +63,15 @@ def accuracy_section(sweeps: Sequence[Any], img: Path) -> Section | None:
     sweeps = [s for s in sweeps if s.table("accuracy") is not None]     # a maker called directly
     if not sweeps:
         return None
-    claims, rows, gains = Claims(), [], {}
+    claims, rows, gains, notes = Claims(), [], {}, []
     for s in sweeps:
         t = s.table("accuracy")
         w, c = _acc(t, "with_context"), _acc(t, "no_context")
         row = {"model": s.label, "with context (%)": 100 * w.mean(), "no context (%)": 100 * c.mean(),
                "items": len(w)}
-        if len(c):
+        if not len(c):
+            notes.append(f"{s.label} has no closed-book rows, so no gain")
+        else:
             gains[s.label] = w - c
             iv = paired_difference(w, c)
             claims.add(f"{s.label}: with − without passages", iv, f"the passages help {s.label}",
@@ -82,7 +84,7 @@ def accuracy_section(sweeps: Sequence[Any], img: Path) -> Section | None:
     paths, note = _position_figures(sweeps, img)
     text = ("Accuracy = the normalised gold answer is a substring of the generated answer (the paper's lenient Acc; "
             "`em` and `f1` are in the table files), with the passages and with the closed-book variant of the same "
-            "prompt; the gain is paired per item. " + note)
+            "prompt; the gain is paired per item. " + note + "".join(f" {n[0].upper() + n[1:]}." for n in notes))
     return Section("QA accuracy with and without context", text, paths,
                    table=pd.DataFrame(rows).set_index("model").round(1), table_caption="accuracy (mean over items)",
                    claims=claims.table(), finding=claims.finding())

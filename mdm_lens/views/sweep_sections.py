@@ -66,7 +66,7 @@ def retrieval_section(sweeps: Sequence[Any], img: Path) -> Section | None:
         claims.estimate(f"{s.label}: mean score over heads", bootstrap_mean(per_model[s.label]),
                         f"{s.label}'s mean score over heads is")
         claims.estimate(f"{s.label}: score of its best head, L{layer}.H{head}", bootstrap_mean(best),
-                        f"its best head, L{layer}.H{head}, scores")
+                        f"its best head, L{layer}.H{head} (picked as the largest mean, so optimistic), scores")
     if len({methods[m] for m in per_model}) == 1:
         claims.rank(per_model, "mean head score", "{a}'s heads copy more than {b}'s", "{a}'s and {b}'s heads copy alike")
     elif len(per_model) > 1:
@@ -131,8 +131,8 @@ def flow_section(sweeps: Sequence[Any], img: Path) -> Section | None:
         path = img / f"flow_{s.label}.png"
         figures.region_flow(flows, order, {n: order.index("gold doc") for n in flows}, path=path,
                             value_label="answer-row share / (region size / T)",
-                            title=f"{s.label}: answer-row rollout flow by gold position ({k} passages, "
-                                  f"{len(g)} of {len(per)} items; density-normalised)")
+                            title=f"{s.label}: answer-row flow by gold position\n(default mode: token rollout, "
+                                  f"density-normalised; {k} passages, {len(g)} of {len(per)} items)")
         images.append(path)
     claims.rank(ratios, "gold ratio (density)", "{a} prefers the gold passage more than {b}",
                 "{a} and {b} prefer the gold passage alike")
