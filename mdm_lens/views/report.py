@@ -76,6 +76,7 @@ pre code{background:none;padding:0}
 table.data{border-collapse:collapse;font-size:13px;font-variant-numeric:tabular-nums}
 table.data th,table.data td{border-bottom:1px solid var(--line);padding:4px 10px;text-align:right}
 table.data th{background:var(--bg2);text-align:center}
+table.data tbody th{white-space:nowrap}
 table.data tbody tr:nth-child(even){background:#fbfbfc}
 table.data td:first-child,table.data th:first-child{text-align:left}
 .tcap{color:var(--muted);font-size:13px;margin-bottom:2px}
@@ -233,7 +234,7 @@ def _html_item(item: Any) -> tuple[str, bool]:
 def _table_html(df: Any, caption: str = "", classes: str = "data") -> str:
     try:
         body = df.to_html(classes=classes, border=0, max_rows=300, max_cols=None, na_rep="–",
-                          float_format=lambda x: f"{x:.4g}")
+                          float_format=lambda x: f"{x + 0.0:.4g}")  # + 0.0: -0.0 prints as 0
     except TypeError:
         body = df.to_html(classes=classes, border=0)
     cap = f'<div class="tcap">{_inline(_html.escape(caption, quote=False))}</div>' if caption else ""
