@@ -64,19 +64,23 @@ def jaccard_defined(df: pd.DataFrame) -> pd.DataFrame:
     """Per item and layer, from the temporal table: ``jaccard_defined`` (the probe's mean Jaccard with the step
     pairs whose anchor sets are both empty removed, NaN when all are) and ``n_empty_pairs``. The probe scores
     such a pair 1, so mean_jaccard·P = Σ_defined J + E over P pairs, E of them empty: J_def = (mean·P − E)/(P − E)."""
-    steps = df[df.step.notna() & (df.metric == "n_anchors")].sort_values(["item_id", "layer", "step"])
-    mean = df[df.step.isna() & (df.metric == "mean_jaccard")].set_index(["item_id", "layer"])["value"]
-    rows = []
-    for (item, layer), g in steps.groupby(["item_id", "layer"], sort=False):
-        empty = g["value"].to_numpy() == 0
-        pairs = len(empty) - 1
-        n_empty = int((empty[1:] & empty[:-1]).sum())
-        m = float(mean.get((item, layer), np.nan))
-        jd = (m * pairs - n_empty) / (pairs - n_empty) if pairs > n_empty and np.isfinite(m) else np.nan
-        rows += [dict(item_id=item, layer=layer, step=pd.NA, metric="jaccard_defined", value=jd),
-                 dict(item_id=item, layer=layer, step=pd.NA, metric="n_empty_pairs",
-                      value=float(n_empty) if pairs > 0 else np.nan)]
-    return pd.DataFrame(rows, columns=["item_id", "layer", "step", "metric", "value"])
+    steps = df[df.step.notna() & (df.metric == "n_anchors")].sort_values(["item_id", "layer", "step"], kind="stable")
+    keys = ["item_id", "layer"]
+    empty = (steps["value"] == 0).astype(float)
+    both = empty * empty.groupby([steps[k] for k in keys], sort=False).shift(1).fillna(0.0)   # pair (s-1, s) ∅, ∅
+    g = both.groupby([steps[k] for k in keys], sort=False)
+    per = pd.DataFrame({"n_empty": g.sum(), "pairs": g.size() - 1})
+    mean = df[df.step.isna() & (df.metric == "mean_jaccard")].groupby(keys, sort=False)["value"].first()
+    per["mean"] = mean.reindex(per.index)
+    defined = per.pairs > per.n_empty
+    jd = ((per["mean"] * per.pairs - per.n_empty) / (per.pairs - per.n_empty).where(defined)).where(defined)
+    out = pd.concat([jd.rename("value").reset_index().assign(metric="jaccard_defined"),
+                     per.n_empty.where(per.pairs > 0).rename("value").reset_index().assign(metric="n_empty_pairs")])
+    out = out.assign(step=pd.NA)[["item_id", "layer", "step", "metric", "value"]]
+    # item by item, jaccard_defined then n_empty_pairs (the order the rows are listed in)
+    order = {k: i for i, k in enumerate(per.index)}
+    rank = [order[k] for k in zip(out.item_id, out.layer)]
+    return out.iloc[np.lexsort([out.metric.eq("n_empty_pairs").to_numpy(), rank])].reset_index(drop=True)
 
 
 def _temporal(df: pd.DataFrame) -> pd.DataFrame:
