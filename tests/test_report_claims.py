@@ -77,7 +77,7 @@ def _accuracy(gain: list[float]) -> pd.DataFrame:
     for i, (item, g) in enumerate(zip(ITEMS, gain)):
         with_ = 1.0 if g >= 0 else 0.0
         for cond, v in (("with_context", with_), ("no_context", with_ - g)):
-            rows.append(dict(item_id=item, condition=cond, gold_index=None, n_passages=3, metric="acc", value=v,
+            rows.append(dict(item_id=item, condition=cond, gold_index=i % 3, n_passages=3, metric="acc", value=v,
                              prediction="x"))
     return pd.DataFrame(rows)
 
@@ -111,7 +111,10 @@ def planted(tmp_path):
     _sweep(tmp_path / "sweeps" / "a-main", "org/model-a", {
         "accuracy": _accuracy(ones),                                          # the passages always help A
         "knockout": _knockout([-2.0, -2.5, -1.5, -2.0, -3.0, -2.0, -1.0, -2.0], [-0.5] * 8),
-        "qk": _qk({0: ([1.0] * 8, [2.0, 3.0] * 4), 1: ([1.0, 2.0] * 4, [2.0, 1.0] * 4)})})
+        "qk": _qk({0: ([1.0] * 8, [2.0, 3.0] * 4), 1: ([1.0, 2.0] * 4, [2.0, 1.0] * 4)}),
+        "retrieval": pd.DataFrame([dict(item_id=item, method="copy@commit", layer=0, head=h, metric="score",
+                                        value=(0.5 if h == 1 else 0.0) if i % 2 else np.nan, correct=bool(i % 2))
+                                   for i, item in enumerate(ITEMS) for h in (0, 1)])})
     _sweep(tmp_path / "sweeps" / "b-main", "org/model-b-arm", {
         "accuracy": _accuracy(alt),                                           # B: gain +1 / −1: a tie
         "qk": _qk({0: ([1.0] * 8, [1.0] * 8), 1: ([-1.0, 1.0] * 4, [0.0] * 8)})}, family="llama")
@@ -155,8 +158,8 @@ class _Page(HTMLParser):
             self.sections[-1][key] += data
 
 
-CLAIM = re.compile(r"([^;:]+?)(?: \(tie: the interval holds 0\))?: Δ = ([+-]\d+\.\d+)(?: [a-z]+)? \(95% CI "
-                   r"([+-]\d+\.\d+ to [+-]\d+\.\d+); n = (\d+(?: \+ \d+)?) items")
+CLAIM = re.compile(r"(?P<text>[^;]*?)(?P<delta>[+-]\d+\.\d+)(?: [a-z]+)? \(95% CI (?P<ci>[+-]\d+\.\d+ to "
+                   r"[+-]\d+\.\d+); n = (?P<n>\d+(?: \+ \d+)?) items")
 
 
 def _parse(index: Path) -> _Page:
@@ -173,18 +176,25 @@ def test_every_finding_sentence_matches_its_claims_table(planted, tmp_path):
     page = _parse(SR.report(planted, out=tmp_path / "r"))
     checked = 0
     for sec in page.sections:
+        if not sec["claims"]:
+            assert not sec["finding"], sec["title"]
+            continue
         head, rows = ["comparison"] + sec["claims"][0][1:], sec["claims"][1:]
-        found = CLAIM.findall(sec["finding"])
+        found = list(CLAIM.finditer(sec["finding"]))
         assert len(found) == sum(r[head.index("verdict")] != "undefined" for r in rows), sec["title"]
-        for (text, delta, ci, n), row in zip(found, rows):
+        for m, row in zip(found, rows):
             r = dict(zip(head, row))
-            assert (r["Δ"].split(" ")[0], r["95% CI"], r["n items"]) == (delta, ci, n), sec["title"]
-            tie = f"{text} (tie" in sec["finding"]
-            assert tie == (r["verdict"] == "tie")
-            lo, hi = (float(x) for x in ci.split(" to "))
-            assert r["verdict"] == ("positive" if lo > 0 else "negative" if hi < 0 else "tie")
+            assert (r["Δ"].split(" ")[0], r["95% CI"], r["n items"]) == (m["delta"], m["ci"], m["n"]), sec["title"]
+            assert ("(tie" in m["text"]) == (r["verdict"] == "tie")
+            assert ("Δ = " in m["text"]) == (r["verdict"] != "estimate")     # an estimate is no comparison
+            lo, hi = (float(x) for x in m["ci"].split(" to "))
+            if r["verdict"] != "estimate":
+                assert r["verdict"] == ("positive" if lo > 0 else "negative" if hi < 0 else "tie")
             checked += 1
-    assert checked >= 8
+    assert checked >= 10
+    ret = _by_title(page, "Retrieval")["finding"]          # 4 answered items; head 1 scores 0.5 on each
+    assert "its best head, L0.H1 (picked as the largest mean, so optimistic), scores +0.50 (95% CI +0.50 to " \
+           "+0.50; n = 4 items)" in ret
 
 
 def test_planted_win_tie_and_sign(planted, tmp_path):

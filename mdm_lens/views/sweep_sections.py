@@ -57,7 +57,7 @@ def retrieval_section(sweeps: Sequence[Any], img: Path) -> Section | None:
             continue
         path = img / f"retrieval_{s.label}.png"
         figures.retrieval_heatmap(grid.to_numpy(dtype=float), path=path, threshold=THRESHOLD,
-                                  title=f"{s.label} retrieval score per head ({method}, mean over {n_items} "
+                                  title=f"{s.label}: retrieval score per head\n({method}, mean over {n_items} "
                                         "correctly answered items)")
         images.append(path)
         per_model[s.label] = per_item(counted)                              # per item: mean over heads
