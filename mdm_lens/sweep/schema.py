@@ -27,7 +27,7 @@ README_START, README_END = "<!-- sweep-schema:start -->", "<!-- sweep-schema:end
 
 @dataclass(frozen=True)
 class Column:
-    dtype: str          # "string", "float64", "Int64" or "bool"
+    dtype: str          # "string", "float64", "Int64", "bool" or "boolean" (nullable)
     unit: str
     meaning: str
 
@@ -67,6 +67,13 @@ COLUMNS: dict[str, Column] = {
     "std": Column("float64", "see metric", "population std over items (ddof 0)"),
     "n": Column("Int64", "count", "items with a finite value in the group"),
     "n_excluded": Column("Int64", "count", "items of the group without a finite value (undefined, excluded)"),
+    # lens / cache probes
+    "answer_position": Column("Int64", "position", "lens: canvas position counted from the first generated token"),
+    "answer": Column("boolean", "", "lens: the position lies before the first stop token (the answer's own tokens)"),
+    "note": Column("string", "", "why `value` is NaN (empty otherwise)"),
+    "kv_cache": Column("string", "", "cache: the approximate KV cache compared with fresh forwards (prefix / dual)"),
+    "block": Column("Int64", "index", "cache: the denoising block of the step"),
+    "reason": Column("string", "", "why `value` is NaN (empty otherwise)"),
 }
 
 _KEY = ["item_id"]
@@ -88,6 +95,10 @@ TABLES: dict[str, tuple[str, list[str]]] = {
              _KEY + ["gold_index", "region", "kind", "metric", "value"]),
     "knockout": ("answer log-prob etc. with the anchors or as many random keys knocked out",
                  _KEY + ["metric", "condition", "step", "value", "label"]),
+    "lens": ("logit lens over the denoising steps: per (step, layer) accuracies, per answer position emergence",
+             _KEY + ["step", "layer", "answer_position", "answer", "metric", "value", "note"]),
+    "cache": ("what approximate KV caches change: per (step, layer) drift, per step log-probs, per item answer",
+              _KEY + ["kv_cache", "step", "block", "layer", "metric", "value", "reason"]),
 }
 SUMMARY_COLUMNS = ["mean", "std", "n", "n_excluded"]
 
@@ -141,6 +152,23 @@ METRICS: dict[str, dict[str, tuple[str, str]]] = {
                  "n_targets": ("count", "keys knocked out per (row, layer) at a step"),
                  "agreement": ("fraction", "generated tokens equal to the clean generation"),
                  "accuracy": ("fraction", "substring match with the gold answer")},
+    "lens": {"acc_masked": ("fraction", "still-masked positions whose lens top-1 is the final token"),
+             "acc_all": ("fraction", "the same over all canvas positions"),
+             "final_prob_masked": ("probability", "mean lens probability of the final token, masked positions"),
+             "n_masked": ("count", "masked canvas positions in the step's input"),
+             "emergence_step": ("index", "first step from which the layer's top-1 is the final token up to commit"),
+             "commit_step": ("index", "the step that committed the position"),
+             "lead": ("steps", "commit_step − emergence_step")},
+    "cache": {"k_drift": ("ratio", "‖stale − fresh‖ / ‖fresh‖ of the cached keys"),
+              "v_drift": ("ratio", "the same for the values"),
+              "k_cosine": ("cosine", "mean cosine of stale and fresh keys"),
+              "v_cosine": ("cosine", "the same for the values"),
+              "received_tv": ("share", "total-variation distance of the received attention, cached vs fresh"),
+              "anchor_jaccard": ("fraction", "Jaccard of the cached and fresh anchor sets (NaN: both empty)"),
+              "logprob_fresh": ("nats", "log-prob of the final tokens at the window's masked positions, fresh"),
+              "logprob_cached": ("nats", "the same, cached"), "logprob_delta": ("nats", "cached − fresh"),
+              "answer_changed": ("fraction", "generated positions whose token differs from the uncached decode"),
+              "forwards": ("count", "forwards of the cached run")},
 }
 
 
@@ -156,7 +184,7 @@ def table_columns(name: str) -> list[str]:
     cols = TABLES[base][1]
     if name.endswith("_summary"):
         keep = [c for c in cols if c not in ("item_id", "value", "prediction", "correct", "label", "token",
-                                             "token_str", "received", "anchor")]
+                                             "token_str", "received", "anchor", "note", "reason")]
         return (["group"] if base == "accuracy" else []) + keep + SUMMARY_COLUMNS
     return cols
 
@@ -168,6 +196,8 @@ def _cast(s: pd.Series, dtype: str) -> pd.Series:
         return s.astype("Int64")
     if dtype == "bool":
         return s.astype(bool)
+    if dtype == "boolean":
+        return s.astype("boolean")
     return pd.to_numeric(s, errors="raise").astype("float64")
 
 
@@ -204,7 +234,7 @@ def check(tables: Mapping[str, pd.DataFrame]) -> list[str]:
     return bad
 
 
-SUMMARIZED = [t for t in TABLES if t != "temporal_keys"]     # the tables that get a {name}_summary
+SUMMARIZED = [t for t in TABLES if t not in ("temporal_keys", "lens", "cache")]   # those with a {name}_summary
 
 
 def as_dict(names: Any = None) -> dict[str, Any]:
