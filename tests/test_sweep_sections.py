@@ -30,21 +30,39 @@ def _knockout_table() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def test_knockout_section_plots_the_answer_logprob_drop(tmp_path, monkeypatch):
+def test_knockout_section_plots_the_effect_with_the_tables_sign(tmp_path, monkeypatch):
     drawn = {}
     monkeypatch.setattr(SS.figures, "knockout_effect",
                         lambda labels, a, r, ae, re, **kw: drawn.update(labels=labels, a=a, r=r, ae=ae, re=re, **kw))
     sweep = SimpleNamespace(label="tiny-mdm", table=lambda name: _knockout_table() if name == "knockout" else None)
     sec = SS.knockout_section([sweep], tmp_path)
-    # drops clean − knockout: anchors (3, 1) → mean 2, std 1; random (0.5, 0.5) → 0.5, 0
-    assert drawn["a"] == [2.0] and drawn["r"] == [0.5] and drawn["ae"] == [1.0] and drawn["re"] == [0.0]
-    assert "log-prob" in drawn["ylabel"]
+    # effect = knockout − clean (knockout.parquet's sign): anchors (−3, −1) → mean −2, resampled means −3/−2/−1
+    # → 95% CI [−3, −1]; random (−0.5, −0.5) → −0.5, CI [−0.5, −0.5]
+    assert drawn["a"].tolist() == [-2.0] and drawn["r"].tolist() == [-0.5]
+    assert drawn["ae"].tolist() == [[1.0], [1.0]] and drawn["re"].tolist() == [[0.0], [0.0]]
+    assert "knockout − clean" in drawn["ylabel"]
     t = sec.table.set_index("condition")
-    assert t.loc["clean", "answer log-prob"] == -1.5 and t.loc["anchors", "answer log-prob"] == -3.5
+    assert t.loc["anchors", "effect (knockout − clean, nats)"] == -2.0 and t.loc["clean", "answer log-prob"] == -1.5
     assert t.loc["anchors", "teacher-forced answer log-prob"] == -1.75
     assert t.loc["anchors", "exact match"] == 0.0 and t.loc["random", "exact match"] == 1.0
     assert t.loc["anchors", "keys knocked per row"] == 3.0 and t.loc["clean", "items"] == 2
-    assert "by 2.00 nats vs 0.50" in sec.finding and "1.00 clean, 0.00 anchors, 1.00 random" in sec.finding
+    assert ("knocking out tiny-mdm's anchors lowers the gold answer's log-prob: Δ = -2.00 nats (95% CI -3.00 to "
+            "-1.00; n = 2 items)") in sec.finding
+    assert ("tiny-mdm's anchor knockout leaves the gold answer's log-prob lower than a random-key knockout does: "
+            "Δ = -1.50 nats (95% CI -2.50 to -0.50; n = 2 items)") in sec.finding
+    assert sec.claims.verdict.tolist() == ["negative", "negative"]
+
+
+def test_knockout_section_reads_the_effect_rows_when_present(tmp_path, monkeypatch):
+    monkeypatch.setattr(SS.figures, "knockout_effect", lambda *a, **kw: None)
+    t = _knockout_table()
+    eff = t[t.metric == "answer_logprob"].copy()
+    eff["metric"] = "effect"
+    eff["value"] = [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]          # planted: the knockouts *raise* it, unlike answer_logprob
+    t = pd.concat([t, eff], ignore_index=True)
+    sec = SS.knockout_section([SimpleNamespace(label="m", table=lambda name: t)], tmp_path)
+    assert "knocking out m's anchors raises the gold answer's log-prob: Δ = +1.00 nats" in sec.finding
+    assert "m's anchor and random-key knockouts leave it alike (tie" in sec.finding
 
 
 def test_knockout_section_names_models_with_nothing_knocked(tmp_path, monkeypatch):

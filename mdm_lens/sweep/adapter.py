@@ -18,7 +18,6 @@ alone): retrieval, knockout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -32,6 +31,7 @@ from mdm_lens.probes import flow as F
 from mdm_lens.probes import patching, retrieval
 from mdm_lens.probes import run as R
 from mdm_lens.sweep import cache_tables, lens_tables, shared as SH
+from mdm_lens.sweep.batch import Batch, Settings  # noqa: F401  (re-exported: adapter.Batch / adapter.Settings)
 from mdm_lens.sweep.tables import (DRIFT_METRICS, KEY_COLUMNS, PATTERN_BUDGET_BYTES, STEP_METRICS,  # noqa: F401
                                    _anchor_mass, frame, temporal)
 from mdm_lens.sweep.templates import Rendered
@@ -43,28 +43,6 @@ __all__ = ["PROBES", "NEEDS_QA", "Batch", "Settings", "make_batch", "sub_batches
 PROBES = ("accuracy", "absorption", "temporal", "qk", "retrieval", "flow", "knockout", "lens", "cache")
 NEEDS_QA = {"accuracy": "answers", "retrieval": "a question with passages and answers",
             "flow": "a question with passages"}
-
-
-@dataclass(frozen=True)
-class Settings:
-    gen_length: int
-    steps: int
-    block_length: int | None
-    keep_keys: int = 1          # items (by data order) whose per-key temporal rows are kept (for heatmaps)
-    n_random: int = 2           # knockout random-control draws
-    exact: bool = True          # never pad: prompts of other lengths run as separate sampler calls
-
-
-@dataclass
-class Batch:
-    rendered: list[Rendered]
-    nocontext: list[Rendered] | None
-    ids: Tensor                 # [batch, pos] left-padded
-    attention_mask: Tensor
-    offsets: list[int]          # left pads per row
-    item_ids: list[str]
-    seeds: list[int]
-    order: list[int]            # data-order index of each item
 
 
 def _pad(model: Any, rows: list[list[int]]) -> tuple[Tensor, Tensor, list[int]]:

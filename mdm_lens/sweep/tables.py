@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -14,9 +14,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens.probes import run as R
-
-if TYPE_CHECKING:
-    from mdm_lens.sweep.adapter import Batch, Settings
+from mdm_lens.sweep.batch import Batch, Settings
 
 __all__ = ["frame", "temporal", "PATTERN_BUDGET_BYTES", "DRIFT_METRICS", "STEP_METRICS", "KEY_COLUMNS"]
 

@@ -28,7 +28,7 @@ def retrieval_heatmap(scores: Any, title: str = "Retrieval score per head", thre
         raise ValueError(f"scores must be [layer, head], got {s.shape}.")
     L, H = s.shape
     cell = float(np.clip(7.0 / max(L, H), 0.14, 0.42))
-    fig = _new((H * cell + 3.2, L * cell + 1.3))
+    fig = _new((max(H * cell + 3.2, 5.0), max(L * cell + 1.3, 2.6)))   # small maps collapsed the layout
     # the side strip at ~1/4 of the map (at least 1.6 head-widths): a fixed 4 made it as wide as a 4-head map
     gs = fig.add_gridspec(1, 2, width_ratios=(H, max(1.6, H * 0.25)), wspace=0.08)
     ax = fig.add_subplot(gs[0])

@@ -32,7 +32,9 @@ class Section:
     """One report section. `text` is markdown-lite (see `markdown_lite`); text that starts with an HTML
     tag is inserted as it is. Each entry of `images` is a path or a `(path, caption)` pair. Each entry of
     `html` is an HTML string or a circuitsvis view. `table` is an optional DataFrame.
-    `finding` closes the section: one sentence, computed from the numbers, of what was measured and shows."""
+    `finding` closes the section: one sentence, computed from the numbers, of what was measured and shows.
+    `claims` (a DataFrame: one row per comparison, the numbers the finding quotes) is shown above it and
+    `absent` (one line per model left out of the section, with the reason) below the text."""
 
     title: str
     text: str = ""
@@ -41,6 +43,8 @@ class Section:
     table: Any = None  # pandas.DataFrame | None
     table_caption: str = ""
     finding: str = ""  # one sentence computed from the numbers: what was measured and what it shows
+    claims: Any = None  # pandas.DataFrame | None: the comparisons the finding states (Δ, interval, n, verdict)
+    absent: Sequence[str] = field(default_factory=list)  # "model: why it is not in this section"
 
 
 _CSS = """
@@ -72,9 +76,11 @@ pre code{background:none;padding:0}
 table.data{border-collapse:collapse;font-size:13px;font-variant-numeric:tabular-nums}
 table.data th,table.data td{border-bottom:1px solid var(--line);padding:4px 10px;text-align:right}
 table.data th{background:var(--bg2);text-align:center}
+table.data tbody th{white-space:nowrap}
 table.data tbody tr:nth-child(even){background:#fbfbfc}
 table.data td:first-child,table.data th:first-child{text-align:left}
 .tcap{color:var(--muted);font-size:13px;margin-bottom:2px}
+.absent{color:var(--muted);font-size:13px}
 .finding{border-left:3px solid var(--accent);background:var(--bg2);padding:6px 12px;margin:12px 0}
 .view{border:1px solid var(--line);border-radius:6px;padding:6px 10px;margin:14px 0;overflow-x:auto}
 iframe.view{width:100%;height:480px;padding:0}
@@ -225,12 +231,12 @@ def _html_item(item: Any) -> tuple[str, bool]:
     return f'<div class="view">{stripped}</div>', bool(n) or "CircuitsVis.render(" in stripped
 
 
-def _table_html(df: Any, caption: str = "") -> str:
+def _table_html(df: Any, caption: str = "", classes: str = "data") -> str:
     try:
-        body = df.to_html(classes="data", border=0, max_rows=300, max_cols=None, na_rep="–",
-                          float_format=lambda x: f"{x:.4g}")
+        body = df.to_html(classes=classes, border=0, max_rows=300, max_cols=None, na_rep="–",
+                          float_format=lambda x: f"{x + 0.0:.4g}")  # + 0.0: -0.0 prints as 0
     except TypeError:
-        body = df.to_html(classes="data", border=0)
+        body = df.to_html(classes=classes, border=0)
     cap = f'<div class="tcap">{_inline(_html.escape(caption, quote=False))}</div>' if caption else ""
     return f'<div class="tablewrap">{cap}{body}</div>'
 
@@ -262,6 +268,9 @@ def write_report(folder: str | Path, title: str, sections: Sequence[Section], me
         parts = [f'<section id="{sid}"><h2>{n}. {_html.escape(sec.title)}</h2>']
         if sec.text:
             parts.append(markdown_lite(sec.text))
+        if sec.absent:
+            parts.append('<p class="absent"><b>Not in this section:</b> '
+                         + "; ".join(_inline(_html.escape(a, quote=False)) for a in sec.absent) + ".</p>")
         for img in sec.images:
             path, cap = (img if isinstance(img, (tuple, list)) else (img, ""))
             rel = _place_image(Path(path), folder, images_dir, n, used)
@@ -279,6 +288,10 @@ def write_report(folder: str | Path, title: str, sections: Sequence[Section], me
             parts.append(frag)
         if sec.table is not None:
             parts.append(_table_html(sec.table, sec.table_caption))
+        if sec.claims is not None:
+            parts.append(_table_html(sec.claims.set_index(sec.claims.columns[0]), "comparisons: Δ = mean over items, 95% percentile-bootstrap "
+                                                 "interval resampling items (seeded); a claim needs the interval "
+                                                 "off 0, otherwise it is a tie", classes="data claims"))
         if sec.finding:
             parts.append(f'<p class="finding"><b>Finding.</b> {_inline(_html.escape(sec.finding, quote=False))}</p>')
         parts.append("</section>")

@@ -1,28 +1,48 @@
-"""`mdm-lens report DIR`: the HTML report of one or more sweep folders (figures, tables, one computed finding
-per section). DIR is a sweep folder (it has ``manifest.json``) or a folder whose subfolders are sweeps; several
-sweeps (e.g. an MDM and its ARM twin) are drawn side by side. The demo is a sweep plus this report."""
+"""`mdm-lens report DIR`: the HTML report of one or more sweep folders (figures, tables, and per section the
+comparisons the numbers support). DIR is a sweep folder (it has ``manifest.json``) or a folder whose
+subfolders are sweeps; several sweeps (e.g. an MDM and its ARM twin) are drawn side by side. The demo is a
+sweep plus this report.
+
+What the report promises: every comparison carries n and a 95% bootstrap interval over items, and a claim
+("X helps most", "the angle term carries the advantage") appears only when its interval lies off 0 with the
+stated sign, else the sentence says tie (:mod:`mdm_lens.views.stats`); every model is in every section or the
+section says why it is not; the folders it left out are listed with the reason.
+
+Sections come from a registry, in order: :func:`register_section` adds one (e.g. from another module)::
+
+    register_section("lens", my_section, tables=("lens",), after="qk")
+
+A section maker takes ``(sweeps, img)`` (the sweeps that have its tables and are not skipped, and the figure
+folder) and returns a :class:`~mdm_lens.views.report.Section` or None.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-import numpy as np
 import pandas as pd
 
-from mdm_lens.views import figures
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentError, InputError
+from mdm_lens.sweep import schema
+from mdm_lens.views import sweep_layers, sweep_sections
+from mdm_lens.views.fig_lens import lens_section
 from mdm_lens.views.report import Section, write_report
 
-__all__ = ["report", "load_sweeps", "Sweep", "sections"]
+__all__ = ["report", "load_sweeps", "find_sweeps", "Sweep", "sections", "SectionSpec", "SECTIONS",
+           "register_section"]
 
 
 class Sweep:
     """The sweep folder(s) of one model: manifests and lazily read tables (the first folder holding a table
-    provides it, so e.g. a knockout sweep on fewer items can sit beside the main one)."""
+    provides it, so e.g. a knockout sweep on fewer items can sit beside the main one). Tables are read with
+    the dtypes of :mod:`mdm_lens.sweep.schema` (columns it does not know are kept as they are)."""
 
     def __init__(self, roots: Sequence[Path]):
-        self.roots = list(roots)
+        self.roots = [Path(r) for r in roots]
         self.manifests = [json.loads((r / "manifest.json").read_text()) for r in self.roots]
         self.manifest = self.manifests[0]
         self.model = self.manifest["model"]["id"]
@@ -33,191 +53,172 @@ class Sweep:
     def table(self, name: str) -> pd.DataFrame | None:
         if name not in self._cache:
             found = [r / f"{name}.parquet" for r in self.roots if (r / f"{name}.parquet").exists()]
-            self._cache[name] = pd.read_parquet(found[0]) if found else None
+            self._cache[name] = _read(name, found[0]) if found else None
         return self._cache[name]
 
     @property
     def n_items(self) -> int:
         return max(int(m["items_done"]) for m in self.manifests)
 
+    @property
+    def probes(self) -> list[str]:
+        return list(dict.fromkeys(p for m in self.manifests for p in m.get("arguments", {}).get("probes", [])))
 
-def load_sweeps(folder: str | Path) -> list[Sweep]:
-    """The sweeps in ``folder`` (itself, or its subfolders), grouped by model id in first-seen order."""
+
+def _read(name: str, path: Path) -> pd.DataFrame:
+    df = pd.read_parquet(path)
+    try:
+        known = schema.table_columns(name)
+    except ArgumentError:            # a table this version does not describe: as it is
+        return df
+    cols = [c for c in df.columns if c in known]
+    try:
+        return df if not cols else df.assign(**schema.conform(name, df[cols]))
+    except (TypeError, ValueError):  # e.g. a fractional value in an index column of an older table: as it is
+        return df
+
+
+def _why_not_a_sweep(p: Path) -> str | None:
+    """Why folder ``p`` is left out, or None when it is a finished sweep."""
+    man = p / "manifest.json"
+    if not man.exists():
+        return ("unfinished: sweep.json but no manifest.json (the merge never ran; rerun the sweep to resume it)"
+                if (p / "sweep.json").exists() else None)
+    try:
+        m = json.loads(man.read_text())
+        m["model"]["id"]
+        done = int(m["items_done"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"manifest.json unreadable ({type(e).__name__}: {e})"
+    return "no items done (0 in manifest.json)" if done == 0 else None
+
+
+def find_sweeps(folder: str | Path, exclude: Sequence[Path] = ()) -> tuple[list[Sweep], list[tuple[str, str]]]:
+    """The sweeps in ``folder`` (itself, or its subfolders), grouped by model id in first-seen order, and the
+    subfolders left out with the reason: (name, why). Subfolders with neither ``sweep.json`` nor
+    ``manifest.json`` (a report, figures) are not sweeps and are not listed."""
     folder = Path(folder)
     if (folder / "manifest.json").exists():
-        return [Sweep([folder])]
-    roots = [p for p in sorted(folder.iterdir()) if (p / "manifest.json").exists()] if folder.is_dir() else []
+        why = _why_not_a_sweep(folder)
+        if why:
+            raise InputError(f"{folder} is not a usable sweep: {why}.", argument="folder", value=str(folder))
+        return [Sweep([folder])], []
+    skip = {Path(e).resolve() for e in exclude}
+    subs = [p for p in sorted(folder.iterdir()) if p.is_dir() and p.resolve() not in skip] if folder.is_dir() else []
+    roots, left = [], []
+    for p in subs:
+        why = _why_not_a_sweep(p)
+        if why:
+            left.append((p.name, why))
+        elif (p / "manifest.json").exists():
+            roots.append(p)
     if not roots:
-        from mdm_lens.errors import InputError
-
-        raise InputError(f"{folder} is not a sweep folder (no manifest.json) and has no sweep subfolders; run "
-                         "`mdm-lens sweep ... --out DIR` first.")
+        detail = "; ".join(f"{n}: {w}" for n, w in left)
+        raise InputError(f"{folder} is not a sweep folder (no manifest.json) and has no finished sweep subfolders"
+                         + (f" (left out: {detail})" if detail else "") + "; run `mdm-lens sweep ... --out DIR` "
+                         "first.", argument="folder", value=str(folder))
     groups: dict[str, list[Path]] = {}
     for r in roots:
         groups.setdefault(json.loads((r / "manifest.json").read_text())["model"]["id"], []).append(r)
-    return [Sweep(rs) for rs in groups.values()]
+    return [Sweep(rs) for rs in groups.values()], left
 
 
-def _pct(x: float) -> str:
-    return "n/a" if x is None or not np.isfinite(x) else f"{100 * x:.0f}%"
+def load_sweeps(folder: str | Path) -> list[Sweep]:
+    """The sweeps in ``folder`` (see :func:`find_sweeps`), without the list of left-out folders."""
+    return find_sweeps(folder)[0]
 
 
-# --- sections ---------------------------------------------------------------------------------------
+# --- the section registry --------------------------------------------------------------------------
 
-def accuracy_section(sweeps: Sequence[Sweep], img: Path) -> Section | None:
-    have = [(s, s.table("accuracy_summary")) for s in sweeps if s.table("accuracy_summary") is not None]
+@dataclass(frozen=True)
+class SectionSpec:
+    """A report section: ``make(sweeps, img)``; ``tables``: a sweep is in it when it has any of them;
+    ``skip(sweep)``: a reason to leave a sweep out although it has the table (None: keep it)."""
+
+    key: str
+    make: Callable[[Sequence[Sweep], Path], Section | None]
+    tables: tuple[str, ...]
+    skip: Callable[[Sweep], str | None] | None = None
+    title: str = ""             # shown when every sweep with the table is skipped (the section then says why)
+
+
+SECTIONS: list[SectionSpec] = []
+
+
+def register_section(key: str, make: Callable[[Sequence[Any], Path], Section | None], tables: Sequence[str],
+                     skip: Callable[[Any], str | None] | None = None, after: str | None = None,
+                     title: str | None = None) -> SectionSpec:
+    """Add (or replace, by ``key``) a section; ``after``: the key it follows (default: last); ``title``: the
+    section's title when every sweep that has its tables is skipped (default: the key)."""
+    if not isinstance(key, str) or not key:
+        raise ArgumentError(f"key={key!r} is not a section name: expected a non-empty str.", argument="key",
+                            value=key, allowed="a non-empty str")
+    if not callable(make):
+        raise ArgumentError(f"make={make!r} is not callable: expected f(sweeps, img) -> Section | None.",
+                            argument="make", value=make, allowed="a callable")
+    spec = SectionSpec(key, make, tuple(validate.instances(tables, str, name="tables", allow_single=True)), skip,
+                       title or key)
+    keys = [s.key for s in SECTIONS]
+    if key in keys:
+        SECTIONS[keys.index(key)] = spec
+        return spec
+    if after is not None:
+        validate.choice(after, keys, name="after")
+        SECTIONS.insert(keys.index(after) + 1, spec)
+    else:
+        SECTIONS.append(spec)
+    return spec
+
+
+def _absent(spec: SectionSpec, s: Sweep) -> str | None:
+    """Why sweep ``s`` is not in section ``spec``, or None."""
+    have = [t for t in spec.tables if s.table(t) is not None]
     if not have:
-        return None
-    rows, series, finds, positions = [], {}, [], None
-    for s, t in have:
-        ov = t[(t.group == "overall") & (t.metric == "acc")].set_index("condition")
-        w, c = float(ov.loc["with_context", "mean"]), float(ov.loc["no_context", "mean"])
-        rows.append({"model": s.label, "with context (%)": 100 * w, "no context (%)": 100 * c,
-                     "gain (points)": 100 * (w - c), "items": int(ov.loc["with_context", "n"])})
-        finds.append(f"{s.label} {_pct(w)} with context vs {_pct(c)} without (gain {100 * (w - c):+.0f} points)")
-        pos = t[(t.group == "by_gold_position") & (t.metric == "acc")].sort_values("gold_index")
-        positions = pos["gold_index"].astype(int).tolist() if positions is None else positions
-        series[f"{s.label} (with context)"] = pos.set_index("gold_index")["mean"].reindex(positions).to_numpy() * 100
-    path = img / "accuracy_by_gold_position.png"
-    figures.accuracy_curves([p + 1 for p in positions], series, xlabel="position of the gold passage (1 = first)",
-                            ylabel="accuracy (% of items, answer contained)", title="Accuracy by gold position",
-                            path=path)
-    best = max(rows, key=lambda r: r["gain (points)"])
-    text = ("Accuracy = the normalised gold answer is a substring of the generated answer (the paper's lenient Acc; "
-            "`em` and `f1` are in the table files), with the passages and with the closed-book variant of the same "
-            "prompt. The figure splits the with-context accuracy by where the gold passage sits.")
-    finding = ("Measured: " + "; ".join(finds) + f". The passages help {best['model']} most "
-               f"({best['gain (points)']:+.0f} points).")
-    return Section("QA accuracy with and without context", text, [path],
-                   table=pd.DataFrame(rows).set_index("model").round(1), table_caption="accuracy", finding=finding)
-
-
-def _variant(s: Sweep) -> str:
-    return "pos0" if s.causal else "top1"
-
-
-def absorption_section(sweeps: Sequence[Sweep], img: Path) -> Section | None:
-    have = [s for s in sweeps if s.table("absorption_summary") is not None]
-    if not have:
-        return None
-    curves, nulls, paper, rows, finds = {}, {}, {}, [], []
-    for s in have:
-        t = s.table("absorption_summary")
-        v = _variant(s)
-        d = t[(t["mode"] == "default") & (t.variant == v)]
-        val = d[d.metric == "absorption"].sort_values("layer")
-        nul = d[d.metric == "null"].sort_values("layer")
-        key = f"{s.label} ({v})"
-        curves[key] = (val["mean"].to_numpy(), val["std"].to_numpy())
-        nulls[key] = nul["mean"].to_numpy()
-        p = t[(t["mode"] == "paper") & (t.metric == "absorption")].sort_values("layer")
-        paper[f"{s.label} (paper)"] = (p["mean"].to_numpy(), p["std"].to_numpy())
-        for (_, a), (_, n) in zip(val.iterrows(), nul.iterrows()):
-            rows.append({"model": s.label, "variant": v, "layer": int(a.layer), "absorption (%)": a["mean"],
-                         "std": a["std"], "uniform null (%)": n["mean"], "items": int(a.n)})
-        finds.append(f"{s.label} {val['mean'].mean():.1f}% ({v}; uniform null {nul['mean'].mean():.1f}%)")
-    p1, p2 = img / "absorption.png", img / "absorption_paper.png"
-    figures.absorption_by_layer(curves, nulls, title="Absorption by layer (default mode), with uniform nulls",
-                                path=p1)
-    figures.absorption_by_layer(paper, None, title="Absorption by layer, paper mode", path=p2)
-    excess = {s.label: float(np.mean(curves[f"{s.label} ({_variant(s)})"][0] - nulls[f"{s.label} ({_variant(s)})"]))
-              for s in have}
-    top = max(excess, key=excess.get)
-    text = ("Absorb = share (%) of head-mean attention received by the anchor set, on the clean final sequence "
-            "(prompt + generated answer), mean ± std over items. ARMs: column 0 (pos0); MDMs: the top-1 received "
-            "key (top1); dashed = the same statistic under uniform attention with the same visibility.")
-    finding = (f"Measured, mean over layers: {'; '.join(finds)}. {top} absorbs the most above its null "
-               f"({excess[top]:+.1f} points).")
-    return Section("Absorption by layer", text, [p1, p2], table=pd.DataFrame(rows).round(2),
-                   table_caption="per layer, over items", finding=finding)
-
-
-def temporal_section(sweeps: Sequence[Sweep], img: Path) -> Section | None:
-    have = [s for s in sweeps if s.table("temporal") is not None and not s.causal]
-    if not have:
-        return None
-    images, rows, finds = [], [], []
-    for s in have:
-        t, keys = s.table("temporal"), s.table("temporal_keys")
-        drift = t[t.step.isna()]
-        jac = drift[drift.metric == "mean_jaccard"].groupby("layer")["value"].mean()
-        nd = drift[drift.metric == "n_distinct"].groupby("layer")["value"].mean()
-        ch = drift[drift.metric == "top1_change_rate"].groupby("layer")["value"].mean()
-        for layer in jac.index:
-            rows.append({"model": s.label, "layer": int(layer), "mean Jaccard of S_s, S_s+1": jac[layer],
-                         "distinct anchors": nd[layer], "top-1 change rate": ch[layer]})
-        finds.append(f"{s.label}: anchor sets overlap {jac.iloc[0]:.2f} (Jaccard) between steps at layer "
-                     f"{int(jac.index[0])} and {jac.iloc[-1]:.2f} at layer {int(jac.index[-1])}")
-        if keys is None or not len(keys):
-            continue
-        first = keys[keys.item_id == keys.item_id.iloc[0]]
-        for layer in (int(first.layer.min()), int(first.layer.max())):
-            k = first[first.layer == layer]
-            rec = k.pivot(index="step", columns="key", values="received").to_numpy()
-            anc = k.pivot(index="step", columns="key", values="anchor").to_numpy().astype(bool)
-            one = k[k.step == k.step.min()].sort_values("key")
-            path = img / f"temporal_{s.label}_layer{layer}.png"
-            figures.temporal_heatmap(rec, anc, one.token_str.tolist(), path=path,
-                                     title=f"{s.label} layer {layer}: received attention per denoising step "
-                                           f"(item {first.item_id.iloc[0]})",
-                                     committed_step=one.commit_step.to_numpy(),
-                                     prompt_length=int(one.prompt_length.iloc[0]))
-            images.append(path)
-    text = ("Per denoising step, the head-mean attention each key receives from the non-pad queries, and its anchor "
-            "set S_s (leave-one-out z-score rule). Heatmaps: the first item (shade = received attention, hatched = "
-            "anchors, dots = the step that committed each canvas position). Table: drift over items.")
-    return Section("Temporal floating", text, images, table=pd.DataFrame(rows).round(3),
-                   table_caption="drift statistics, mean over items", finding="Measured: " + "; ".join(finds) + ".")
-
-
-def qk_section(sweeps: Sequence[Sweep], img: Path) -> Section | None:
-    have = [s for s in sweeps if s.table("qk_summary") is not None]
-    if not have:
-        return None
-    images, finds = [], []
-    rows = []
-    for s in have:
-        t = s.table("qk_summary")
-        for layer in (int(t.layer.min()), int(t.layer.max())):
-            d = t[t.layer == layer].pivot(index="head", columns="metric", values="mean")
-            path = img / f"qk_{s.label}_layer{layer}.png"
-            figures.qk_decomposition_bars(d["norm_term"].to_numpy(), d["angle_term"].to_numpy(),
-                                          [f"h{h}" for h in d.index], path=path,
-                                          title=f"{s.label} layer {layer}: anchor's QK advantage = norm + angle")
-            images.append(path)
-            share = float(d["angle_term"].sum() / d["advantage"].sum()) if d["advantage"].sum() else float("nan")
-            rows.append({"model": s.label, "layer": layer, "N (norm term)": d["norm_term"].mean(),
-                         "G (angle term)": d["angle_term"].mean(), "Δ": d["advantage"].mean(), "G/Δ": share})
-            finds.append(f"{s.label} layer {layer}: G/Δ = {share:.2f}")
-    text = ("For the top-1 received key j* per item, the mean QK logit advantage over the other visible keys, split "
-            "exactly into a key-norm term N and an angle term G (post-RoPE, per head), mean over items.")
-    angle = [r for r in rows if np.isfinite(r["G/Δ"]) and r["G/Δ"] >= 0.5]
-    finding = (f"Measured: {'; '.join(finds)}. The angle term carries most of the advantage in {len(angle)} of "
-               f"{len(rows)} (model, layer) cases.")
-    return Section("QK decomposition", text, images, table=pd.DataFrame(rows).round(3), finding=finding)
-
-
-from mdm_lens.views.sweep_sections import flow_section, knockout_section, retrieval_section  # noqa: E402
-from mdm_lens.views.fig_lens import lens_section  # noqa: E402
+        return (f"{s.label}: no {' / '.join(spec.tables)} table in its sweep folder(s) (probes run: "
+                f"{', '.join(s.probes) or 'none recorded'})")
+    if all(not len(s.table(t)) for t in have):
+        return f"{s.label}: its {' / '.join(have)} table has no rows"
+    why = spec.skip(s) if spec.skip is not None else None
+    return f"{s.label}: {why}" if why else None
 
 
 def sections(sweeps: Sequence[Sweep], img: Path) -> list[Section]:
-    makers = (accuracy_section, absorption_section, temporal_section, qk_section, retrieval_section, flow_section,
-              knockout_section, lens_section)
-    return [sec for make in makers if (sec := make(sweeps, img)) is not None]
+    """The registered sections that have at least one sweep, each saying which models it leaves out and why."""
+    out = []
+    for spec in SECTIONS:
+        why = {s.label: _absent(spec, s) for s in sweeps}
+        present = [s for s in sweeps if why[s.label] is None]
+        if not present:
+            if spec.skip is not None and any(any(s.table(t) is not None for t in spec.tables) for s in sweeps):
+                out.append(Section(spec.title, absent=[w for w in why.values() if w]))   # skipped, say why
+            continue
+        sec = spec.make(present, img)
+        if sec is not None:
+            out.append(replace(sec, absent=list(sec.absent) + [w for w in why.values() if w]))
+    return out
+
+
+def _canvas(sweeps: Sequence[Sweep]) -> str:
+    per = {s.label: f"gen_length {s.manifest['arguments'].get('gen_length')}, steps "
+                    f"{s.manifest['arguments'].get('steps')}" for s in sweeps}
+    return next(iter(per.values())) if len(set(per.values())) == 1 else "; ".join(f"{k}: {v}" for k, v in per.items())
 
 
 def report(folder: str | Path, out: str | Path | None = None, title: str | None = None,
            extra: Sequence[Section] = (), meta: dict[str, Any] | None = None) -> Path:
     """Write ``out/index.html`` (default ``folder/report``) from the sweep(s) in ``folder``; returns its path."""
-    sweeps = load_sweeps(folder)
     out = Path(out) if out is not None else Path(folder) / "report"
+    sweeps, left = find_sweeps(folder, exclude=[out])
     img = out / "figures"
     img.mkdir(parents=True, exist_ok=True)
     secs = sections(sweeps, img) + list(extra)
     info = {"sweeps": ", ".join(f"{s.label} ({s.n_items} items)" for s in sweeps),
-            "probes": ", ".join(dict.fromkeys(p for s in sweeps for m in s.manifests for p in m["arguments"]["probes"])),
-            "canvas": f"gen_length {sweeps[0].manifest['arguments']['gen_length']}, steps "
-                      f"{sweeps[0].manifest['arguments']['steps']}",
-            **(meta or {})}
+            "left out": "; ".join(f"{n}: {w}" for n, w in left) if left else "none",
+            "probes": ", ".join(dict.fromkeys(p for s in sweeps for p in s.probes)),
+            "canvas": _canvas(sweeps), **(meta or {})}
     return write_report(out, title or "mdm_lens sweep report: " + " vs ".join(s.label for s in sweeps), secs, info)
+
+
+for _spec in sweep_layers.BUILTIN + sweep_sections.BUILTIN:      # accuracy … knockout, in this order
+    register_section(**_spec)
+register_section("lens", lens_section, tables=("lens",), title="Logit lens over denoising steps")
