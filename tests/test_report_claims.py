@@ -326,7 +326,8 @@ def test_conform_refuses_undeclared_columns_and_write_puts_the_schema_beside(tmp
 @pytest.fixture(scope="module")
 def nogold_sweep(tmp_path_factory):
     """A real sweep (tiny random MDM; every probe but knockout, the slow one, whose columns the planted test
-    checks) on KILT-like items that name no gold passage."""
+    checks, and retrieval, which refuses items without a gold passage: tests/test_sweep_data.py) on KILT-like
+    items that name no gold passage."""
     import torch
 
     from mdm_lens import HookedMDM, MDMConfig, sweep
@@ -344,7 +345,7 @@ def nogold_sweep(tmp_path_factory):
                                         "passages": [{"segment": f"the city of {c} lies in palundra ."},
                                                      {"segment": "varek owns a pet otter ."}]}) + "\n"
                             for i, c in enumerate(("ketterby", "wistmere"))))
-    tables = sweep.run(model, data, "accuracy,absorption,temporal,qk,retrieval,flow", root / "s" / "m",
+    tables = sweep.run(model, data, "accuracy,absorption,temporal,qk,flow", root / "s" / "m",
                        batch_size=2, progress=False)
     return root, tables
 
@@ -401,10 +402,10 @@ def test_a_registered_section_follows_its_anchor_and_names_absent_models(planted
     from mdm_lens.views.report import Section
 
     seen = []
-    SR.register_section("lens", lambda sweeps, img: seen.append([s.label for s in sweeps]) or Section("Lens", "x"),
+    SR.register_section("extra", lambda sweeps, img: seen.append([s.label for s in sweeps]) or Section("Lens", "x"),
                         tables="qk", skip=lambda s: "not a lens model" if s.causal else None, after="qk")
     keys = [s.key for s in SR.SECTIONS]
-    assert keys.index("lens") == keys.index("qk") + 1
+    assert keys.index("extra") == keys.index("qk") + 1
     page = _parse(SR.report(planted, out=tmp_path / "r"))
     assert seen == [["model-a"]]
     assert _by_title(page, "Lens")["absent"] == "Not in this section: model-b-arm: not a lens model."

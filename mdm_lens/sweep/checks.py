@@ -161,15 +161,8 @@ def select(model: Any, screened: Selection, probes: Sequence[str], template: str
 def check_sampler(model: Any, gen_kwargs: dict[str, Any]) -> None:
     """The sampler settings the sweep will pass (``adapter._gen_kwargs``), checked before anything is written
     (e.g. a ``block_length`` that does not divide ``gen_length``), as ``generate`` checks them."""
-    from mdm_lens.diffusion import arguments as SA
-    from mdm_lens.diffusion.generate import default_sampler
+    from mdm_lens.diffusion.generate import default_sampler, plan
 
-    sampler = default_sampler(model)
-    if sampler == "diffusion_gemma":     # transformers' own settings; checked by its first call
+    if default_sampler(model) == "diffusion_gemma":     # transformers' own settings; checked by its first call
         return
-    given = {k: SA.DEFAULT for k in ("block_length", "temperature", "cfg_scale", "remasking", "logits_eos_inf",
-                                     "confidence_eos_eot_inf", "alg", "alg_temp", "eps", "top_p", "top_k",
-                                     "stop_at_eos")}
-    given.update(steps=None, gen_length=None)
-    given.update({k: v for k, v in gen_kwargs.items() if k in given})
-    SA.resolve(model, sampler, given)
+    plan(model, **gen_kwargs)  # the sampler plug-in's own resolution, exactly as generate runs it

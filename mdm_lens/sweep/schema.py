@@ -46,6 +46,8 @@ COLUMNS: dict[str, Column] = {
                                     "`anchors` for the n_anchors count"),
     "gold_index": Column("Int64", "index", "position of the (first) gold passage in the prompt, 0 = first; "
                                            "`<NA>` when the data names no gold passage"),
+    "gold_indices": Column("string", "indices", "every gold passage's position, comma-separated (several gold "
+                                                "passages are all gold); empty when the data names none"),
     "n_passages": Column("Int64", "count", "passages in the prompt"),
     "prediction": Column("string", "", "the generated answer text (up to the first EOS/EoT/pad/mask)"),
     "region": Column("string", "", "flow: prompt region (bos, doc1.., question_cue, query, answer_cue, answer); "
@@ -73,13 +75,14 @@ COLUMNS: dict[str, Column] = {
     "note": Column("string", "", "why `value` is NaN (empty otherwise)"),
     "kv_cache": Column("string", "", "cache: the approximate KV cache compared with fresh forwards (prefix / dual)"),
     "block": Column("Int64", "index", "cache: the denoising block of the step"),
-    "reason": Column("string", "", "why `value` is NaN (empty otherwise)"),
+    "reason": Column("string", "", "why `value` is NaN (empty otherwise); skipped: why the item was skipped"),
+    "line": Column("Int64", "line", "the item's line in the data file (1 = first)"),
 }
 
 _KEY = ["item_id"]
 TABLES: dict[str, tuple[str, list[str]]] = {
     "accuracy": ("answer scores per item, with and without the passages",
-                 _KEY + ["condition", "gold_index", "n_passages", "metric", "value", "prediction"]),
+                 _KEY + ["condition", "gold_index", "gold_indices", "n_passages", "metric", "value", "prediction"]),
     "absorption": ("share of attention the anchor set receives on the clean final sequence, per layer",
                    _KEY + ["layer", "mode", "variant", "metric", "value"]),
     "temporal": ("anchor sets over the denoising steps (per step) and their drift (step `<NA>`), per layer",
@@ -92,11 +95,13 @@ TABLES: dict[str, tuple[str, list[str]]] = {
     "retrieval": ("retrieval (copy-paste) score per head; NaN for items not answered correctly",
                   _KEY + ["method", "layer", "head", "metric", "value", "correct"]),
     "flow": ("answer-row attention-rollout flow per prompt region, and per-item ratios (region `<NA>`)",
-             _KEY + ["gold_index", "region", "kind", "metric", "value"]),
+             _KEY + ["gold_index", "gold_indices", "region", "kind", "metric", "value"]),
     "knockout": ("answer log-prob etc. with the anchors or as many random keys knocked out",
                  _KEY + ["metric", "condition", "step", "value", "label"]),
     "lens": ("logit lens over the denoising steps: per (step, layer) accuracies, per answer position emergence",
              _KEY + ["step", "layer", "answer_position", "answer", "metric", "value", "note"]),
+    "skipped": ("items left out by --skip-bad, with every reason (the manifest holds the same)",
+                ["item_id", "line", "reason"]),
     "cache": ("what approximate KV caches change: per (step, layer) drift, per step log-probs, per item answer",
               _KEY + ["kv_cache", "step", "block", "layer", "metric", "value", "reason"]),
 }
