@@ -151,6 +151,8 @@ def test_dream_block_trajectories_are_token_exact(model, dual, kw):
     (dict(kv_cache="prefix", block_length=3), "block_length"),
     (dict(kv_cache="prefix", block_length=4, steps=2), "steps"),
     (dict(kv_cache="dual", threshold=2.0), "threshold"),
+    (dict(alg=None), "alg"),  # None is not "unset": Dream's algorithms are named
+    (dict(kv_cache="dual", alg=None), "alg"),
 ])
 def test_inconsistent_block_settings_are_refused(model, kw, argument):
     with pytest.raises(SamplerConfigError) as info:
@@ -170,3 +172,18 @@ def test_dream_block_batches_and_padding(model):
     with torch.no_grad():
         ref, _ = reference(model, two.clone(), 8, 8, 4, True, None, 0.0, None, None, None, 1e-3, None)
     assert torch.equal(out.tokens, ref)
+
+
+def test_the_threshold_rule_keeps_a_confidence_equal_to_the_threshold():
+    """Fast-dLLM's Dream rule drops a ranked position only when its confidence is *below* the threshold: a
+    saturated softmax (exactly 1.0) passes threshold=1.0."""
+    from mdm_lens.diffusion.dream_block import _threshold_step
+
+    logits = torch.full((1, 4, 20), -1e4)
+    logits[0, :, 3] = 0.0  # every row certain: confidence exactly 1.0
+    window = torch.full((1, 4), MASK)
+    proposal, transfer, conf = _threshold_step(logits, window, MASK, 4, 1.0, 0.0, None, None, None)
+    assert bool((conf == 1.0).all()) and transfer.all() and (proposal == 3).all()
+    logits[0, 2, 4] = -2.0  # one row slightly unsure: it alone waits
+    _, transfer, _ = _threshold_step(logits, window, MASK, 4, 1.0, 0.0, None, None, None)
+    assert transfer.tolist() == [[True, True, False, True]]

@@ -71,6 +71,9 @@ def test_factor_rule_thresholds_and_edge_ranks():
     assert factor_transfer(_rows([0.1, 0.5, 0.9, 0.2]), masked, 1.0).tolist() == [[False, False, True, False]]
     # a larger factor lowers every threshold: factor 2 gives [-1, .333, .5, .6]
     assert factor_transfer(_rows([0.1, 0.5, 0.9, 0.2]), masked, 2.0).tolist() == [[False, True, True, False]]
+    # a confidence exactly at its threshold passes (the reference breaks on `<`): 0.75 at rank 3 for factor 1
+    assert factor_transfer(_rows([0.1, 0.75, 0.9, 0.8, 0.05]), five, 1.0).tolist() == [[False, True, True, True,
+                                                                                        False]]
     # the reference's last-rank quirk: only the last rank fails (0.1 < 0.8), yet every position commits
     assert factor_transfer(_rows([0.1, 0.95, 0.9, 0.85]), masked, 1.0).all()
     # one masked position: it commits whatever its confidence
@@ -236,10 +239,11 @@ def test_observation_on_a_run_of_unknown_length(model):
     n = out.trajectory.n_steps
     assert n > 2 and out.records["received_attention"].shape[0] == n  # one row per forward that ran
     assert out.cache.steps == [0, 1]
-    # threshold 0 commits the whole block at once: one forward, so step 5 of the 8-step budget is never reached
-    with pytest.warns(StepsNotReachedWarning, match=r"cache: steps \[5\] were asked for, but the run stopped after "
-                                                    r"1 forward"):
-        out = model.generate(PROMPT, gen_length=8, threshold=0.0, cache="blocks.0.hook_resid_post" @ steps(0, 5),
+    # threshold 0 commits the whole block at once: one forward, so step 1 (the first one past the end) and step 5
+    # of the 8-step budget are never reached
+    with pytest.warns(StepsNotReachedWarning, match=r"cache: steps \[1, 5\] were asked for, but the run stopped "
+                                                    r"after 1 forward"):
+        out = model.generate(PROMPT, gen_length=8, threshold=0.0, cache="blocks.0.hook_resid_post" @ steps(0, 1, 5),
                              fwd_hooks=NO_MASK)
     assert out.cache.steps == [0] and out.trajectory.n_steps == 1
     with pytest.raises(SamplerConfigError, match="counted from the end"):
@@ -279,3 +283,18 @@ def test_eb_refuses_a_batch_and_dream_refuses_the_llada_options():
     with pytest.raises(SamplerConfigError, match="threshold"):
         dream.generate(PROMPT, gen_length=4, threshold=0.9)
     dream.generate(PROMPT, gen_length=4, threshold=None)  # the do-nothing value passes
+
+
+def test_confidences_are_float64_softmax_probabilities_whatever_the_logits_dtype():
+    """Fast-dLLM ranks by `softmax(logits.to(float64))`: in bf16 the probabilities would be quantised (~1/256 near
+    0.9) and threshold decisions at the boundary would change."""
+    from mdm_lens.diffusion.fastdllm import propose
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(1, 6, 20, generator=g) * 3).to(torch.bfloat16)
+    x = torch.full((1, 6), MASK)
+    eligible = torch.ones(1, 6, dtype=torch.bool)
+    x0, transfer, conf = propose(logits, x, eligible, 0.0, "low_confidence", 0.5, None, None, None)
+    expected = torch.softmax(logits.to(torch.float64), -1).max(-1).values
+    assert conf.dtype == torch.float64 and torch.equal(conf, expected)
+    assert torch.equal(x0, logits.argmax(-1))

@@ -324,3 +324,74 @@ def test_nnsight_iter_reads_a_cached_step(model):
     assert saved[0].shape == (1, 13, 24) and saved[1].shape == (1, 4, 24)  # refresh, then the block window
     for i in (0, 1):
         assert torch.equal(saved[i], ref.cache[i]["blocks.1.hook_resid_post"])
+
+
+@pytest.mark.parametrize("mode", ["prefix", "dual"])
+def test_cached_patterns_have_the_keys_in_position_order(model, mode):
+    """The pattern a cached forward computes equals the hook-substituted forward's rows, key by key: the cached
+    keys come first (positions 0..), so an anchor at key j is reported at j (a permuted key axis would leave the
+    tokens unchanged but move every attention mass)."""
+    x0 = _canvas(3)
+    total, start, end = x0.shape[1], 7, 10
+    x1 = x0.clone()
+    x1[0, 7:10] = torch.tensor([2, 3, 4])
+    stale = fill_kv(model, x0)
+    cache = KVCache(model, total)
+    got = {}
+    keep_pattern = [(f"blocks.{i}.attn.hook_pattern", lambda t, hook: got.__setitem__(hook.name, t.clone()))
+                    for i in range(2)]
+    hi = total if mode == "prefix" else end
+    with torch.no_grad():
+        with cache.attached("fill", (0, total)):
+            model(x0)
+        if mode == "prefix":
+            cache.trim(start)
+        with cache.attached(mode, (start, hi)):
+            model.run_with_hooks(x1[:, start:hi], position_ids=torch.arange(start, hi)[None], fwd_hooks=keep_pattern)
+        cached = dict(got)
+        keep = torch.zeros(total, dtype=torch.bool)
+        keep[start:hi] = True
+        got.clear()
+        hooks = [(n, lambda t, hook: torch.where(keep[None, :, None, None], t, stale[hook.name]))
+                 for n in _kv_names(model)] + keep_pattern
+        model.run_with_hooks(x1, fwd_hooks=hooks)
+    for name, pattern in cached.items():
+        assert pattern.shape == (1, 4, hi - start, total)
+        # fp32 rounding of other matmul shapes is ~1e-6; a permuted key axis moves whole masses (~1e-1)
+        torch.testing.assert_close(pattern, got[name][:, :, start:hi], atol=2e-5, rtol=0)
+
+
+def test_the_cache_age_a_hook_keeps_is_that_steps(model):
+    """`state.extra["kv_age"]` is a snapshot: kept past its step it still says what that forward attended to."""
+    kept = []
+
+    def keep(t, hook):
+        kept.append(model.state.extra["kv_age"])
+
+    model.generate(PROMPT, gen_length=8, steps=8, block_length=4, kv_cache="prefix",
+                   fwd_hooks=[at_steps(keep, [0, 1, 2], name="blocks.0.hook_resid_pre")] + NO_MASK)
+    assert [a.tolist() for a in kept] == [[0] * 13, [0] * 5 + [1] * 8, [0] * 5 + [2] * 8]
+
+
+def _mask_forever(x, hook):
+    x = x.clone()
+    x[..., MASK] = 100.0  # the model predicts the mask id everywhere
+    return x
+
+
+@pytest.mark.parametrize("kw", [dict(kv_cache="dual", steps=8, block_length=4),
+                                dict(kv_cache="prefix", threshold=0.5, block_length=4)])
+def test_a_model_that_predicts_the_mask_stops_at_the_planned_budget(model, kw):
+    from mdm_lens.diffusion import plan
+
+    planned = plan(model, gen_length=8, **kw).n_steps
+    seen = []
+
+    def count(t, hook):
+        seen.append(model.state.n_steps)
+
+    with pytest.raises(SamplerConfigError, match="mask token"):
+        model.generate(PROMPT, gen_length=8, **kw, fwd_hooks=[("ln_final.hook_normalized", _mask_forever),
+                                                              ("hook_embed", count)])
+    assert set(seen) == {planned}
+    assert len(seen) <= planned

@@ -13,7 +13,7 @@ import torch
 
 from mdm_lens import HookedMDM, MDMConfig, SamplerConfigError
 from mdm_lens import steps as steps_
-from mdm_lens.diffusion import generate, plan, registry
+from mdm_lens.diffusion import DEFAULT, generate, plan, registry
 from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings, Plan, masked_canvas
 from mdm_lens.diffusion.dream import DreamSettings
 from mdm_lens.diffusion.llada import LLaDASettings
@@ -110,7 +110,7 @@ def test_generate_has_no_sampler_specific_parameters():
     (LLaDASettings, dict(steps=None, gen_length=None, block_length=None, temperature=0.0, cfg_scale=0.0,
                          remasking="low_confidence", logits_eos_inf=False, confidence_eos_eot_inf=False,
                          threshold=None, factor=None, sampler_rule="llada", gamma=None, kv_cache=None)),
-    (DreamSettings, dict(steps=None, gen_length=None, temperature=1.0, top_p=1.0, top_k=50, alg=None,
+    (DreamSettings, dict(steps=None, gen_length=None, temperature=1.0, top_p=1.0, top_k=50, alg=DEFAULT,
                          alg_temp=None, eps=1e-3, kv_cache=None, block_length=None, threshold=None)),
     (ARMSettings, dict(steps=None, gen_length=None, temperature=0.0, top_p=None, top_k=None, stop_at_eos=False)),
 ])

@@ -19,7 +19,7 @@ from mdm_lens import validate
 from mdm_lens.diffusion.arguments import filters, optional
 from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings, Plan, masked_canvas
 from mdm_lens.diffusion.output import TrajectoryRecorder
-from mdm_lens.diffusion.registry import register
+from mdm_lens.diffusion.registry import DEFAULT, register
 from mdm_lens.diffusion.schedules import dream_schedule, dream_timesteps, dream_transfer_count
 from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens.errors import SamplerConfigError
@@ -134,7 +134,7 @@ class DreamSettings(CanvasSettings):
     temperature: float = 1.0
     top_p: float | None = 1.0
     top_k: int | None = 50
-    alg: str | None = None  # None: "origin" (Dream), "entropy" / "confidence_threshold" with kv_cache
+    alg: str = DEFAULT  # unset: "origin" (Dream), "entropy" / "confidence_threshold" with kv_cache
     alg_temp: float | None = None
     eps: float = 1e-3
     # Fast-dLLM's block decoding (mdm_lens.diffusion.dream_block): always with a KV cache, as there
@@ -159,7 +159,7 @@ def _plain_settings(s: DreamSettings) -> dict[str, Any]:
         raise SamplerConfigError(f"block_length={s.block_length!r} on Dream is Fast-dLLM's block decoding, which runs "
                                  "with a KV cache: pass kv_cache='prefix' or 'dual'.", argument="block_length",
                                  value=s.block_length, allowed=f"None or {s.gen_length} (other values need kv_cache)")
-    return dict(alg=validate.choice("origin" if s.alg is None else s.alg, ALGORITHMS, name="alg",
+    return dict(alg=validate.choice("origin" if s.alg is DEFAULT else s.alg, ALGORITHMS, name="alg",
                                     error=SamplerConfigError), block_length=None)
 
 
@@ -176,10 +176,10 @@ def _block_settings(s: DreamSettings) -> dict[str, Any]:
     threshold = optional(s.threshold, lambda v: validate.number(v, name="threshold", min=0, max=1,
                                                                 error=SamplerConfigError))
     rule = "confidence_threshold" if threshold is not None else "entropy"
-    if s.alg not in (None, rule):
+    if s.alg is not DEFAULT and s.alg != rule:
         raise SamplerConfigError(f"alg={s.alg!r} with kv_cache: Fast-dLLM's Dream loop ranks by "
                                  f"{'the threshold rule' if threshold is not None else 'entropy'} whatever alg says.",
-                                 argument="alg", value=s.alg, allowed=f"None or {rule!r}")
+                                 argument="alg", value=s.alg, allowed=f"unset or {rule!r}")
     block = validate.integer(32 if s.block_length is None else s.block_length, name="block_length", min=1,
                              error=SamplerConfigError)
     if s.gen_length % block:

@@ -85,3 +85,46 @@ def test_undefined_jaccard_is_nan_with_a_reason_and_bad_arguments_are_refused():
         cache_effect(model, out, layers=[3])
     with pytest.raises(ArgumentError, match="steps"):
         cache_effect(model, out, steps=[99])
+
+
+def test_metrics_equal_their_hand_formulas():
+    """One window step and layer recomputed by hand: drift = ‖stale − fresh‖ / ‖fresh‖ over the cached positions,
+    cosine averaged per position and kv head, TV = ½ Σ |cached − fresh| of the window rows' head-mean attention."""
+    model = _model()
+    out = model.generate(PROMPT, gen_length=8, steps=8, block_length=4, kv_cache="dual")
+    t = cache_effect(model, out, steps=[2], layers=[1], patch=False).table.set_index(["layer", "metric"])["value"]
+    x0, x2 = out.trajectory.x_steps[0], out.trajectory.x_steps[2]
+    names = [f"blocks.{l}.attn.{h}" for l in range(3) for h in ("hook_rot_k", "hook_v")]
+    _, stale = model.run_with_cache(x0, names_filter=lambda n: n in names)
+    _, fresh = model.run_with_cache(x2, names_filter=lambda n: n in names + ["blocks.1.attn.hook_pattern"])
+    keep = torch.zeros(13, dtype=torch.bool)
+    keep[5:9] = True
+    for kind, hook in (("k", "hook_rot_k"), ("v", "hook_v")):
+        a = stale[f"blocks.1.attn.{hook}"][:, ~keep].double()
+        b = fresh[f"blocks.1.attn.{hook}"][:, ~keep].double()
+        assert t[(1, f"{kind}_drift")] == pytest.approx(float((a - b).norm() / b.norm()), rel=1e-6)
+        cos = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
+        assert t[(1, f"{kind}_cosine")] == pytest.approx(float(cos.mean()), rel=1e-6)
+    stale_hooks = [(n, lambda x, hook: torch.where(keep[None, :, None, None], x, stale[hook.name])) for n in names]
+    got = {}
+    with torch.no_grad():
+        model.run_with_hooks(x2, fwd_hooks=stale_hooks + [("blocks.1.attn.hook_pattern",
+                                                           lambda p, hook: got.__setitem__("p", p.clone()))])
+    rc = got["p"][:, :, 5:9].double().mean(dim=(1, 2))
+    rf = fresh["blocks.1.attn.hook_pattern"][:, :, 5:9].double().mean(dim=(1, 2))
+    assert t[(1, "received_tv")] == pytest.approx(float(0.5 * (rc - rf).abs().sum()), rel=1e-5)
+
+
+def test_two_empty_anchor_sets_are_nan_not_one():
+    """With every query weight zero the attention is uniform: no anchor in either forward, so the Jaccard is
+    undefined (NaN with the reason), never 1."""
+    model = _model()
+    with torch.no_grad():
+        for b in model.blocks:
+            h, e = b.attn.n_heads, b.attn.d_head
+            b.attn.qkv_weight[: h * e].zero_()
+    out = model.generate(PROMPT, gen_length=8, steps=8, block_length=4, kv_cache="dual")
+    t = cache_effect(model, out, patch=False).table
+    jac = t[t["metric"] == "anchor_jaccard"]
+    assert len(jac) > 0 and jac["value"].isna().all()
+    assert (jac["reason"] == "no anchors in either forward").all()
