@@ -41,7 +41,7 @@ MUTANTS: list[Mutant] = [
     _m("llada-block-bound", "sampler", D + "llada.py",
        "x0_p[:, blk.stop:] = float(\"-inf\")", "x0_p[:, blk.stop + 1:] = float(\"-inf\")",
        "one position past the current block may be decoded"),
-    _m("llada-gumbel-exponent", "sampler", D + "llada.py",
+    _m("llada-gumbel-exponent", "sampler", D + "noise.py",
        "(-torch.log(u)) ** temperature", "(-torch.log(u)) ** (1 / temperature)",
        "Gumbel noise with the inverse temperature"),
     # --- model ------------------------------------------------------------------------------------------------
