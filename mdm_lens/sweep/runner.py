@@ -222,6 +222,7 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
         g = int(gen_length or model.cfg.extra.get("gen_length", 32))
         s = A.Settings(gen_length=g, steps=int(steps or g), block_length=block_length, keep_keys=keep_keys,
                        n_random=n_random, exact=batching == "length")
+        A.preflight(model, len(items), names, s)
         fingerprint = dict(model=model.cfg.model_name, config_hash=_config_hash(model), data=str(Path(data).resolve()),
                            data_hash=_file_hash(str(data)), probes=names, batch_size=batch_size, steps=s.steps,
                            gen_length=g, block_length=block_length, seed=seed, dtype=dtype, template=tmpl,
