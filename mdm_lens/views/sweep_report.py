@@ -199,11 +199,12 @@ def qk_section(sweeps: Sequence[Sweep], img: Path) -> Section | None:
 
 from mdm_lens.views.sweep_sections import flow_section, knockout_section, retrieval_section  # noqa: E402
 from mdm_lens.views.fig_lens import lens_section  # noqa: E402
+from mdm_lens.views.fig_probes import probes_section  # noqa: E402
 
 
 def sections(sweeps: Sequence[Sweep], img: Path) -> list[Section]:
     makers = (accuracy_section, absorption_section, temporal_section, qk_section, retrieval_section, flow_section,
-              knockout_section, lens_section)
+              knockout_section, lens_section, probes_section)
     return [sec for make in makers if (sec := make(sweeps, img)) is not None]
 
 
