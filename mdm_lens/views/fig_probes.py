@@ -11,7 +11,8 @@ step), scored by AUC; (b) the latent step, one ridge probe per layer over all st
 R². The confidence intervals are percentile bootstraps over test items at the family-wise level: with N cells
 in a grid, each cell's interval has level 1 - alpha/N (Bonferroni), so "some cell's CI excludes chance" is
 itself a claim at level 1 - alpha (a 95% interval per cell would exclude chance somewhere in a 16-cell null
-grid more often than not). A claim is made only where an interval excludes chance (AUC 0.5, R² 0).
+grid more often than not). A claim is made only where an interval excludes chance (AUC 0.5, R² 0) and the
+cell was scored on at least ``MIN_TEST`` test items (a bootstrap over fewer items says little).
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from mdm_lens.lens.linear import COLUMNS as GRID_COLUMNS
 from mdm_lens.lens.linear import ProbeFeatures, probe_grid
 from mdm_lens.views.figstyle import _new, _np, _styled, _tick_step, save
 
-__all__ = ["sweep_features", "sweep_probe_grids", "probe_heatmap", "probes_section", "CHANCE", "TARGETS"]
+__all__ = ["sweep_features", "sweep_probe_grids", "probe_heatmap", "probes_section", "CHANCE", "TARGETS",
+           "MIN_TEST"]
 
 TARGETS = ("correct", "step")
 CHANCE = {"auc": 0.5, "r2": 0.0}
+MIN_TEST = 10   # test items a cell needs before its interval supports a claim
 _NEEDED = ("item_id", "step", "layer", "feature", "acc")
 _MAX_ROWS = 64  # cells listed per sweep and target in the report table; beyond it, each layer's best cell
 
@@ -167,8 +170,12 @@ def _grid(table: pd.DataFrame, metric: str, layers: list[int], steps: list[int] 
         at = layers.index(int(row.layer)) if steps is None else (layers.index(int(row.layer)),
                                                                  steps.index(int(row.step)))
         val[at] = row.value
-        sig[at] = bool(row.ci_low > CHANCE[metric])  # NaN compares False: no interval, no claim
+        sig[at] = _supports(row, metric)
     return val, sig
+
+
+def _supports(row: Any, metric: str) -> bool:
+    return bool(row.ci_low > CHANCE[metric]) and int(row.n_test) >= MIN_TEST  # NaN compares False: no claim
 
 
 def _claim(label: str, grid: pd.DataFrame, metric: str) -> str:
@@ -179,8 +186,11 @@ def _claim(label: str, grid: pd.DataFrame, metric: str) -> str:
         reasons = t.reason.replace("", np.nan).dropna()
         why = reasons.mode().iloc[0] if len(reasons) else "undefined"
         return f"{label}: no claim on {what}, the {metric.upper()} is undefined in every cell ({why})"
-    sig = t[t.ci_low > CHANCE[metric]]
     chance = "AUC 0.5" if metric == "auc" else "R² 0"
+    if int(t.n_test.max()) < MIN_TEST:
+        return (f"{label}: no claim on {what}, the cells were scored on {int(t.n_test.max())} test items (a claim "
+                f"needs {MIN_TEST})")
+    sig = t[[_supports(row, metric) for row in t.itertuples()]]
     if not len(sig):
         return f"{label}: no cell's CI excludes chance ({chance}) for {what}"
     best = sig.sort_values(["ci_low", "value"], ascending=False, kind="stable").iloc[0]
@@ -231,9 +241,10 @@ def probes_section(sweeps: Sequence[Any], img: Path) -> Any:
         caption = (f"{s.label}: n = {g.attrs['n_items']} items with a correctness label ({n_pos} correct; "
                    f"{n_tr} train / {n_te} test, split by item) of {n_all} swept"
                    + (f" ({n_all - len(targets)} without a complete feature grid left out)" if n_all > len(targets)
-                      else "") + f". ★: the CI excludes chance; CIs are bootstrap intervals over test items at "
-                   f"{g.attrs['ci']:.4f} per cell (AUC: {g.attrs['cells']} cells) and {r.attrs['ci']:.4f} "
-                   f"(R²: {r.attrs['cells']} layers), i.e. {1 - g.attrs['alpha']:.0%} family-wise (Bonferroni).")
+                      else "") + f". ★: the CI excludes chance (on ≥ {MIN_TEST} test items); CIs are bootstrap "
+                   f"intervals over test items at {g.attrs['ci']:.4f} per cell (AUC: {g.attrs['cells']} cells) and "
+                   f"{r.attrs['ci']:.4f} (R²: {r.attrs['cells']} layers), i.e. {1 - g.attrs['alpha']:.0%} "
+                   "family-wise (Bonferroni).")
         images.append((path, caption))
         rows += [_table_rows(s.label, "correct (acc)", g, "auc"), _table_rows(s.label, "latent step", r, "r2")]
         finds += [_claim(s.label, g, "auc"), _claim(s.label, r, "r2")]
@@ -242,7 +253,8 @@ def probes_section(sweeps: Sequence[Any], img: Path) -> Any:
             "(the gold answer is a substring of the generated answer) per (layer, step), scored by AUC on held-out "
             "items. Right: one ridge probe per layer over all steps predicting the step index, scored by R². "
             "Items are split once (seeded, stratified by correctness), the same split for every cell. Undefined "
-            "cells (grey) give their reason in the table; no claim is made from them.")
+            "cells (grey) give their reason in the table; no claim is made from them, nor from cells scored on fewer "
+            f"than {MIN_TEST} test items.")
     return Section("Linear probes over layer × step", text, images, table=pd.concat(rows, ignore_index=True).round(3),
                    table_caption="probe metrics with family-wise CIs (n = items)",
                    finding="Measured: " + "; ".join(finds) + ".")
