@@ -18,6 +18,7 @@ alone): retrieval, knockout.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -30,7 +31,7 @@ from mdm_lens.errors import MemoryBudgetError
 from mdm_lens.probes import flow as F
 from mdm_lens.probes import patching, retrieval
 from mdm_lens.probes import run as R
-from mdm_lens.sweep import cache_tables, lens_tables, shared as SH
+from mdm_lens.sweep import cache_tables, feature_tables, lens_tables, shared as SH
 from mdm_lens.sweep.batch import Batch, Settings  # noqa: F401  (re-exported: adapter.Batch / adapter.Settings)
 from mdm_lens.sweep.tables import (DRIFT_METRICS, KEY_COLUMNS, PATTERN_BUDGET_BYTES, STEP_METRICS,  # noqa: F401
                                    _anchor_mass, frame, temporal)
@@ -38,9 +39,9 @@ from mdm_lens.sweep.templates import Rendered
 from mdm_lens import items as D
 from mdm_lens.items import char_span_to_token_span
 
-__all__ = ["PROBES", "NEEDS_QA", "Batch", "Settings", "make_batch", "sub_batches", "compute"]
+__all__ = ["PROBES", "NEEDS_QA", "Batch", "Settings", "make_batch", "sub_batches", "compute", "preflight"]
 
-PROBES = ("accuracy", "absorption", "temporal", "qk", "retrieval", "flow", "knockout", "lens", "cache")
+PROBES = ("accuracy", "absorption", "temporal", "qk", "retrieval", "flow", "knockout", "lens", "cache", "features")
 NEEDS_QA = {"accuracy": "answers", "retrieval": "a question with passages and answers",
             "flow": "a question with passages"}
 
@@ -331,9 +332,16 @@ def knockout(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFram
 # --- dispatch ---------------------------------------------------------------------------------------
 
 _BATCHED: dict[str, Callable] = {"accuracy": accuracy, "qk": qk, "lens": lens_tables.lens,
-                                 "cache": cache_tables.cache}
+                                 "cache": cache_tables.cache,
+                                 "features": partial(feature_tables.features, score=_accuracy_rows)}
 _ATTENTION = ("absorption", "flow")
 _PER_ITEM: dict[str, Callable] = {"retrieval": retrieval_rows, "knockout": knockout}
+
+
+def preflight(model: Any, n_items: int, probes: list[str], s: Settings) -> None:
+    """Refusals that need only the sizes, before any model call: the ``features`` table's memory budget."""
+    if "features" in probes:
+        feature_tables.check_budget(model, n_items, 1 if R.is_causal(model) else s.steps)
 
 
 def _run_tables(model: Any, run: Batch, probes: list[str], s: Settings) -> dict[str, pd.DataFrame]:

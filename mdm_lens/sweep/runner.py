@@ -226,6 +226,7 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
             raise InputError(f"{data}: no usable items ({len(skipped)} skipped; first: {skipped[0]['reason']}).",
                              argument="data", value=str(data))
         items, rendered = sel.items, sel.rendered
+        A.preflight(model, len(items), names, s)  # probes that bound the whole sweep (features' memory budget)
         fingerprint = dict(model=model.cfg.model_name, config_hash=M.config_hash(model),
                            data=str(Path(data).resolve()), data_hash=M.file_hash(str(data)), probes=names,
                            batch_size=batch_size, steps=kw["steps"], gen_length=g,

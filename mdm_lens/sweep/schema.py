@@ -27,7 +27,7 @@ README_START, README_END = "<!-- sweep-schema:start -->", "<!-- sweep-schema:end
 
 @dataclass(frozen=True)
 class Column:
-    dtype: str          # "string", "float64", "Int64", "bool" or "boolean" (nullable)
+    dtype: str          # "string", "float64", "Int64", "bool", "boolean" (nullable) or "list" (a vector per row)
     unit: str
     meaning: str
 
@@ -77,6 +77,12 @@ COLUMNS: dict[str, Column] = {
     "block": Column("Int64", "index", "cache: the denoising block of the step"),
     "reason": Column("string", "", "why `value` is NaN (empty otherwise); skipped: why the item was skipped"),
     "line": Column("Int64", "line", "the item's line in the data file (1 = first)"),
+    "n_masked": Column("Int64", "count", "features: canvas positions still masked in the step's input"),
+    "feature": Column("list", "activation", "features: `hook_resid_post` averaged over those positions (float32 "
+                                            "list of d_model; NaN where none is masked)"),
+    "acc": Column("float64", "0/1", "features: the item's answer contains a gold answer (the accuracy probe's)"),
+    "em": Column("float64", "0/1", "features: the item's answer equals a gold answer (the accuracy probe's)"),
+    "target_note": Column("string", "", "features: why a target is NA (e.g. no single gold passage)"),
 }
 
 _KEY = ["item_id"]
@@ -100,6 +106,8 @@ TABLES: dict[str, tuple[str, list[str]]] = {
                  _KEY + ["metric", "condition", "step", "value", "label"]),
     "lens": ("logit lens over the denoising steps: per (step, layer) accuracies, per answer position emergence",
              _KEY + ["step", "layer", "answer_position", "answer", "metric", "value", "note"]),
+    "features": ("pooled residual stream per (item, step, layer) with the item's targets, for linear probes",
+                 _KEY + ["step", "layer", "n_masked", "feature", "note", "acc", "em", "gold_index", "target_note"]),
     "skipped": ("items left out by --skip-bad, with every reason (the manifest holds the same)",
                 ["item_id", "line", "reason"]),
     "cache": ("what approximate KV caches change: per (step, layer) drift, per step log-probs, per item answer",
@@ -195,6 +203,8 @@ def table_columns(name: str) -> list[str]:
 
 
 def _cast(s: pd.Series, dtype: str) -> pd.Series:
+    if dtype == "list":  # one vector per row (object column of float32 arrays): kept as it is
+        return s
     if dtype == "string":
         return s if pd.api.types.is_string_dtype(s) and s.dtype != object else s.astype("str")
     if dtype == "Int64":
@@ -221,6 +231,8 @@ def conform(name: str, df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _dtype_ok(s: pd.Series, dtype: str) -> bool:
+    if dtype == "list":
+        return s.dtype == object
     if dtype == "string":
         return pd.api.types.is_string_dtype(s) and s.dtype != object or (s.dtype == object and s.isna().all())
     return str(s.dtype) == dtype
@@ -239,7 +251,8 @@ def check(tables: Mapping[str, pd.DataFrame]) -> list[str]:
     return bad
 
 
-SUMMARIZED = [t for t in TABLES if t not in ("temporal_keys", "lens", "cache")]   # those with a {name}_summary
+# those with a {name}_summary
+SUMMARIZED = [t for t in TABLES if t not in ("temporal_keys", "lens", "cache", "features", "skipped")]
 
 
 def as_dict(names: Any = None) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from mdm_lens.errors import ArgumentError, InputError
 from mdm_lens.sweep import schema
 from mdm_lens.views import sweep_layers, sweep_sections
 from mdm_lens.views.fig_lens import lens_section
+from mdm_lens.views.fig_probes import probes_section
 from mdm_lens.views.report import Section, write_report
 
 __all__ = ["report", "load_sweeps", "find_sweeps", "Sweep", "sections", "SectionSpec", "SECTIONS",
@@ -222,3 +223,4 @@ def report(folder: str | Path, out: str | Path | None = None, title: str | None 
 for _spec in sweep_layers.BUILTIN + sweep_sections.BUILTIN:      # accuracy … knockout, in this order
     register_section(**_spec)
 register_section("lens", lens_section, tables=("lens",), title="Logit lens over denoising steps")
+register_section("features", probes_section, tables=("features",), title="Linear probes over layer × step")
