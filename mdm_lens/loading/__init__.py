@@ -27,6 +27,7 @@ from mdm_lens.loading.plan import Plan
 from mdm_lens.loading.readers import CheckpointReader
 from mdm_lens.loading.registry import FAMILY_DEFAULTS, KNOWN_MODELS, KnownModel, lookup
 from mdm_lens.loading.special import apply_special_tokens
+from mdm_lens.loading.values import HF_SCHEMA, LLADA_SCHEMA, check_ids_in_vocab, check_raw
 
 ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo" / "assets"
 ZOO_ORG = "mdm-lens"
@@ -113,6 +114,7 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
         if raw.get("model_type") == "mdm_lens":
             cfg, family = MDMConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"}), "mdm_lens"
         elif is_llada(raw):
+            check_raw(raw, LLADA_SCHEMA, path)
             cfg, family = config_from_llada(raw, name), "llada"
         else:
             family = hf_family(raw)
@@ -120,9 +122,15 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
                 raise ConfigError(f"{path}: architectures={raw.get('architectures')} model_type="
                                   f"{raw.get('model_type')!r} is not a supported family (LLaDAModelLM, DreamModel, "
                                   "LlamaForCausalLM, Qwen2ForCausalLM).")
+            check_raw(raw, HF_SCHEMA, path)
             cfg = config_from_hf(raw, family, name)
+        check_ids_in_vocab(raw, cfg.d_vocab, path)
     except (TypeError, KeyError) as e:  # a value of the wrong JSON type (e.g. "n_heads": "32")
         raise ConfigError(f"{path} has a setting of the wrong type or form ({type(e).__name__}: {e}).") from e
+    except ConfigError as e:  # MDMConfig's own checks name the field; say which file it came from
+        if str(path) in str(e):
+            raise
+        raise ConfigError(f"{path}: {e}") from e
     _apply_registry_facts(cfg, known, family)
     apply_special_tokens(cfg, folder, raw, family, known)
     return cfg, family

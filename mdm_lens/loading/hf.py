@@ -110,9 +110,10 @@ def config_from_hf(config: dict[str, Any], family: str, name: str) -> MDMConfig:
         attention="bidirectional" if dream else "causal", logit_shift=dream, rope_full_precision=False,
         position_policy="cumsum" if dream else "arange", padding_mask="pair" if dream else "key",
         tie_word_embeddings=bool(_get(config, family, "tie_word_embeddings")),
-        mask_token_id=_get(config, family, "mask_token_id") if dream else None,
+        # absent ids: the family defaults fill them later, only when this vocabulary can hold them
+        mask_token_id=config.get("mask_token_id") if dream else None,
         bos_token_id=_eos(config.get("bos_token_id")), eos_token_id=None,
-        pad_token_id=_eos(_get(config, family, "pad_token_id")), family=family, model_name=name, extra=extra,
+        pad_token_id=_eos(config.get("pad_token_id")), family=family, model_name=name, extra=extra,
     )
 
 
