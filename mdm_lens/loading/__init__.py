@@ -23,7 +23,7 @@ from mdm_lens.errors import (ArgumentError, ArgumentTypeError, CheckpointError, 
                              UnknownModelError)
 from mdm_lens.loading.hf import config_from_hf, hf_family, hf_plan
 from mdm_lens.loading.llada import config_from_llada, is_llada, llada_plan
-from mdm_lens.loading.plan import Plan
+from mdm_lens.loading.plan import Plan, source_shapes
 from mdm_lens.loading.readers import CheckpointReader
 from mdm_lens.loading.registry import FAMILY_DEFAULTS, KNOWN_MODELS, KnownModel, lookup
 from mdm_lens.loading.special import apply_special_tokens
@@ -161,7 +161,8 @@ def native_plan(cfg: MDMConfig, keys: list[str]) -> Plan:
 
 
 def build_state_dict(plan: Plan, reader: CheckpointReader, expected: dict[str, tuple[int, ...]],
-                     dtype: torch.dtype, device: str | torch.device, tied_hint: str = "") -> dict[str, torch.Tensor]:
+                     source_shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str | torch.device,
+                     tied_hint: str = "") -> dict[str, torch.Tensor]:
     """Check every source tensor is present with the right shape, then assemble (cat) and cast."""
     keys = set(reader.keys())
     wanted = {src for sources in plan.values() for src in sources}
@@ -174,17 +175,17 @@ def build_state_dict(plan: Plan, reader: CheckpointReader, expected: dict[str, t
             f"{extra[:8]}{' …' if len(extra) > 8 else ''}. Check that config.json belongs to these weights."
             + (tied_hint if any(_is_unembed(k) for k in missing + extra) else "")
         )
+    wrong = {src: (reader.shape(src), want) for src, want in source_shapes.items() if reader.shape(src) != want}
+    if wrong:  # checked from the file headers before any tensor is read
+        listed = "; ".join(f"{src} has shape {got}, expected {want}" for src, (got, want) in list(wrong.items())[:8])
+        raise CheckpointError(
+            f"shape mismatch in {reader.folder}: {listed}{' …' if len(wrong) > 8 else ''}. config.json and the "
+            "weights disagree (d_model, heads, kv heads, head size, d_mlp or vocab size), or the tensor is corrupt."
+        )
     out = {}
     for target, sources in plan.items():
         parts = [reader.get(src) for src in sources]
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if tuple(tensor.shape) != expected[target]:
-            raise CheckpointError(
-                f"shape mismatch for {target}: the checkpoint gives {tuple(tensor.shape)} (from "
-                f"{ {s: tuple(p.shape) for s, p in zip(sources, parts)} }), the config "
-                f"implies {expected[target]}. config.json and the weights disagree (d_model, heads, kv heads, d_mlp "
-                "or vocab size)."
-            )
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # the shapes were checked above
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             bad = [s for s, p in zip(sources, parts) if p.is_floating_point() and not bool(torch.isfinite(p).all())]
             raise CheckpointError(f"tensor(s) {bad} in {reader.folder} hold NaN or inf values: the checkpoint is "
@@ -264,7 +265,8 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
     with torch.device("meta"):
         model = cls(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    state = build_state_dict(plan, reader, expected, dtype, device, tied_hint=_tying_hint(cfg, family, folder))
+    state = build_state_dict(plan, reader, expected, source_shapes(cfg, plan, expected), dtype, device,
+                             tied_hint=_tying_hint(cfg, family, folder))
     if cfg.tie_word_embeddings:
         state["unembed.weight"] = state["embed.W_E"]
     model.load_state_dict(state, strict=True, assign=True)
