@@ -231,8 +231,12 @@ def test_drift_hand_built_sequence():
     r[a] = 0.3                                                           # equal mass on the anchors
     r[4, 6] = r[5, 6] = 0.5                                              # top-1 at 6 on empty steps
     d = F.drift(a, r)
-    assert torch.allclose(d.jaccard, torch.tensor([0.5, 0.5, 0.0, 0.0, 1.0], dtype=torch.float64))
-    assert math.isclose(d.mean_jaccard.item(), 0.4) and math.isclose(d.drift_index.item(), 0.6)
+    # steps 4 and 5 both have no anchors: their Jaccard is 0/0, NaN, and left out of the mean (not a fake 1.0)
+    assert torch.allclose(d.jaccard, torch.tensor([0.5, 0.5, 0.0, 0.0, math.nan], dtype=torch.float64),
+                          equal_nan=True)
+    assert math.isclose(d.mean_jaccard.item(), 0.25) and math.isclose(d.drift_index.item(), 0.75)
+    never = F.drift(torch.zeros(3, K, dtype=torch.bool), r[:3])
+    assert torch.isnan(never.jaccard).all() and math.isnan(never.mean_jaccard.item())
     assert torch.allclose(d.persistence[[1, 3, 5]], torch.tensor([2 / 6, 2 / 6, 1 / 6], dtype=torch.float64))
     assert d.modal_anchor.item() == 1 and math.isclose(d.stability.item(), 2 / 6)
     assert d.n_distinct.item() == 3 and math.isclose(d.empty_fraction.item(), 2 / 6)
