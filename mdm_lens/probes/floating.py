@@ -46,10 +46,12 @@ _DEFAULT_EPS = {"zscore": 3.0, "paper_absorption": 3.0, "paper_temporal": 3.0, "
 # Rule C's spread guard, as the reference's ``np.isclose(std, 0.0)`` (atol 1e-8): std <= 1e-8 skips the 3-sigma
 # test, and the top-1 fallback then still runs (a flat head gives [argmax] = the first visible key).
 STD_ZERO = 1e-8
-# Rules B/C: c_j must exceed the threshold by more than RULE_B_RTOL * |threshold| (at least 8 ulps of the input
-# dtype). Without it a flat row whose column sums differ by one ulp (summation order) has a lone "spike" whose
-# z-score is sqrt(T - 1) > 3, i.e. a spurious anchor that depends on the summation order.
-RULE_B_RTOL = 1e-6
+# Rules B/C: c_j must exceed the threshold by more than RULE_B_ULPS ulps of the *input* dtype, relative to
+# |threshold|. Without it a flat row whose column sums differ by one ulp (summation order) has a lone "spike"
+# whose z-score is sqrt(T - 1) > 3, a spurious anchor that depends on the summation order. The guard is the
+# input's precision and nothing more, so differences the input dtype does resolve (1e-6 in float64) are
+# judged exactly as the reference, which has no guard, judges them.
+RULE_B_ULPS = 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,7 +243,7 @@ def _top1(r: Tensor, vis: Tensor) -> Tensor:
 
 
 def _rule_b_rtol(dtype: torch.dtype) -> float:
-    return max(RULE_B_RTOL, 8 * torch.finfo(dtype).eps)
+    return RULE_B_ULPS * torch.finfo(dtype).eps
 
 
 def detect_anchors(received: Float[Tensor, "... key"], rule: Rule = "zscore", eps: float | None = None,
@@ -259,9 +261,9 @@ def detect_anchors(received: Float[Tensor, "... key"], rule: Rule = "zscore", ep
     - ``paper_absorption`` (AF Rule A): c_j > mean_{k≠j} c_k + ε (ε = 3, *absolute*), top-1 fallback
       if empty.  For column means (≤ 1) the rule can never fire, so this is exactly the top-1 key.
     - ``paper_temporal`` (Rule B): c_j > mean(c) + ε·std(c), population over all visible keys incl. j;
-      no fallback.  Relative guard: c_j must exceed the threshold t by more than
-      max(``RULE_B_RTOL``, 8 ulps of the input dtype)·|t|, so one-ulp differences of column sums (a flat
-      row summed in another order) never make an anchor.
+      no fallback.  Relative guard: c_j must exceed the threshold t by more than ``RULE_B_ULPS`` = 8 ulps
+      of the input dtype, times |t|, so one-ulp differences of column sums (a flat row summed in another
+      order) never make an anchor, while anything the dtype resolves is judged as the reference does.
     - ``paper_qk`` (Rule C, ``QK_decomposition.py``): the 3σ test of B (same guard) is skipped when
       std(c) ≤ ``STD_ZERO`` = 1e-8 (the reference's ``np.isclose(std, 0)``); then, if S is empty, the
       top-1 fallback always runs — a flat head gives {first visible key}, never ∅.
