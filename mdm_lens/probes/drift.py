@@ -20,7 +20,7 @@ from mdm_lens.errors import ArgumentError, ArgumentTypeError
 
 from . import _checks as C
 from ._results import ResultMixin, to_numpy
-from .floating import absorption
+from .received import absorption
 
 __all__ = ["drift", "DriftResult", "anchor_types", "spearman", "ols_slope", "wasserstein1", "initial_absorption",
            "classify_layer", "LayerClassification", "ANCHOR_TYPES", "LAYER_LABELS"]
