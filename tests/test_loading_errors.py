@@ -156,7 +156,7 @@ def test_a_bad_mask_token_id_is_reported_at_load_naming_the_key(tmp_path, family
 def test_every_eos_id_of_a_list_must_be_in_the_vocabulary(tmp_path):
     folder = write_dream(hf_reference("dream"), tmp_path / "dream")
     _edit(folder, eos_token_id=[1, 500])
-    with pytest.raises(ConfigError, match=r"eos_token_id=\[1, 500\] is outside the vocabulary \[0, 97\)"):
+    with pytest.raises(ConfigError, match=r"eos_token_id=\[1, 500\] from config.json .* is outside the vocabulary \[0, 97\)"):
         HookedMDM.from_pretrained(str(folder))
 
 

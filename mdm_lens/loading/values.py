@@ -96,5 +96,5 @@ def check_ids_in_vocab(raw: dict[str, Any], d_vocab: int, path: Path) -> None:
         value = raw.get(key)
         for i in value if isinstance(value, list) else [value]:
             if i is not None and not 0 <= i < d_vocab:
-                raise ConfigError(f"{path}: {key}={value!r} is outside the vocabulary [0, {d_vocab}) of this "
-                                  "checkpoint (its embedding has that many rows); fix the id in config.json.")
+                raise ConfigError(f"{key}={value!r} from config.json ({path}) is outside the vocabulary [0, "
+                                  f"{d_vocab}) of this checkpoint (its embedding has that many rows); fix the id.")
