@@ -228,7 +228,7 @@ def zoo_pair():
     hf = tiny_diffusion_gemma(seed=2, vocab_size=ZT.vocab_size())
     ref = copy.deepcopy(hf)
     ref.set_attn_implementation("eager")
-    return ref, TransformersBridge(hf)
+    return ref, TransformersBridge(hf, tokenizer=ZT.load_tokenizer())  # the probes read text with it
 
 
 @torch.no_grad()
