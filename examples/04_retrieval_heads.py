@@ -30,7 +30,7 @@ def show(res: RT.RetrievalScores) -> None:
 
 
 def main(n: int, k: int) -> None:
-    items = [RT.from_qa_item(it) for it in D.make_dataset(n, seed=1234, n_distractors=4)]
+    items = [RT.from_qa_item(it, ZT.load_tokenizer()) for it in D.make_dataset(n, seed=1234, n_distractors=4)]
     for name, methods in (("mdm-lens/tiny-mdm", ("copy@commit", "copy@final", "evidence_focus")),
                           ("mdm-lens/tiny-arm", ("wu", "evidence_focus"))):
         model = load(name)

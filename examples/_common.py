@@ -16,4 +16,6 @@ def load(name: str) -> HookedMDM:
                         mask_token_id=ZT.MASK_ID, bos_token_id=ZT.BOS_ID, eos_token_id=ZT.EOS_ID,
                         pad_token_id=ZT.PAD_ID, attention="causal" if name.endswith("arm") else "bidirectional",
                         model_name=f"random:{name}", extra={"gen_length": 4})
-        return HookedMDM.from_config(cfg, seed=0, init_std=0.2)
+        model = HookedMDM.from_config(cfg, seed=0, init_std=0.2)
+        model.set_tokenizer(ZT.load_tokenizer())  # the probes read text with the model's own tokenizer
+        return model

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -62,6 +63,7 @@ class MDMConfig:
     act_fn: str = "silu"
 
     def __post_init__(self) -> None:
+        self._check_values()
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.d_head is None:
@@ -86,6 +88,34 @@ class MDMConfig:
             raise ConfigError(f"rotary embeddings need an even d_head, got {self.d_head}.")
         if isinstance(self.dtype, str):
             self.dtype = getattr(torch, self.dtype)
+
+    def _check_values(self) -> None:
+        """Types and ranges of every number: a null or negative size, or an id outside the vocabulary, is a
+        ConfigError naming the field now, not a shape error or a wrong token later."""
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in ("d_model", "n_layers", "n_heads", "d_mlp", "d_vocab", "n_ctx"):
+            value = getattr(self, name)
+            if not is_int(value) or value <= 0:
+                raise ConfigError(f"{name}={value!r} is invalid: expected an int > 0.")
+        for name in ("n_kv_heads", "d_head"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value <= 0):
+                raise ConfigError(f"{name}={value!r} is invalid: expected an int > 0 or None.")
+        for name, low_open in (("rope_theta", True), ("norm_eps", False)):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or value < 0 or (low_open and value == 0)):
+                raise ConfigError(f"{name}={value!r} is invalid: expected a finite number {'>' if low_open else '>='} 0.")
+        for name in ("qkv_bias", "logit_shift", "rope_full_precision", "tie_word_embeddings", "use_attn_result"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} is invalid: expected True or False.")
+        for name in ("mask_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value < self.d_vocab):
+                raise ConfigError(f"{name}={value!r} is invalid: expected None or a token id in [0, d_vocab="
+                                  f"{self.d_vocab}).")
 
     # --- TransformerLens aliases -------------------------------------------------------------------
     @property

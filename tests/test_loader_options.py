@@ -357,3 +357,84 @@ def test_qwen2_sliding_window_and_unknown_rope_scaling_are_refused(tmp_path):
                                                                    "rope_theta": 1e6})
     with pytest.raises(ConfigError, match="yarn"):
         HookedMDM.from_pretrained(str(folder))
+
+
+# --- rotary settings resolved as transformers resolves the same config.json ----------------------------
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+ROPE_VARIANTS = {
+    "absent": {},
+    "only_rope_theta": {"rope_theta": 5e5},
+    "legacy_linear": {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}},
+    "legacy_llama3": {"rope_theta": 5e5, "rope_scaling": {**_LLAMA3, "original_max_position_embeddings": 64}},
+    "llama3_without_original_length": {"rope_theta": 5e5, "rope_scaling": dict(_LLAMA3)},
+    "llama3_top_level_original_length": {"rope_scaling": dict(_LLAMA3), "original_max_position_embeddings": 32},
+    "legacy_dynamic": {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+    "legacy_yarn": {"rope_theta": 1e6, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+    "rope_parameters_only": {"rope_parameters": {"rope_type": "linear", "factor": 3.0, "rope_theta": 1e5}},
+    "rope_parameters_theta_outside": {"rope_theta": 7e5, "rope_parameters": {"rope_type": "linear", "factor": 3.0}},
+    # the bug this fixes: both keys, rope_scaling wins whole (transformers scales; we used to run unscaled)
+    "both_scaling_wins": {"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                          "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+    "both_llama3_over_linear": {"rope_scaling": {**_LLAMA3, "original_max_position_embeddings": 64},
+                                "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}},
+    "both_null_scaling": {"rope_scaling": None, "rope_parameters": {"rope_type": "linear", "factor": 4.0,
+                                                                    "rope_theta": 1e4}},
+    "empty_scaling": {"rope_theta": 5e5, "rope_scaling": {}},
+    "type_and_rope_type": {"rope_scaling": {"type": "linear", "rope_type": "default", "factor": 2.0}},
+    "theta_inside_scaling": {"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 2.0,
+                                                                  "rope_theta": 9e4}},
+}
+
+
+def _rope_folder(tmp_path, family, variant):
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
+    raw = {"architectures": [arch], "model_type": family, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97,
+           "max_position_embeddings": 256, **ROPE_VARIANTS[variant]}
+    folder = tmp_path / f"{family}-{variant}"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(raw))
+    return folder, raw
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("variant", sorted(ROPE_VARIANTS))
+def test_rope_settings_resolve_as_transformers_resolves_them(tmp_path, family, variant):
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from mdm_lens.loading import read_config
+    from mdm_lens.loading.rope import resolve_rope
+
+    folder, raw = _rope_folder(tmp_path, family, variant)
+    theirs = AutoConfig.from_pretrained(str(folder))
+    # what the model runs: its rotary init standardises again, once extra config.json keys are attributes
+    theirs.standardize_rope_params()
+    assert resolve_rope(raw, raw["max_position_embeddings"]) == theirs.rope_parameters
+    kind = theirs.rope_parameters["rope_type"]
+    if kind in ("dynamic", "yarn") or (family == "qwen2" and kind == "llama3"):
+        with pytest.raises(ConfigError, match=f"rope type '{kind}'"):
+            read_config(folder, family, None)
+        return
+    cfg, _ = read_config(folder, family, None)
+    assert cfg.rope_theta == theirs.rope_parameters["rope_theta"]
+    assert (cfg.extra.get("rope_scaling") or {"rope_type": "default"})["rope_type"] == kind
+    positions = torch.arange(300)[None]  # past original_max_position_embeddings, where llama3 differs most
+    with torch.device("meta"):
+        model = HookedMDM(cfg)
+    cos, sin = model._rotary(positions, arange=True)
+    want_cos, want_sin = LlamaRotaryEmbedding(theirs)(torch.zeros(1, dtype=torch.float32), positions)
+    assert torch.allclose(cos[:, :, 0], want_cos, rtol=0, atol=1e-5)
+    assert torch.allclose(sin[:, :, 0], want_sin, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [{"rope_theta": None}, {"rope_theta": -1.0}, {"rope_theta": "1e4"},
+                                 {"rope_scaling": {"rope_type": "linear", "factor": None}},
+                                 {"rope_scaling": {"rope_type": "linear", "factor": 0}}])
+def test_rope_values_are_checked_at_load(tmp_path, bad):
+    from mdm_lens.loading import read_config
+
+    folder, raw = _rope_folder(tmp_path, "llama", "absent")
+    (folder / "config.json").write_text(json.dumps({**raw, **bad}))
+    with pytest.raises(ConfigError, match="rope_theta|factor"):
+        read_config(folder, "llama", None)

@@ -86,7 +86,7 @@ def test_shape_mismatch_names_the_tensor(llada_dir):
     cfg = json.loads((llada_dir / "config.json").read_text())
     cfg["mlp_hidden_size"] = 80
     (llada_dir / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="shape mismatch for blocks.0.mlp.gate_up_weight"):
+    with pytest.raises(CheckpointError, match=r"model\.transformer\.blocks\.0\.ff_proj\.weight has shape \(96, 64\), expected \(80, 64\)"):
         HookedMDM.from_pretrained(str(llada_dir))
 
 
@@ -133,3 +133,65 @@ def test_input_errors():
         model.to_tokens("hello")
     with pytest.raises(ConfigError, match="multiple of n_kv_heads"):
         MDMConfig(d_model=32, n_layers=1, n_heads=4, n_kv_heads=3, d_mlp=8, d_vocab=10)
+
+
+def _edit(folder, **values):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(values)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("bad_id", [97, 1000, -1])
+def test_a_bad_mask_token_id_is_reported_at_load_naming_the_key(tmp_path, family, bad_id):
+    writer = write_llada if family == "llada" else write_dream
+    folder = writer(hf_reference(family), tmp_path / family)  # vocab_size 97: ids 0..96
+    _edit(folder, mask_token_id=bad_id)
+    match = r"mask_token_id=-1 is invalid" if bad_id < 0 else rf"mask_token_id={bad_id} is .*\[0, (d_vocab=)?97\)"
+    with pytest.raises(ConfigError, match=match) as info:
+        HookedMDM.from_pretrained(str(folder))
+    assert "config.json" in str(info.value)
+
+
+def test_every_eos_id_of_a_list_must_be_in_the_vocabulary(tmp_path):
+    folder = write_dream(hf_reference("dream"), tmp_path / "dream")
+    _edit(folder, eos_token_id=[1, 500])
+    with pytest.raises(ConfigError, match=r"eos_token_id=\[1, 500\] from config.json .* is outside the vocabulary \[0, 97\)"):
+        HookedMDM.from_pretrained(str(folder))
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_an_absent_mask_id_never_takes_a_reference_constant_outside_the_vocabulary(tmp_path, family):
+    writer = write_llada if family == "llada" else write_dream
+    folder = writer(hf_reference(family), tmp_path / family, drop_keys=("mask_token_id",))
+    # 126336 (LLaDA) / 151666 (Dream) do not fit a 97-token vocabulary: no mask id rather than a wrong one
+    assert HookedMDM.from_pretrained(str(folder)).cfg.mask_token_id is None
+
+
+@pytest.mark.parametrize("family,key,value,expected", [
+    ("llada", "d_model", None, "an int > 0"), ("llada", "n_heads", "4", "an int > 0"),
+    ("llada", "n_layers", 0, "an int > 0"), ("llada", "vocab_size", -5, "an int > 0"),
+    ("llada", "max_sequence_length", 256.0, "an int > 0"), ("llada", "rms_norm_eps", None, "a finite number >= 0"),
+    ("llada", "rope_theta", None, "a finite number > 0"), ("llada", "weight_tying", "yes", "true or false"),
+    ("llada", "n_kv_heads", 0, "an int > 0 or null"), ("llada", "pad_token_id", 1.5, "an int >= 0 or null"),
+    ("dream", "hidden_size", None, "an int > 0"), ("dream", "num_attention_heads", True, "an int > 0"),
+    ("dream", "intermediate_size", -96, "an int > 0"), ("dream", "vocab_size", None, "an int > 0"),
+    ("dream", "rms_norm_eps", -1e-6, "a finite number >= 0"), ("dream", "num_key_value_heads", "2", "an int > 0 or null"),
+    ("dream", "eos_token_id", [1, "x"], "an int >= 0 or a list of them or null"), ("dream", "tie_word_embeddings", None, "true or false"),
+])
+def test_every_config_value_is_type_and_range_checked(tmp_path, family, key, value, expected):
+    writer = write_llada if family == "llada" else write_dream
+    folder = writer(hf_reference(family), tmp_path / family)
+    _edit(folder, **{key: value})
+    with pytest.raises(ConfigError, match=rf"config.json: {key}=.* is invalid: expected {expected}"):
+        HookedMDM.from_pretrained(str(folder))
+
+
+@pytest.mark.parametrize("field,value", [("d_model", 0), ("n_layers", None), ("d_vocab", 4.0), ("n_ctx", -1),
+                                         ("n_kv_heads", 0), ("rope_theta", 0.0), ("rope_theta", float("nan")),
+                                         ("norm_eps", None), ("mask_token_id", 10), ("pad_token_id", -1),
+                                         ("qkv_bias", 1)])
+def test_mdm_config_checks_every_number(field, value):
+    base = dict(d_model=8, n_layers=1, n_heads=2, d_mlp=8, d_vocab=10)
+    with pytest.raises(ConfigError, match=rf"{field}=.* is invalid"):
+        MDMConfig(**{**base, field: value})

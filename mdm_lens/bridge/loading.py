@@ -12,6 +12,8 @@ import torch
 
 from mdm_lens.bridge.spec import FAMILY
 from mdm_lens.errors import CheckpointError, ConfigError
+from mdm_lens.loading.resolve import load_tokenizer as read_tokenizer
+from mdm_lens.loading.resolve import resolve
 
 BRIDGED = ("DiffusionGemmaForBlockDiffusion",)  # dispatched here by `HookedMDM.from_pretrained`
 MODEL_TYPES = {"diffusion_gemma": "DiffusionGemmaForBlockDiffusion"}
@@ -61,14 +63,12 @@ def load_hf(folder: Path, architecture: str, *, dtype: torch.dtype | str = torch
 def load_bridge(cls: type, name_or_path: str, *, dtype: torch.dtype | str = torch.float32,
                 device: str | torch.device = "cpu", device_map: Any = None, allow_download: bool = False,
                 load_tokenizer: bool = True) -> Any:
-    from mdm_lens.loading import _load_tokenizer, resolve
-
     folder, _ = resolve(name_or_path, allow_download=allow_download)
     architecture = bridged_architecture(folder, only_dispatched=False)
     if architecture is None:
         raise ConfigError(f"{folder}/config.json names no architecture the bridge serves ({', '.join(FAMILY)}).")
     model = load_hf(folder, architecture, dtype=dtype, device=device, device_map=device_map)
-    bridge = cls(model, tokenizer=_load_tokenizer(folder) if load_tokenizer else None)
+    bridge = cls(model, tokenizer=read_tokenizer(folder) if load_tokenizer else None)
     if load_tokenizer:
         from mdm_lens.chat import read_chat_template
 

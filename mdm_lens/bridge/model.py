@@ -287,10 +287,12 @@ class TransformersBridge(CheckedHookSurface):
     def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
         return self.hf.lm_head.weight.T
 
-    def to_tokens(self, text: str | Sequence[str], **kwargs: Any) -> Any:
-        from mdm_lens.model import HookedMDM
+    def to_tokens(self, text: str | Sequence[str], prepend_bos: bool | None = None,
+                  padding_side: Literal["left", "right"] = "left", return_attention_mask: bool = False) -> Any:
+        """As `HookedMDM.to_tokens` (the same function; no import of the native model, so no cycle)."""
+        from mdm_lens import tokenization
 
-        return HookedMDM.to_tokens(self, text, **kwargs)  # type: ignore[arg-type]
+        return tokenization.to_tokens(self, text, prepend_bos, padding_side, return_attention_mask)
 
     def to_str_tokens(self, tokens: Any) -> list[str]:
         from mdm_lens import tokenization

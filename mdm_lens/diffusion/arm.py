@@ -14,7 +14,7 @@ from torch import Tensor
 from mdm_lens import validate
 from mdm_lens.diffusion.arguments import filters
 from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings, Plan
-from mdm_lens.diffusion.dream import sample_tokens
+from mdm_lens.diffusion.noise import sample_tokens
 from mdm_lens.diffusion.registry import register
 from mdm_lens.errors import SamplerConfigError
 from mdm_lens.diffusion.output import TrajectoryRecorder

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.diffusion.arguments import filters, optional
+from mdm_lens.diffusion.dream_block import dream_block_sample
 from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings, Plan, masked_canvas
+from mdm_lens.diffusion.noise import sample_tokens, top_k_logits, top_p_logits  # noqa: F401  (re-exported)
 from mdm_lens.diffusion.output import TrajectoryRecorder
 from mdm_lens.diffusion.registry import DEFAULT, register
 from mdm_lens.diffusion.schedules import dream_schedule, dream_timesteps, dream_transfer_count
@@ -25,46 +26,6 @@ from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens.errors import SamplerConfigError
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
-
-
-def top_p_logits(logits: Tensor, top_p: float) -> Tensor:
-    sorted_logits, sorted_idx = torch.sort(logits, descending=True)
-    cumulative = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
-    remove = cumulative > top_p
-    remove[..., 1:] = remove[..., :-1].clone()  # keep the first token past the threshold
-    remove[..., 0] = False
-    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, sorted_idx, remove)
-    return logits.masked_fill(mask, torch.finfo(logits.dtype).min)
-
-
-def top_k_logits(logits: Tensor, top_k: int) -> Tensor:
-    top_k = min(top_k, logits.size(-1))
-    kth = torch.topk(logits, top_k)[0][..., -1, None]
-    return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
-
-
-def sample_tokens(logits: Tensor, temperature: float = 0.0, top_p: float | None = None, top_k: int | None = None,
-                  margin_confidence: bool = False, neg_entropy: bool = False,
-                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """Dream's `sample_tokens`: (confidence, token) per row of `logits [n, vocab]`."""
-    if temperature > 0:
-        logits = logits / temperature
-    if top_p is not None and top_p < 1:
-        logits = top_p_logits(logits, top_p)
-    if top_k is not None:
-        logits = top_k_logits(logits, top_k)
-    probs = torch.softmax(logits, dim=-1)
-    if temperature > 0:
-        x0 = torch.multinomial(probs.float().cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
-        confidence = torch.gather(probs, -1, x0[:, None]).squeeze(-1)
-    else:
-        confidence, x0 = probs.max(dim=-1)
-    if margin_confidence:
-        top2 = torch.sort(probs, dim=-1, descending=True)[0][:, :2]
-        confidence = top2[:, 0] - top2[:, 1]
-    if neg_entropy:
-        confidence = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
-    return confidence, x0
 
 
 def dream_sample(runner: Any, x: Tensor, attention_mask: Tensor, prompt_length: int, *, steps: int,
@@ -232,8 +193,6 @@ class DreamSampler(CanvasSampler):
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
         x, am = masked_canvas(ids, am, s.gen_length, model.cfg.mask_token_id)
         if s.kv_cache is not None:
-            from mdm_lens.diffusion.dream_block import dream_block_sample
-
             x, recorder = dream_block_sample(
                 runner, model, x, am, ids.shape[1], kv_cache=s.kv_cache, steps=s.steps, gen_length=s.gen_length,
                 block_length=s.block_length, threshold=s.threshold, temperature=s.temperature, top_p=s.top_p,

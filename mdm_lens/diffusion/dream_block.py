@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mdm_lens.diffusion.dream import sample_tokens
 from mdm_lens.diffusion.fastdllm import window_forward
+from mdm_lens.diffusion.noise import sample_tokens
 from mdm_lens.diffusion.output import TrajectoryRecorder
 from mdm_lens.diffusion.schedules import dream_timesteps, dream_transfer_count
 from mdm_lens.diffusion.state import DenoisingState

@@ -12,7 +12,8 @@ answer emergence (the first step from which a layer's top-1 is the final token a
 from mdm_lens.lens.emergence import answer_emergence, emergence_steps
 from mdm_lens.lens.linear import (COLUMNS, POOLED, POOLS, PROBES, ProbeFeatures, auc, features_from_cache,
                                   fit_logistic, fit_ridge, item_split, probe_grid, r2)
-from mdm_lens.lens.logit import LensTrace, lens_logits, lens_trace
+from mdm_lens.lens.logit import LensTrace, lens_logits
+from mdm_lens.lens.trace import lens_trace
 from mdm_lens.lens.tuned import TunedLens, masked_kl, train_tuned_lens
 
 __all__ = ["lens_logits", "lens_trace", "LensTrace", "TunedLens", "train_tuned_lens", "masked_kl",

@@ -8,7 +8,6 @@ ever executed: `auto_map`/remote code is ignored, tensors come from safetensors 
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from pathlib import Path
@@ -19,86 +18,19 @@ from safetensors.torch import save_file
 
 from mdm_lens.config import MDMConfig
 from mdm_lens import validate
-from mdm_lens.errors import (ArgumentError, ArgumentTypeError, CheckpointError, CheckpointNotFoundError, ConfigError,
-                             UnknownModelError)
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, CheckpointError, CheckpointNotFoundError, ConfigError
 from mdm_lens.loading.families import family_config, family_of, family_plan
 from mdm_lens.loading.hf import config_from_hf, hf_family, hf_plan
 from mdm_lens.loading.llada import config_from_llada, is_llada, llada_plan
-from mdm_lens.loading.plan import Plan
+from mdm_lens.loading.plan import Plan, source_shapes
 from mdm_lens.loading.readers import CheckpointReader
-from mdm_lens.loading.registry import FAMILY_DEFAULTS, KNOWN_MODELS, KnownModel, lookup
+from mdm_lens.loading.registry import FAMILY_DEFAULTS, KNOWN_MODELS, KnownModel, lookup  # noqa: F401 (re-export)
+# name resolution and the tokenizer file live one level down (shared with the bridge); re-exported here
+from mdm_lens.loading.resolve import ZOO_DIR, ZOO_ORG, resolve  # noqa: F401
+from mdm_lens.loading.resolve import load_tokenizer as _load_tokenizer
 from mdm_lens.loading.special import apply_special_tokens
 from mdm_lens.qk_attention import FAMILY_ARCHES
-
-ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo" / "assets"
-ZOO_ORG = "mdm-lens"
-_ALLOW = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
-
-
-def _did_you_mean(text: str) -> str:
-    close = difflib.get_close_matches(text.lower(), [k.lower() for k in KNOWN_MODELS], n=1, cutoff=0.6)
-    if not close and "/" not in text:  # "tiny-mdm" for "mdm-lens/tiny-mdm": compare with the part after the org
-        tails = {k.split("/")[-1].lower(): k for k in KNOWN_MODELS}
-        close = [tails[c].lower() for c in difflib.get_close_matches(text.lower(), list(tails), n=1, cutoff=0.6)]
-    if not close:
-        return ""
-    name = next(k for k in KNOWN_MODELS if k.lower() == close[0])
-    return f" Did you mean {name}?"
-
-
-def resolve(name_or_path: str | os.PathLike, allow_download: bool = False) -> tuple[Path, KnownModel | None]:
-    """The local folder holding the checkpoint, and its registry entry if it is a known model."""
-    text = str(name_or_path)
-    if not text.strip():
-        raise ArgumentError("name_or_path='' is invalid: expected a checkpoint folder, a hub id (org/name) or a "
-                            f"zoo name ({', '.join(k for k, v in KNOWN_MODELS.items() if v.zoo)}).",
-                            argument="name_or_path", value=name_or_path, allowed="a folder, hub id or zoo name")
-    known = lookup(text)
-    if known is not None and known.zoo:
-        folder = ZOO_DIR / known.name.split("/")[-1]
-        if not (folder / "config.json").exists():
-            raise CheckpointNotFoundError(f"the zoo model {known.name} is not in this installation ({folder}). "
-                                          "Rebuild it with `python -m mdm_lens.zoo.train`.")
-        return folder, known
-    path = Path(text).expanduser()
-    if path.is_dir():
-        return path, known
-    if text.lower().startswith(ZOO_ORG + "/"):  # our own org never lives on the hub: a typo of a zoo name
-        zoo = ", ".join(k for k, v in KNOWN_MODELS.items() if v.zoo)
-        raise UnknownModelError(f"unknown zoo model {text!r}.{_did_you_mean(text) or ''} The shipped models are: "
-                                f"{zoo}.")
-    if text.startswith((".", "/", "~")) or os.sep in text.strip("/").replace("/", "", 1):
-        raise CheckpointNotFoundError(f"no folder at {path}. Pass an existing checkpoint folder or a hub id.")
-    if "/" not in text:
-        raise UnknownModelError(f"unknown model {text!r}: not a folder and not a hub id (org/name).{_did_you_mean(text)}"
-                                f" Known models: {', '.join(KNOWN_MODELS)}.")
-    try:
-        return _from_hf_cache(text, allow_download), known
-    except CheckpointNotFoundError as e:
-        hint = "" if known is not None else _did_you_mean(text)
-        if hint:
-            raise CheckpointNotFoundError(f"{e}{hint}") from e
-        raise
-
-
-def _from_hf_cache(repo_id: str, allow_download: bool) -> Path:
-    from huggingface_hub import snapshot_download
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    # read the cache location now, not at huggingface_hub's import, so a changed HF_HUB_CACHE is honoured
-    cache_dir = os.environ.get("HF_HUB_CACHE") or (
-        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None)
-    try:
-        return Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=_ALLOW, cache_dir=cache_dir))
-    except Exception as cached_error:  # LocalEntryNotFoundError and friends
-        if allow_download and not offline:
-            return Path(snapshot_download(repo_id, allow_patterns=_ALLOW, cache_dir=cache_dir))
-        why = "HF_HUB_OFFLINE is set" if offline else "downloads are off by default (allow_download=False)"
-        raise CheckpointNotFoundError(
-            f"{repo_id} is not in the Hugging Face cache ({type(cached_error).__name__}) and {why}. Fetch it once "
-            f"with `hf download {repo_id} --include '*.json' '*.safetensors' 'tokenizer*'` (or "
-            "`huggingface-cli download …`), or pass the local folder that holds config.json and the weights."
-        ) from cached_error
+from mdm_lens.loading.values import HF_SCHEMA, LLADA_SCHEMA, check_ids_in_vocab, check_raw
 
 
 def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMConfig, str]:
@@ -118,6 +50,7 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
             family = family_of(raw)
             cfg = family_config(raw, family, name, folder)
         elif is_llada(raw):
+            check_raw(raw, LLADA_SCHEMA, path)
             cfg, family = config_from_llada(raw, name), "llada"
         else:
             family = hf_family(raw)
@@ -125,9 +58,15 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
                 raise ConfigError(f"{path}: architectures={raw.get('architectures')} model_type="
                                   f"{raw.get('model_type')!r} is not a supported family (LLaDAModelLM, DreamModel, "
                                   "LlamaForCausalLM, Qwen2ForCausalLM).")
+            check_raw(raw, HF_SCHEMA, path)
             cfg = config_from_hf(raw, family, name)
+        check_ids_in_vocab(raw, cfg.d_vocab, path)
     except (TypeError, KeyError) as e:  # a value of the wrong JSON type (e.g. "n_heads": "32")
         raise ConfigError(f"{path} has a setting of the wrong type or form ({type(e).__name__}: {e}).") from e
+    except ConfigError as e:  # MDMConfig's own checks name the field; say which file it came from
+        if str(path) in str(e):
+            raise
+        raise ConfigError(f"{path}: {e}") from e
     _apply_registry_facts(cfg, known, family)
     apply_special_tokens(cfg, folder, raw, family, known)
     return cfg, family
@@ -147,18 +86,14 @@ def _apply_registry_facts(cfg: MDMConfig, known: KnownModel | None, family: str)
     cfg.extra.setdefault("prepend_bos", family == "llama")
 
 
-def native_plan(cfg: MDMConfig, keys: list[str]) -> Plan:
-    from mdm_lens.model import HookedMDM
-
-    with torch.device("meta"):
-        names = list(HookedMDM(cfg).state_dict())
-    if cfg.tie_word_embeddings:
-        names.remove("unembed.weight")
-    return {n: [n] for n in names}
+def native_plan(cfg: MDMConfig, names: list[str]) -> Plan:
+    """Our own format stores each parameter under its own name (`names`: the model's state_dict keys)."""
+    return {n: [n] for n in names if not (cfg.tie_word_embeddings and n == "unembed.weight")}
 
 
 def build_state_dict(plan: Plan, reader: CheckpointReader, expected: dict[str, tuple[int, ...]],
-                     dtype: torch.dtype, device: str | torch.device, tied_hint: str = "") -> dict[str, torch.Tensor]:
+                     source_shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str | torch.device,
+                     tied_hint: str = "") -> dict[str, torch.Tensor]:
     """Check every source tensor is present with the right shape, then assemble (cat) and cast."""
     keys = set(reader.keys())
     wanted = {src for sources in plan.values() for src in sources}
@@ -171,17 +106,17 @@ def build_state_dict(plan: Plan, reader: CheckpointReader, expected: dict[str, t
             f"{extra[:8]}{' …' if len(extra) > 8 else ''}. Check that config.json belongs to these weights."
             + (tied_hint if any(_is_unembed(k) for k in missing + extra) else "")
         )
+    wrong = {src: (reader.shape(src), want) for src, want in source_shapes.items() if reader.shape(src) != want}
+    if wrong:  # checked from the file headers before any tensor is read
+        listed = "; ".join(f"{src} has shape {got}, expected {want}" for src, (got, want) in list(wrong.items())[:8])
+        raise CheckpointError(
+            f"shape mismatch in {reader.folder}: {listed}{' …' if len(wrong) > 8 else ''}. config.json and the "
+            "weights disagree (d_model, heads, kv heads, head size, d_mlp or vocab size), or the tensor is corrupt."
+        )
     out = {}
     for target, sources in plan.items():
         parts = [reader.get(src) for src in sources]
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if tuple(tensor.shape) != expected[target]:
-            raise CheckpointError(
-                f"shape mismatch for {target}: the checkpoint gives {tuple(tensor.shape)} (from "
-                f"{ {s: tuple(p.shape) for s, p in zip(sources, parts)} }), the config "
-                f"implies {expected[target]}. config.json and the weights disagree (d_model, heads, kv heads, d_mlp "
-                "or vocab size)."
-            )
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # the shapes were checked above
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             bad = [s for s, p in zip(sources, parts) if p.is_floating_point() and not bool(torch.isfinite(p).all())]
             raise CheckpointError(f"tensor(s) {bad} in {reader.folder} hold NaN or inf values: the checkpoint is "
@@ -256,13 +191,16 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
     cfg, family = read_config(folder, name, known)
     cfg.dtype, cfg.device = dtype, device
     reader = CheckpointReader(folder)
-    keys = reader.keys()
-    plans = {"llada": llada_plan, "mdm_lens": native_plan, **dict.fromkeys(FAMILY_ARCHES, family_plan)}
-    plan = plans.get(family, hf_plan)(cfg, keys)
     with torch.device("meta"):
         model = cls(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    state = build_state_dict(plan, reader, expected, dtype, device, tied_hint=_tying_hint(cfg, family, folder))
+    if family == "mdm_lens":
+        plan = native_plan(cfg, list(expected))
+    else:
+        plans = {"llada": llada_plan, **dict.fromkeys(FAMILY_ARCHES, family_plan)}
+        plan = plans.get(family, hf_plan)(cfg, reader.keys())
+    state = build_state_dict(plan, reader, expected, source_shapes(cfg, plan, expected), dtype, device,
+                             tied_hint=_tying_hint(cfg, family, folder))
     if cfg.tie_word_embeddings:
         state["unembed.weight"] = state["embed.W_E"]
     model.load_state_dict(state, strict=True, assign=True)
@@ -281,19 +219,6 @@ def _tying_hint(cfg: MDMConfig, family: str, folder: Path) -> str:
     state = "tied" if cfg.tie_word_embeddings else "untied"
     return (f" The config says the unembedding is {state} ({key}={cfg.tie_word_embeddings}; an absent key takes the "
             f"reference default); if the weights disagree, set {key} in {folder / 'config.json'}.")
-
-
-def _load_tokenizer(folder: Path) -> Any:
-    """A tokenizer from the folder's files, without remote code; None when the folder has none."""
-    if (folder / "tokenizer.json").exists():
-        from tokenizers import Tokenizer
-
-        try:
-            return Tokenizer.from_file(str(folder / "tokenizer.json"))
-        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
-            raise CheckpointError(f"{folder / 'tokenizer.json'} could not be read ({e}); fetch it again, or pass "
-                                  "load_tokenizer=False to load the weights without it.") from e
-    return None
 
 
 def save_pretrained(model: Any, folder: str | os.PathLike) -> Path:

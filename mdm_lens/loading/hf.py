@@ -13,6 +13,7 @@ from typing import Any
 from mdm_lens.config import MDMConfig
 from mdm_lens.errors import ConfigError
 from mdm_lens.loading.plan import Plan, block_plan
+from mdm_lens.loading.rope import rope_settings  # re-exported: older code imports it from here
 
 FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "DreamModel": "dream"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "dream": "dream"}
@@ -45,32 +46,6 @@ def hf_family(config: dict[str, Any]) -> str | None:
 
 def _get(config: dict[str, Any], family: str, key: str) -> Any:
     return config[key] if key in config else REFERENCE_DEFAULTS[family].get(key)
-
-
-def rope_settings(config: dict[str, Any], family: str) -> tuple[float, dict[str, Any] | None]:
-    """`(theta, scaling)`: transformers 5 writes `rope_parameters`, older files `rope_theta` + `rope_scaling`.
-
-    Only plain rotary embeddings and the two scalings whose effect is exact and position-independent in
-    form (`linear`, `llama3`) are implemented; any other `rope_type` is refused rather than run wrong."""
-    params = dict(config.get("rope_parameters") or {})
-    scaling = dict(_get(config, family, "rope_scaling") or {})
-    merged = {**scaling, **params}
-    kind = merged.get("rope_type") or merged.get("type") or "default"
-    theta = float(params.get("rope_theta", _get(config, family, "rope_theta")))
-    if kind == "default":
-        return theta, None
-    if kind not in ("linear", "llama3"):
-        raise ConfigError(f"rope type {kind!r} (rope scaling {merged}) is not implemented; mdm_lens supports plain "
-                          "rotary embeddings and the 'linear' and 'llama3' scalings. It refuses rather than run "
-                          "different positions than the reference.")
-    if family == "dream" or (family == "qwen2" and kind == "llama3"):
-        raise ConfigError(f"rope type {kind!r} is not one a {family} checkpoint uses; refusing to guess.")
-    need = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor",
-                                                  "original_max_position_embeddings")
-    missing = [k for k in need if k not in merged]
-    if missing:
-        raise ConfigError(f"rope scaling {merged} lacks {missing}.")
-    return theta, {"rope_type": kind, **{k: float(merged[k]) for k in need}}
 
 
 def _n_kv_heads(config: dict[str, Any], family: str, n_heads: int) -> int:
@@ -124,7 +99,7 @@ def config_from_hf(config: dict[str, Any], family: str, name: str) -> MDMConfig:
     dream = family == "dream"
     # Qwen2Attention and DreamAttention hard-code q/k/v biases; Llama follows attention_bias (checked above)
     qkv_bias = family in ("qwen2", "dream")
-    theta, scaling = rope_settings(config, family)
+    theta, scaling = rope_settings(config, family, _get(config, family, "max_position_embeddings"))
     extra: dict[str, Any] = {"rope_scaling": scaling} if scaling else {}
     return MDMConfig(
         d_model=d_model, n_layers=_get(config, family, "num_hidden_layers"), n_heads=n_heads,
@@ -135,9 +110,10 @@ def config_from_hf(config: dict[str, Any], family: str, name: str) -> MDMConfig:
         attention="bidirectional" if dream else "causal", logit_shift=dream, rope_full_precision=False,
         position_policy="cumsum" if dream else "arange", padding_mask="pair" if dream else "key",
         tie_word_embeddings=bool(_get(config, family, "tie_word_embeddings")),
-        mask_token_id=_get(config, family, "mask_token_id") if dream else None,
+        # absent ids: the family defaults fill them later, only when this vocabulary can hold them
+        mask_token_id=config.get("mask_token_id") if dream else None,
         bos_token_id=_eos(config.get("bos_token_id")), eos_token_id=None,
-        pad_token_id=_eos(_get(config, family, "pad_token_id")), family=family, model_name=name, extra=extra,
+        pad_token_id=_eos(config.get("pad_token_id")), family=family, model_name=name, extra=extra,
     )
 
 

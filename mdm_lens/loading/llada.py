@@ -83,7 +83,8 @@ def config_from_llada(config: dict[str, Any], name: str) -> MDMConfig:
         qkv_bias=bool(_get(config, "include_qkv_bias")), attention="bidirectional", logit_shift=False,
         rope_full_precision=bool(_get(config, "rope_full_precision")), position_policy="arange",
         padding_mask="key", tie_word_embeddings=bool(_get(config, "weight_tying")),
-        mask_token_id=config.get("mask_token_id", SAMPLER_MASK_ID), eos_token_id=None,
+        # absent: SAMPLER_MASK_ID via the family defaults, which skip an id this vocabulary cannot hold
+        mask_token_id=config.get("mask_token_id"), eos_token_id=None,
         pad_token_id=config.get("pad_token_id"), bos_token_id=config.get("bos_token_id"),
         family="llada", model_name=name, extra=extra,
     )

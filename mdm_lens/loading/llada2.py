@@ -55,7 +55,7 @@ def block_length_from(config: dict[str, Any], default: int) -> int:
 
 
 def config_from_llada2(config: dict[str, Any], name: str, folder: Path) -> MDMConfig:
-    from mdm_lens.loading.families import dense_width, in_vocab, mask_token_id
+    from mdm_lens.loading.family_parts import dense_width, in_vocab, mask_token_id
 
     if _get(config, "hidden_act") != "silu":
         raise ConfigError(f"LLaDA2 hidden_act={_get(config, 'hidden_act')!r}; only SiLU-gated MLPs are supported.")
@@ -99,7 +99,7 @@ def config_from_llada2(config: dict[str, Any], name: str, folder: Path) -> MDMCo
 
 
 def llada2_plan(cfg: MDMConfig, keys: list[str]) -> Plan:
-    from mdm_lens.loading.families import moe_plan, mlp_plan
+    from mdm_lens.loading.family_parts import moe_plan, mlp_plan
 
     plan: Plan = {"embed.W_E": ["model.word_embeddings.weight"], "ln_final.w": ["model.norm.weight"]}
     if not cfg.tie_word_embeddings:

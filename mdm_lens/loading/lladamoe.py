@@ -45,7 +45,7 @@ def _positive(config: dict[str, Any], key: str) -> Any:
 
 
 def config_from_lladamoe(config: dict[str, Any], name: str, folder: Path) -> MDMConfig:
-    from mdm_lens.loading.families import dense_width, in_vocab, mask_token_id
+    from mdm_lens.loading.family_parts import dense_width, in_vocab, mask_token_id
 
     if _get(config, "hidden_act") != "silu":
         raise ConfigError(f"LLaDA-MoE hidden_act={_get(config, 'hidden_act')!r}; only SiLU-gated MLPs are supported.")
@@ -93,7 +93,7 @@ def config_from_lladamoe(config: dict[str, Any], name: str, folder: Path) -> MDM
 
 
 def lladamoe_plan(cfg: MDMConfig, keys: list[str]) -> Plan:
-    from mdm_lens.loading.families import attention_plan, mlp_plan, moe_plan
+    from mdm_lens.loading.family_parts import attention_plan, mlp_plan, moe_plan
 
     plan: Plan = {"embed.W_E": ["model.embed_tokens.weight"], "ln_final.w": ["model.norm.weight"]}
     if not cfg.tie_word_embeddings:

@@ -26,9 +26,24 @@ def block_plan(cfg: MDMConfig, layer: int, names: dict[str, str], qkv_bias: bool
     return plan
 
 
-def expected_shapes(cfg: MDMConfig) -> dict[str, tuple[int, ...]]:
-    """Shape of each *source* role, used to name the exact tensor that does not fit."""
-    h, g, e, d, f, v = cfg.n_heads, cfg.n_key_value_heads, cfg.d_head, cfg.d_model, cfg.d_mlp, cfg.d_vocab
-    return {"ln1": (d,), "ln2": (d,), "q": (h * e, d), "k": (g * e, d), "v": (g * e, d), "o": (d, h * e),
-            "gate": (f, d), "up": (f, d), "down": (d, f), "q_bias": (h * e,), "k_bias": (g * e,),
-            "v_bias": (g * e,), "embed": (v, d), "unembed": (v, d), "norm": (d,)}
+def source_shapes(cfg: MDMConfig, plan: Plan, expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The shape each *source* tensor must have: a fused parameter (q|k|v, gate|up) is cut along dim 0 into
+    its parts, so a wrong shape is reported on the checkpoint tensor that has it, not on the fused result."""
+    q, kv, f = cfg.n_heads * cfg.d_head, cfg.n_key_value_heads * cfg.d_head, cfg.d_mlp
+    out: dict[str, tuple[int, ...]] = {}
+    for target, sources in plan.items():
+        shape = expected[target]
+        if len(sources) == 1:
+            out[sources[0]] = shape
+            continue
+        if target.endswith(("attn.qkv_weight", "attn.qkv_bias")):
+            sizes = [q, kv, kv]
+        elif target.endswith("mlp.gate_up_weight"):
+            sizes = [f, f]
+        elif target.endswith("gate_up_weight"):  # an expert's or a shared expert's (its own d_mlp): equal halves
+            sizes = [shape[0] // 2, shape[0] // 2]
+        else:
+            raise ValueError(f"no split known for the fused parameter {target}")  # a plan bug, not user input
+        for source, size in zip(sources, sizes, strict=True):
+            out[source] = (size, *shape[1:])
+    return out

@@ -18,7 +18,7 @@ from typing import Any
 
 from mdm_lens.config import MDMConfig
 from mdm_lens.errors import ConfigError
-from mdm_lens.loading.hf import rope_settings
+from mdm_lens.loading.rope import rope_settings
 from mdm_lens.loading.plan import Plan
 
 _COMMON = {"vocab_size": 151936, "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
@@ -36,7 +36,7 @@ SAMPLER_BLOCK_LENGTH = 4  # JetAstra/SDAR generate.py --block_length
 
 
 def config_from_sdar(config: dict[str, Any], family: str, name: str, folder: Path) -> MDMConfig:
-    from mdm_lens.loading.families import dense_width, in_vocab, mask_token_id
+    from mdm_lens.loading.family_parts import dense_width, in_vocab, mask_token_id
     from mdm_lens.loading.llada2 import block_length_from
 
     defaults = REFERENCE_DEFAULTS[family]
@@ -50,7 +50,8 @@ def config_from_sdar(config: dict[str, Any], family: str, name: str, folder: Pat
     n_layers = get("num_hidden_layers")
     n_kv = get("num_key_value_heads") or n_heads
     d_head = get("head_dim") or d_model // n_heads
-    theta, scaling = rope_settings({**config, "rope_theta": get("rope_theta")}, "llama")
+    theta, scaling = rope_settings({**config, "rope_theta": get("rope_theta")}, "llama",
+                                   get("max_position_embeddings"))
     moe_layers = [False] * n_layers
     extra: dict[str, Any] = {"arch": family, "qk_norm": True, "o_bias": bool(get("attention_bias")),
                              "block_length": block_length_from(config, SAMPLER_BLOCK_LENGTH)}
@@ -79,7 +80,7 @@ def config_from_sdar(config: dict[str, Any], family: str, name: str, folder: Pat
 
 
 def sdar_plan(cfg: MDMConfig, keys: list[str]) -> Plan:
-    from mdm_lens.loading.families import attention_plan, mlp_plan, moe_plan
+    from mdm_lens.loading.family_parts import attention_plan, mlp_plan, moe_plan
 
     plan: Plan = {"embed.W_E": ["model.embed_tokens.weight"], "ln_final.w": ["model.norm.weight"]}
     if not cfg.tie_word_embeddings:

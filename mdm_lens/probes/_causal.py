@@ -163,17 +163,12 @@ def clean_answer(model: Any, generated: Int[Tensor, "batch gen"], offset: int) -
 
 
 def _encode_text(model: Any, text: str) -> list[int]:
-    """Text → ids with the model's tokenizer; without one, the zoo tokenizer only when the vocabularies
-    match (a random stand-in for a twin), else a typed error asking for ids."""
+    """Text → ids with the model's own tokenizer; without one, a typed error asking for ids."""
     from mdm_lens import tokenization
-    from mdm_lens.zoo import tokenizer as ZT
 
-    if getattr(model, "tokenizer", None) is not None:
-        return tokenization.encode(model.tokenizer, text)
-    if model.cfg.d_vocab == ZT.vocab_size():
-        return list(ZT.encode(text))
-    raise ArgumentError(f"answer={text!r} is text but the model has no tokenizer; pass token ids instead.",
-                        argument="answer", value=text, allowed="token ids (or set a tokenizer)")
+    from ._text import model_tokenizer
+
+    return tokenization.encode(model_tokenizer(model, "answer", text, "the answer as token ids"), text)
 
 
 def prompt_batch(ids: Any, name: str, device: Any) -> Tensor:

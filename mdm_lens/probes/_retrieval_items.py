@@ -15,6 +15,7 @@ from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, OutOfRangeError
 
 from ._results import ResultMixin, to_numpy
+from ._text import encode_with_offsets, model_tokenizer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,13 +83,17 @@ def _span(span: Any, n: int, name: str) -> tuple[int, int]:
     return s, validate.integer(span[1], name=f"{name}[1]", min=s + 1, max=n, error=OutOfRangeError)
 
 
-def from_qa_item(item: Any) -> RetrievalItem:
-    """A zoo ``QAItem`` → ``RetrievalItem`` from one tokenisation with char offsets: the needle is the
-    answer occurrence in the gold passage (``evidence_span``), the gold doc its marker + sentence."""
+def from_qa_item(item: Any, tokenizer: Any = None) -> RetrievalItem:
+    """A ``QAItem`` → ``RetrievalItem`` from one tokenisation with char offsets by ``tokenizer`` (the model's:
+    ``model.tokenizer``): the needle is the answer occurrence in the gold passage (``evidence_span``), the
+    gold doc its marker + sentence."""
     from mdm_lens.items import char_span_to_token_span
-    from mdm_lens.zoo import tokenizer as ZT
 
-    ids, off = ZT.encode_with_offsets(item.prompt)
+    if tokenizer is None:
+        raise ArgumentError("tokenizer=None is invalid: a QAItem is text, so from_qa_item needs the tokenizer of "
+                            "the model it is for (tokenizer=model.tokenizer).", argument="tokenizer", value=None,
+                            allowed="a tokenizers.Tokenizer or transformers tokenizer")
+    ids, off = encode_with_offsets(tokenizer, item.prompt)
     ev = [] if item.evidence_span is None else [char_span_to_token_span(off, item.evidence_span)]
     gold = None
     if item.gold_index is not None:
@@ -99,18 +104,18 @@ def from_qa_item(item: Any) -> RetrievalItem:
     return RetrievalItem(torch.tensor(ids, dtype=torch.long), ev, item.answer, gold)
 
 
-def _as_item(item: Any) -> RetrievalItem:
-    return item if isinstance(item, RetrievalItem) else from_qa_item(item)
+def _as_item(item: Any, model: Any) -> RetrievalItem:
+    """A RetrievalItem as is; a QAItem tokenised by the model's own tokenizer (typed error without one)."""
+    if isinstance(item, RetrievalItem):
+        return item
+    return from_qa_item(item, model_tokenizer(model, "items", item, "RetrievalItem(s) of token ids"))
 
 
 def _decode(model: Any, ids: Sequence[int]) -> str:
-    if getattr(model, "tokenizer", None) is not None:
-        from mdm_lens import tokenization
+    from mdm_lens import tokenization
 
-        return tokenization.decode(model.tokenizer, list(ids))
-    from mdm_lens.zoo import tokenizer as ZT
-
-    return ZT.decode(ids)
+    tokenizer = model_tokenizer(model, "answer", "<text>", "the answer as token ids, or decode=")
+    return tokenization.decode(tokenizer, list(ids))
 
 
 def answer_correct(model: Any, generated: Sequence[int] | Tensor, answer: Any, decode: Any = None) -> bool:

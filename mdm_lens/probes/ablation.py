@@ -106,7 +106,7 @@ def answer_accuracy(model: Any, items: Sequence[Any], fwd_hooks: Sequence[Any] =
     seed = validate.integer(seed, name="seed", min=0)
     hits = []
     for raw in items:
-        item = _as_item(raw)
+        item = _as_item(raw, model)
         out = model.generate(_batch(item.prompt_ids, model.input_device), steps=steps or g, gen_length=g,
                              fwd_hooks=list(fwd_hooks), seed=seed, **generate_kwargs)
         hits.append(answer_correct(model, out.tokens[0, out.prompt_length:].cpu(), item.answer, decode))

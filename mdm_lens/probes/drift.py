@@ -20,7 +20,7 @@ from mdm_lens.errors import ArgumentError, ArgumentTypeError
 
 from . import _checks as C
 from ._results import ResultMixin, to_numpy
-from .floating import absorption
+from .received import absorption
 
 __all__ = ["drift", "DriftResult", "anchor_types", "spearman", "ols_slope", "wasserstein1", "initial_absorption",
            "classify_layer", "LayerClassification", "ANCHOR_TYPES", "LAYER_LABELS"]
@@ -128,8 +128,8 @@ class DriftResult(ResultMixin):
     stability: Tensor            # [...]          π_{j*}
     n_anchors: Tensor            # [..., step]    |S_s|
     empty_fraction: Tensor       # [...]          fraction of steps with S_s = ∅
-    jaccard: Tensor              # [..., pair]    |S_s ∩ S_{s+1}| / |S_s ∪ S_{s+1}| (both empty: 1)
-    mean_jaccard: Tensor         # [...]          J̄ (NaN with one step)
+    jaccard: Tensor              # [..., pair]    |S_s ∩ S_{s+1}| / |S_s ∪ S_{s+1}| (both empty: NaN, 0/0)
+    mean_jaccard: Tensor         # [...]          J̄ over the defined pairs (NaN with one step or none defined)
     drift_index: Tensor          # [...]          1 − J̄
     n_distinct: Tensor           # [...]          U = |∪_s S_s|
     top1: Tensor                 # [..., step]    argmax_j r_j(s) over visible keys
@@ -240,8 +240,9 @@ def drift(anchors: Bool[Tensor, "... step key"], received: Float[Tensor, "... st
 
     inter = (a[..., 1:, :] & a[..., :-1, :]).sum(-1).to(torch.float64)
     union = (a[..., 1:, :] | a[..., :-1, :]).sum(-1).to(torch.float64)
-    jac = torch.where(union > 0, inter / union.clamp_min(1), torch.ones_like(union))
-    mean_jac = jac.mean(-1) if n_steps > 1 else torch.full(jac.shape[:-1], torch.nan, dtype=torch.float64)
+    # two empty anchor sets are 0/0: no evidence of stability or of drift, so NaN (and left out of the mean)
+    jac = torch.where(union > 0, inter / union.clamp_min(1), torch.full_like(union, torch.nan))
+    mean_jac = jac.nanmean(-1) if n_steps > 1 else torch.full(jac.shape[:-1], torch.nan, dtype=torch.float64)
 
     masked_r = torch.where(vis, r, torch.full_like(r, -torch.inf))
     top1 = masked_r.argmax(-1)

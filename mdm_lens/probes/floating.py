@@ -1,4 +1,7 @@
-"""Floating tokens / attention sinks: received attention, anchor detection, absorption, drift.
+"""Floating tokens / attention sinks: anchor detection and the absorption of anchor sets against baselines.
+
+Received attention and masks live in :mod:`mdm_lens.probes.received`, drift and layer labels in
+:mod:`mdm_lens.probes.drift`; both are re-exported here (their historical home).
 
 Spec: ``shared/specs/probes_and_paper.md`` §1.a, §1.b, §3.1-§3.5.
 
@@ -27,17 +30,18 @@ from mdm_lens.errors import ArgumentError
 
 from . import _checks as C
 from ._results import ResultMixin
+# measurement half (masks, received attention, Absorb): its own module, re-exported here as before
+from .received import (KINDS, Kind, absorption, align_mask, received_attention, uniform_pattern,
+                       uniform_received, visibility_mask)
 
 __all__ = [
     "align_mask", "visibility_mask", "uniform_pattern", "received_attention", "uniform_received",
     "detect_anchors", "absorption", "uniform_null", "absorption_variants", "AbsorptionResult",
     "drift", "DriftResult", "anchor_types", "spearman", "ols_slope", "wasserstein1", "initial_absorption",
     "classify_layer", "LayerClassification", "ANCHOR_TYPES", "LAYER_LABELS", "RULES", "KINDS",
-    "STD_ZERO", "RULE_B_RTOL",
+    "STD_ZERO", "RULE_B_ULPS",
 ]
 
-Kind = Literal["mass", "visibility", "cumulative"]
-KINDS: tuple[str, ...] = ("mass", "visibility", "cumulative")
 Rule = Literal["zscore", "paper_absorption", "paper_temporal", "paper_qk", "gu", "rulli", "topk"]
 RULES: tuple[str, ...] = ("zscore", "paper_absorption", "paper_temporal", "paper_qk", "gu", "rulli", "topk")
 # Rule-specific default thresholds (eps=None picks these).
@@ -46,158 +50,12 @@ _DEFAULT_EPS = {"zscore": 3.0, "paper_absorption": 3.0, "paper_temporal": 3.0, "
 # Rule C's spread guard, as the reference's ``np.isclose(std, 0.0)`` (atol 1e-8): std <= 1e-8 skips the 3-sigma
 # test, and the top-1 fallback then still runs (a flat head gives [argmax] = the first visible key).
 STD_ZERO = 1e-8
-# Rules B/C: c_j must exceed the threshold by more than RULE_B_RTOL * |threshold| (at least 8 ulps of the input
-# dtype). Without it a flat row whose column sums differ by one ulp (summation order) has a lone "spike" whose
-# z-score is sqrt(T - 1) > 3, i.e. a spurious anchor that depends on the summation order.
-RULE_B_RTOL = 1e-6
-
-
-# ----------------------------------------------------------------------------------------------
-# masks
-# ----------------------------------------------------------------------------------------------
-
-def align_mask(mask: Tensor, ndim: int, batch_dim: int | None = None) -> Tensor:
-    """Insert singleton axes so ``mask [b0, ..., key]`` broadcasts against an ``ndim``-axis tensor.
-
-    The mask's leading axes are placed starting at ``batch_dim`` of the target and its last axis at
-    the target's last axis, e.g. ``[batch, key]`` against ``[step, batch, layer, head, key]`` with
-    ``batch_dim=1`` becomes ``[1, batch, 1, 1, key]``.  ``batch_dim=None``: right-aligned (unchanged).
-    """
-    validate.tensor(mask, name="mask", nonempty=False)
-    if mask.ndim == 0:
-        raise ArgumentError("mask is a 0-d tensor: expected at least a key axis.", argument="mask", value=mask,
-                            allowed=">= 1 dimension")
-    ndim = validate.integer(ndim, name="ndim", min=mask.ndim)
-    if batch_dim is None or mask.ndim == ndim:
-        return mask
-    batch_dim = validate.index(batch_dim, ndim, name="batch_dim", what="axis")
-    lead = mask.shape[:-1]
-    after = ndim - 1 - batch_dim - len(lead)
-    if after < 0:
-        raise ArgumentError(f"mask of shape {tuple(mask.shape)} does not fit {ndim} axes at batch_dim={batch_dim}: "
-                            f"expected batch_dim <= {ndim - mask.ndim}.", argument="batch_dim", value=batch_dim,
-                            allowed=f"[0, {ndim - mask.ndim}]")
-    return mask.reshape((1,) * batch_dim + tuple(lead) + (1,) * after + (mask.shape[-1],))
-
-
-def visibility_mask(n_query: int, n_key: int, key_visible: Bool[Tensor, "... key"] | None = None,
-                    causal: bool = False, device=None) -> Bool[Tensor, "... query key"]:
-    """V[i, j] = key_visible[j] and (not causal or j <= i + n_key - n_query).
-
-    The offset makes the last query see every key, as for a KV-cached suffix of queries.
-    """
-    n_query = validate.integer(n_query, name="n_query", min=1)
-    n_key = validate.integer(n_key, name="n_key", min=1)
-    key_visible = C.mask(key_visible, name="key_visible", size=n_key)
-    causal = validate.boolean(causal, name="causal")
-    if key_visible is not None:
-        device = key_visible.device
-    vis = torch.ones(n_query, n_key, dtype=torch.bool, device=device)
-    if causal:
-        vis = torch.tril(vis, diagonal=n_key - n_query)
-    if key_visible is not None:
-        vis = vis & key_visible[..., None, :]
-    return vis
-
-
-def uniform_pattern(n: int, causal: bool = False, key_visible: Bool[Tensor, "... key"] | None = None,
-                    dtype=torch.float64) -> Float[Tensor, "... query key"]:
-    """Uniform attention under the given visibility: A[i, j] = 1/|V_i| for j in V_i (0 for empty rows)."""
-    vis = visibility_mask(n, n, key_visible, causal).to(dtype)
-    return vis / vis.sum(-1, keepdim=True).clamp_min(1)
-
-
-def _default_query_mask(n_query: int, n_key: int, key_visible: Tensor | None) -> Tensor | None:
-    # Default query set = all non-pad positions (spec §3 conventions), i.e. the visible keys when the
-    # pattern is square; otherwise all rows.
-    if key_visible is not None and n_query == n_key:
-        return key_visible
-    return None
-
-
-# ----------------------------------------------------------------------------------------------
-# §3.1 received attention
-# ----------------------------------------------------------------------------------------------
-
-def received_attention(pattern: Float[Tensor, "... query key"],
-                       query_mask: Bool[Tensor, "... query"] | None = None,
-                       key_visible: Bool[Tensor, "... key"] | None = None,
-                       kind: Kind = "mass", causal: bool = False,
-                       nan_policy: str = "raise") -> Float[Tensor, "... key"]:
-    """Attention received by each key, reduced over a query set Q (default: all non-pad rows).
-
-    - ``mass``:       m_j = (1/|Q|) Σ_{i∈Q} A_ij            (AF's A^l_j; Σ_j m_j = 1 when Q = all rows)
-    - ``visibility``: r_j = (1/|Q_j|) Σ_{i∈Q_j} A_ij, Q_j = {i ∈ Q : j ∈ V_i}   (Gu's α; = m_j when
-      every query sees every key, i.e. bidirectional); 0 where Q_j is empty
-    - ``cumulative``: α_j = Σ_{i∈Q} A_ij                    (Rulli / SAP column sum)
-
-    ``causal`` only matters for ``visibility`` (which queries can see j); entries at invisible
-    (query, key) pairs are ignored, so unmasked patterns with mass (or NaN) on padding do not leak into
-    m_j.  NaN/inf at a used entry raises ``NonFiniteError`` (``nan_policy="omit"``: such entries count
-    as 0).  An empty query set raises for ``mass`` / ``visibility`` (a mean over no rows is undefined).
-    """
-    pattern = C.float_tensor(pattern, name="pattern", min_ndim=2)
-    n_q, n_k = pattern.shape[-2:]
-    query_mask = C.mask(query_mask, name="query_mask", size=n_q, against=pattern.shape[:-1])
-    key_visible = C.mask(key_visible, name="key_visible", size=n_k, against=pattern.shape[:-2] + (n_k,))
-    kind = validate.choice(kind, KINDS, name="kind")
-    causal = validate.boolean(causal, name="causal")
-    policy = C.nan_policy(nan_policy)
-    vis = visibility_mask(n_q, n_k, key_visible, causal, device=pattern.device)
-    if query_mask is None:
-        query_mask = _default_query_mask(n_q, n_k, key_visible)
-    q = torch.ones(n_q, dtype=torch.bool, device=pattern.device) if query_mask is None else query_mask
-    used = vis & q[..., :, None]
-    C.finite_where(pattern, used, name="pattern", policy=policy)
-    used = used & torch.isfinite(pattern)
-    a = torch.where(used, pattern, torch.zeros((), dtype=pattern.dtype, device=pattern.device))
-    col = a.sum(-2)                                                         # Σ_{i∈Q} A_ij
-    if kind == "cumulative":
-        return col
-    n_rows = q.to(pattern.dtype).sum(-1, keepdim=True)                      # |Q|
-    if bool((n_rows == 0).any()):
-        raise ArgumentError("the query set is empty in some series (query_mask / key_visible select no query "
-                            "row), so a mean over queries is undefined.", argument="query_mask",
-                            value=query_mask, allowed="at least one query row per series")
-    if kind == "mass":
-        return col / n_rows
-    n_seen = (vis & q[..., :, None]).to(pattern.dtype).sum(-2)              # |Q_j|
-    return torch.where(n_seen > 0, col / n_seen.clamp_min(1), torch.zeros_like(col))
-
-
-def _harmonic(n: Tensor) -> Tensor:
-    """H_n = Σ_{k=1}^{n} 1/k for integer tensors (float64), H_0 = 0; exact summation."""
-    n = n.long()
-    m = max(int(n.max().item()), 0) if n.numel() else 0      # all-invisible rows have rank -1
-    steps = torch.arange(1, m + 1, dtype=torch.float64, device=n.device)
-    table = torch.cat([torch.zeros(1, dtype=torch.float64, device=n.device), torch.cumsum(1.0 / steps, 0)])
-    return table[n.clamp_min(0)]
-
-
-def uniform_received(key_visible: Bool[Tensor, "... key"], causal: bool = False,
-                     kind: Kind = "mass") -> Float[Tensor, "... key"]:
-    """Closed-form received attention of *uniform* attention, query set = all visible rows.
-
-    With n = |V| visible keys and ρ_j the rank of j among them (0-based): bidirectional m_j = 1/n;
-    causal m_j = (H_n − H_{ρ_j})/n, r_j = (H_n − H_{ρ_j})/(n − ρ_j), α_j = H_n − H_{ρ_j}.
-    In particular causal m_0 = H_n/n (the causal-mask share of column 0, §1.a).  Invisible keys: 0.
-    """
-    if not isinstance(key_visible, Tensor):
-        raise C.ArgumentTypeError(f"key_visible={validate.describe(key_visible)} is invalid: expected a bool tensor.",
-                                  argument="key_visible", value=key_visible, allowed="a bool tensor")
-    vis = C.mask(key_visible, name="key_visible", size=key_visible.shape[-1] if key_visible.ndim else 1)
-    causal = validate.boolean(causal, name="causal")
-    kind = validate.choice(kind, KINDS, name="kind")
-    n = vis.sum(-1, keepdim=True)
-    if not causal:
-        inv = 1.0 / n.clamp_min(1).to(torch.float64)
-        per = {"mass": inv, "visibility": inv, "cumulative": torch.ones_like(inv)}[kind]
-        return torch.where(vis, per.to(torch.float64).expand(vis.shape), torch.zeros((), dtype=torch.float64))
-    rank = torch.cumsum(vis.long(), -1) - 1
-    tail = _harmonic(n).expand(vis.shape) - _harmonic(rank)               # Σ_{ρ_i ≥ ρ_j} 1/(ρ_i + 1)
-    denom = {"mass": n.expand(vis.shape), "visibility": n - rank, "cumulative": torch.ones_like(rank)}[kind]
-    out = tail / denom.clamp_min(1).to(torch.float64)
-    return torch.where(vis, out, torch.zeros((), dtype=torch.float64))
+# Rules B/C: c_j must exceed the threshold by more than RULE_B_ULPS ulps of the *input* dtype, relative to
+# |threshold|. Without it a flat row whose column sums differ by one ulp (summation order) has a lone "spike"
+# whose z-score is sqrt(T - 1) > 3, a spurious anchor that depends on the summation order. The guard is the
+# input's precision and nothing more, so differences the input dtype does resolve (1e-6 in float64) are
+# judged exactly as the reference, which has no guard, judges them.
+RULE_B_ULPS = 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,7 +99,7 @@ def _top1(r: Tensor, vis: Tensor) -> Tensor:
 
 
 def _rule_b_rtol(dtype: torch.dtype) -> float:
-    return max(RULE_B_RTOL, 8 * torch.finfo(dtype).eps)
+    return RULE_B_ULPS * torch.finfo(dtype).eps
 
 
 def detect_anchors(received: Float[Tensor, "... key"], rule: Rule = "zscore", eps: float | None = None,
@@ -259,9 +117,9 @@ def detect_anchors(received: Float[Tensor, "... key"], rule: Rule = "zscore", ep
     - ``paper_absorption`` (AF Rule A): c_j > mean_{k≠j} c_k + ε (ε = 3, *absolute*), top-1 fallback
       if empty.  For column means (≤ 1) the rule can never fire, so this is exactly the top-1 key.
     - ``paper_temporal`` (Rule B): c_j > mean(c) + ε·std(c), population over all visible keys incl. j;
-      no fallback.  Relative guard: c_j must exceed the threshold t by more than
-      max(``RULE_B_RTOL``, 8 ulps of the input dtype)·|t|, so one-ulp differences of column sums (a flat
-      row summed in another order) never make an anchor.
+      no fallback.  Relative guard: c_j must exceed the threshold t by more than ``RULE_B_ULPS`` = 8 ulps
+      of the input dtype, times |t|, so one-ulp differences of column sums (a flat row summed in another
+      order) never make an anchor, while anything the dtype resolves is judged as the reference does.
     - ``paper_qk`` (Rule C, ``QK_decomposition.py``): the 3σ test of B (same guard) is skipped when
       std(c) ≤ ``STD_ZERO`` = 1e-8 (the reference's ``np.isclose(std, 0)``); then, if S is empty, the
       top-1 fallback always runs — a flat head gives {first visible key}, never ∅.
@@ -319,34 +177,6 @@ def detect_anchors(received: Float[Tensor, "... key"], rule: Rule = "zscore", ep
 # ----------------------------------------------------------------------------------------------
 # §1.b / §3.3 absorption
 # ----------------------------------------------------------------------------------------------
-
-def _mass(received: Tensor, name: str, policy: str) -> Tensor:
-    """float64 copy of a received-mass tensor: finite (or non-finite entries zeroed under ``omit``), >= 0."""
-    C.finite_where(received, None, name=name, policy=policy)
-    r = torch.nan_to_num(received.to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0)
-    if bool((r < 0).any()):
-        raise ArgumentError(f"{name} has negative entries (min {float(r.min()):.3g}): received attention is a "
-                            "mass, expected values >= 0.", argument=name, value=received, allowed="values >= 0")
-    return r
-
-
-def absorption(received: Float[Tensor, "... key"], anchors: Bool[Tensor, "... key"],
-               nan_policy: str = "raise") -> Float[Tensor, "..."]:
-    """Absorb(S) = 100 · Σ_{j∈S} m_j / Σ_j m_j  (percent; = 100 Σ_{j∈S} m_j for full-row mass).
-
-    NaN where Σ_j m_j = 0 (no mass at all: the share is undefined).  ``received`` must be finite and
-    ≥ 0 (``nan_policy="omit"``: non-finite entries count as 0).
-    """
-    received = C.float_tensor(received, name="received")
-    anchors = C.mask(anchors, name="anchors", size=received.shape[-1], against=received.shape)
-    if anchors is None:
-        raise ArgumentError("anchors=None is invalid: expected a bool key mask (the anchor set S).",
-                            argument="anchors", value=None, allowed="a bool tensor")
-    r = _mass(received, "received", C.nan_policy(nan_policy))
-    total = r.sum(-1)
-    part = torch.where(anchors, r, torch.zeros_like(r)).sum(-1)
-    return torch.where(total > 0, 100.0 * part / total.clamp_min(1e-300), torch.full_like(total, torch.nan))
-
 
 def uniform_null(T: int, causal: bool = False, variant: Literal["pos0", "top1"] = "pos0",
                  query_mask: Bool[Tensor, "query"] | Sequence[bool] | None = None,

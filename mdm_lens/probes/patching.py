@@ -141,12 +141,22 @@ class PatchingResult(ResultMixin):
     normalised: Tensor          # [condition, layer]
     n_positions: Tensor         # [condition, layer]  mean patched positions per row
     notes: list[str] = field(default_factory=list)
+    # [condition][layer]: why `normalised` is NaN there ("" where it is a number)
+    reason: list[list[str]] = field(default_factory=list)
 
     _dims: ClassVar = {"value": ("condition", "layer"), "normalised": ("condition", "layer"),
                        "n_positions": ("condition", "layer")}
 
     def _coords(self):
         return {"condition": self.conditions, "layer": self.layers}
+
+    def to_frame(self, lead_dims=None, metrics=None):
+        """The tidy table of `ResultMixin.to_frame` plus a `reason` column: why that (condition, layer)'s
+        normalised value is undefined (NaN), "" where it is defined."""
+        df = super().to_frame(lead_dims=lead_dims, metrics=metrics)
+        why = {(c, l): self.reason[i][j] for i, c in enumerate(self.conditions) for j, l in enumerate(self.layers)}
+        df["reason"] = [why.get((c, l), "") for c, l in zip(df["condition"], df["layer"])]
+        return df
 
     def table(self):
         """Wide summary: normalised metric, one row per layer, one column per condition."""
@@ -255,11 +265,33 @@ def patch_anchor_activations(model: Any, clean_ids: Any, corrupt_ids: Any, *, st
                                                               counter), float(mask.sum(-1).float().mean())))
     conds = list(table)
     value = torch.tensor([[v for v, _ in table[c]] for c in conds], dtype=torch.float64)
-    denom = v_clean - v_corr
-    notes = [] if abs(denom) > 1e-12 else ["clean and corrupted metrics are equal: normalised is NaN"]
-    norm = (value - v_corr) / denom if not notes else torch.full_like(value, torch.nan)
+    n_pos = torch.tensor([[n for _, n in table[c]] for c in conds], dtype=torch.float64)
+    scale = max(float(ro_c.abs().max()), float(ro_x.abs().max()))
+    norm, reason, notes = normalise(value, v_clean, v_corr, n_pos, raw_c.dtype, scale)
     return PatchingResult(step=s, component=component, direction=direction, layers=ls, conditions=conds,
                           metric=C.metric_name(metric), clean_value=v_clean, corrupt_value=v_corr, value=value,
-                          normalised=norm,
-                          n_positions=torch.tensor([[n for _, n in table[c]] for c in conds], dtype=torch.float64),
-                          notes=notes)
+                          normalised=norm, n_positions=n_pos, notes=notes, reason=reason)
+
+
+EQUAL_RUNS = "clean and corrupted metrics are equal (0/0): the corruption changed nothing to restore"
+NOTHING_PATCHED = "no position to patch at this layer (no anchors), so nothing was tested"
+
+
+def normalise(value: Tensor, clean: float, corrupt: float, n_positions: Tensor, logits_dtype: torch.dtype,
+              logit_scale: float = 0.0) -> tuple[Tensor, list[list[str]], list[str]]:
+    """(value − corrupt) / (clean − corrupt), NaN with a reason where it is undefined: the two runs' metrics
+    agree to within the logits' precision (0/0: 16 ulps of the largest of the two metrics and the readout
+    logits, since the same input through differently hooked forwards already differs by a few ulps of
+    the logits), or no position was patched in any row (the "patched" run is then the unpatched one, so
+    its 1 or 0 would be a fake result)."""
+    denom = clean - corrupt
+    precision = 16 * torch.finfo(logits_dtype).eps * max(abs(clean), abs(corrupt), logit_scale)
+    equal = abs(denom) <= precision
+    norm = torch.full_like(value, torch.nan) if equal else (value - corrupt) / denom
+    empty = n_positions == 0
+    norm = norm.masked_fill(empty, torch.nan)
+    reason = [[EQUAL_RUNS if equal else (NOTHING_PATCHED if bool(e) else "") for e in row] for row in empty]
+    notes = [f"{EQUAL_RUNS}: normalised is NaN"] if equal else []
+    if bool(empty.any()):
+        notes.append(f"{int(empty.sum())} (condition, layer) cell(s) patched no position: normalised is NaN there")
+    return norm, reason, notes

@@ -163,7 +163,7 @@ def retrieval_scores(model: Any, items: Sequence[Any], method: Method = "copy@co
     shift, H = readout_shift(model), model.cfg.n_heads
     per, correct = [], []
     for raw in items:
-        item = _as_item(raw)
+        item = _as_item(raw, model)
         out = _generate(model, item, method, ls, g, steps, fwd_hooks, seed, generate_kwargs)
         toks = out.tokens[0].cpu()
         ok = answer_correct(model, toks[out.prompt_length:], item.answer, decode)

@@ -319,9 +319,10 @@ def regions_for_item(item: Any, answer_length: int = 0, offsets: Sequence[tuple[
     """
     answer_length = validate.integer(answer_length, name="answer_length", min=0)
     if offsets is None:
-        from mdm_lens.zoo import tokenizer as ZT
-
-        _, offsets = ZT.encode_with_offsets(item.prompt)
+        raise ArgumentError("offsets=None is invalid: regions come from the per-token character offsets of the "
+                            "tokenisation the model saw; pass offsets=probes._text.encode_with_offsets("
+                            "model.tokenizer, item.prompt)[1].", argument="offsets", value=None,
+                            allowed="a list of (start, end) character offsets, one per token")
     regs = F.regions_from_char_spans(_item_char_spans(item), offsets)
     n = len(offsets)
     if answer_span is not None:
@@ -387,7 +388,9 @@ def flow_for_items(model: Any, items: Sequence[Any], mode: Literal["default", "p
     ``max_new_tokens`` / ``max_denoising_steps``.
     """
     from mdm_lens import items as D
-    from mdm_lens.zoo import tokenizer as ZT
+    from mdm_lens import tokenization
+
+    from ._text import encode_with_offsets, model_tokenizer
 
     items = _nonempty(items, "items")
     mode = validate.choice(mode, ("default", "paper"), name="mode")
@@ -395,8 +398,9 @@ def flow_for_items(model: Any, items: Sequence[Any], mode: Literal["default", "p
     g = _optional_length(gen_length, "gen_length") or int(model.cfg.extra.get("gen_length", 4))
     steps = _optional_length(steps, "steps")
     results, answers, correct = [], [], []
+    tokenizer = model_tokenizer(model, "items", items[0], "a model with a tokenizer")
     for item in items:
-        ids, offsets = ZT.encode_with_offsets(item.prompt)
+        ids, offsets = encode_with_offsets(tokenizer, item.prompt)
         toks, _, _ = generate_final(model, [torch.tensor(ids)], g, steps, **generate_kwargs)
         attn = final_attention(model, toks, prompt_length=len(ids))[0].mean(1)       # [layer, T, T]
         # the answer as generated: DiffusionGemma fills whole canvases, so it can be longer than gen_length
@@ -404,7 +408,8 @@ def flow_for_items(model: Any, items: Sequence[Any], mode: Literal["default", "p
         if mode == "paper":
             regs = F.paper_region_shift(regs)
         results.append(F.flow(attn, regs, causal=is_causal(model), mode=mode, residual=residual, warn=False))
-        answer = ZT.decode(toks[0, len(ids):].tolist())
+        pad = model.cfg.pad_token_id  # dropped, as the zoo's decode did; masks and EOS stay visible
+        answer = tokenization.decode(tokenizer, [t for t in toks[0, len(ids):].tolist() if t != pad])
         answers.append(answer)
         correct.append(D.substring_match(answer, item.answer))
     stack = lambda name: torch.stack([torch.as_tensor(getattr(r, name)).reshape(()) for r in results])  # noqa: E731

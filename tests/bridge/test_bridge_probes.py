@@ -179,8 +179,11 @@ def test_qk_at_layer_equals_the_closed_form_over_visible_keys():
 
 def test_flow_runs_on_diffusion_gemma_with_the_generated_answer():
     from mdm_lens.zoo import data as D
+    from mdm_lens.zoo import tokenizer as ZT
 
-    bridge = TransformersBridge(tiny_diffusion_gemma(seed=0, vocab_size=322, sliding_window=16))
+    # items are text: the probes read them with the model's own tokenizer (here the zoo's, vocab 322)
+    bridge = TransformersBridge(tiny_diffusion_gemma(seed=0, vocab_size=322, sliding_window=16),
+                                tokenizer=ZT.load_tokenizer())
     items = D.make_dataset(2, seed=3, n_distractors=2)
     res = run.flow_for_items(bridge, items, gen_length=4, steps=2)
     df = res.to_frame()
@@ -225,7 +228,7 @@ def zoo_pair():
     hf = tiny_diffusion_gemma(seed=2, vocab_size=ZT.vocab_size())
     ref = copy.deepcopy(hf)
     ref.set_attn_implementation("eager")
-    return ref, TransformersBridge(hf)
+    return ref, TransformersBridge(hf, tokenizer=ZT.load_tokenizer())  # the probes read text with it
 
 
 @torch.no_grad()

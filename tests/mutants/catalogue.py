@@ -93,9 +93,9 @@ MUTANTS += [
     _m("memory-estimate-steps", "hooks", H + "memory.py", "    return total * n_steps", "    return total",
        "cache estimate forgets the step factor"),
     # --- probes -----------------------------------------------------------------------------------------------
-    _m("harmonic-offset", "probe", P + "floating.py", "torch.cumsum(1.0 / steps, 0)", "torch.cumsum(1.0 / (steps + 1), 0)",
+    _m("harmonic-offset", "probe", P + "received.py", "torch.cumsum(1.0 / steps, 0)", "torch.cumsum(1.0 / (steps + 1), 0)",
        "causal uniform null with H_n off by one"),
-    _m("causal-rank-offset", "probe", P + "floating.py", "rank = torch.cumsum(vis.long(), -1) - 1",
+    _m("causal-rank-offset", "probe", P + "received.py", "rank = torch.cumsum(vis.long(), -1) - 1",
        "rank = torch.cumsum(vis.long(), -1)", "causal null rank off by one"),
     _m("loo-count", "probe", P + "floating.py", "m = (vis.sum(-1, keepdim=True) - 1).clamp_min(1)",
        "m = vis.sum(-1, keepdim=True).clamp_min(1)", "leave-one-out mean divides by n instead of n-1"),

@@ -231,8 +231,12 @@ def test_drift_hand_built_sequence():
     r[a] = 0.3                                                           # equal mass on the anchors
     r[4, 6] = r[5, 6] = 0.5                                              # top-1 at 6 on empty steps
     d = F.drift(a, r)
-    assert torch.allclose(d.jaccard, torch.tensor([0.5, 0.5, 0.0, 0.0, 1.0], dtype=torch.float64))
-    assert math.isclose(d.mean_jaccard.item(), 0.4) and math.isclose(d.drift_index.item(), 0.6)
+    # steps 4 and 5 both have no anchors: their Jaccard is 0/0, NaN, and left out of the mean (not a fake 1.0)
+    assert torch.allclose(d.jaccard, torch.tensor([0.5, 0.5, 0.0, 0.0, math.nan], dtype=torch.float64),
+                          equal_nan=True)
+    assert math.isclose(d.mean_jaccard.item(), 0.25) and math.isclose(d.drift_index.item(), 0.75)
+    never = F.drift(torch.zeros(3, K, dtype=torch.bool), r[:3])
+    assert torch.isnan(never.jaccard).all() and math.isnan(never.mean_jaccard.item())
     assert torch.allclose(d.persistence[[1, 3, 5]], torch.tensor([2 / 6, 2 / 6, 1 / 6], dtype=torch.float64))
     assert d.modal_anchor.item() == 1 and math.isclose(d.stability.item(), 2 / 6)
     assert d.n_distinct.item() == 3 and math.isclose(d.empty_fraction.item(), 2 / 6)
@@ -335,3 +339,41 @@ def test_zscore_default_threshold_is_three_leave_one_out_sigmas():
     assert detect_anchors(below).tolist() == [False] * 5
     assert detect_anchors(below, eps=2.0).tolist() == [True, False, False, False, False]
     assert detect_anchors(above).tolist() == [True, False, False, False, False]
+
+
+# ---------------------------------------------------------------------------------------------- Rule B guard
+
+def reference_rule_b(c: torch.Tensor) -> list[int]:
+    """The paper's Rule B as its code computes it, in the array's own dtype and with no guard at all."""
+    a = c.numpy()
+    return np.nonzero(a > a.mean() + 3 * a.std())[0].tolist()
+
+
+def reference_rule_c(c: torch.Tensor) -> list[int]:
+    """Rule C (QK_decomposition.py): the 3-sigma test unless np.isclose(std, 0), then the argmax fallback."""
+    a = c.numpy()
+    found = [] if np.isclose(a.std(), 0.0) else np.nonzero(a > a.mean() + 3 * a.std())[0].tolist()
+    return found or [int(a.argmax())]
+
+
+@pytest.mark.parametrize("dtype,gap", [(torch.float64, 1e-6), (torch.float64, 1e-9), (torch.float32, 1e-4),
+                                       (torch.float32, 1e-5)])
+def test_rule_b_matches_the_reference_on_spikes_the_dtype_resolves(dtype, gap):
+    T, spikes = 64, [10, 40]
+    c = torch.ones(T, dtype=dtype)
+    c[spikes] = 1.0 + gap                                                 # two spikes just above a flat row
+    assert reference_rule_b(c) == spikes
+    assert F.detect_anchors(c, rule="paper_temporal").nonzero().flatten().tolist() == spikes
+    assert F.detect_anchors(c, rule="paper_qk").nonzero().flatten().tolist() == reference_rule_c(c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rule_b_guard_is_a_few_ulps_of_the_input_dtype(dtype):
+    T, spikes = 64, [10, 40]
+    c = torch.ones(T, dtype=dtype)
+    ulp = torch.finfo(dtype).eps
+    c[spikes] = torch.nextafter(torch.tensor(1.0, dtype=dtype), torch.tensor(2.0, dtype=dtype))
+    assert F.detect_anchors(c, rule="paper_temporal").nonzero().flatten().tolist() == []  # 1 ulp: summation noise
+    c[spikes] = 1.0 + 64 * ulp                                                            # 64 ulps: resolved
+    assert F.detect_anchors(c, rule="paper_temporal").nonzero().flatten().tolist() == spikes
+    assert F.RULE_B_ULPS == 8

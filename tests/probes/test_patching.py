@@ -131,8 +131,10 @@ def test_patching_the_anchor_residual_restores_the_corrupted_run():
     assert res.clean_value > res.corrupt_value
     norm = res.normalised
     assert abs(float(norm[0, 0])) < 1e-4                                   # layer 0, anchor A: fully corrupted
-    assert torch.allclose(norm[1], torch.ones(2, dtype=torch.float64))     # random positions: no effect
+    assert float(norm[1, 0]) == pytest.approx(1.0, abs=1e-5)                # random positions: no effect
     assert res.n_positions[0, 0] == 1 and res.n_positions[1, 0] == 1
+    # layer 1 (unrigged) has no anchors here: nothing patched, so undefined rather than a fake 1.0
+    assert res.n_positions[:, 1].tolist() == [0.0, 0.0] and torch.isnan(norm[:, 1]).all()
     tab = res.table()
     assert list(tab.index) == [0, 1] and list(tab.columns) == ["anchors", "random"]
     assert no_hooks(model)
@@ -391,3 +393,48 @@ def test_gold_answers_and_prompts():
         C.gold_answer(m, "paris", 1, 2, 0)
     with pytest.raises(ArgumentTypeError, match="prompt_ids"):
         PT.knockout(m, CPROMPT.float(), layers=[0], targets=[1], n_random=0, gen_length=2)
+
+
+# ---------------------------------------------------------------------------------------------- undefined ratios
+
+def flat(scores, hook):
+    """Every visible key gets the same score: a uniform pattern, so the layer has no anchors."""
+    return torch.where(torch.isfinite(scores), torch.zeros_like(scores), scores)
+
+
+@pytest.mark.parametrize("direction", ["noising", "denoising"])
+def test_normalised_is_nan_with_a_reason_when_clean_equals_corrupted(direction):
+    model, p = tiny(), prompt()
+    with model.hooks(fwd_hooks=PATCH_RIG):
+        res = PT.patch_anchor_activations(model, p, p.clone(), step=0, direction=direction)
+    assert abs(res.clean_value - res.corrupt_value) < 1e-5                 # the same input twice: 0/0
+    assert torch.isnan(res.normalised).all() and torch.isfinite(res.value).all()
+    assert res.reason == [[PT.EQUAL_RUNS] * 2] * 2 and any("0/0" in n for n in res.notes)
+    frame = res.to_frame(metrics=["normalised"])
+    assert frame["value"].isna().all() and set(frame["reason"]) == {PT.EQUAL_RUNS}
+    assert no_hooks(model)
+
+
+def test_normalised_is_nan_with_a_reason_at_a_layer_with_no_anchors():
+    model, p = tiny(), prompt()
+    with model.hooks(fwd_hooks=PATCH_RIG + [("blocks.1.attn.hook_attn_scores", flat)]):
+        res = PT.patch_anchor_activations(model, p, corrupt(p), step=0, component="resid_pre")
+    assert res.n_positions[:, 1].tolist() == [0.0, 0.0]                    # layer 1: no anchors, no random keys
+    assert torch.isnan(res.normalised[:, 1]).all()
+    assert abs(float(res.normalised[0, 0])) < 1e-4                         # layer 0 is still measured
+    assert [row[1] for row in res.reason] == [PT.NOTHING_PATCHED] * 2 and [row[0] for row in res.reason] == ["", ""]
+    frame = res.to_frame(metrics=["normalised"]).set_index(["condition", "layer"])
+    assert frame.loc[("anchors", 1), "reason"] == PT.NOTHING_PATCHED and frame.loc[("anchors", 0), "reason"] == ""
+    assert no_hooks(model)
+
+
+def test_normalise_planted_values():
+    value = torch.tensor([[2.0, 1.0, 3.0]], dtype=torch.float64)
+    norm, reason, notes = PT.normalise(value, 3.0, 1.0, torch.tensor([[1.0, 2.0, 0.0]]), torch.float32)
+    assert norm[0, :2].tolist() == [0.5, 0.0] and math.isnan(float(norm[0, 2]))
+    assert reason == [["", "", PT.NOTHING_PATCHED]] and len(notes) == 1
+    # a difference far below float32's precision of the metric is 0/0, one above it is a number
+    tiny_gap, _, _ = PT.normalise(value, 3.0 + 1e-9, 3.0, torch.ones(1, 3), torch.float32)
+    assert torch.isnan(tiny_gap).all()
+    real_gap, _, _ = PT.normalise(value, 3.0 + 1e-9, 3.0, torch.ones(1, 3), torch.float64)
+    assert torch.isfinite(real_gap).all()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mdm_lens import HookedMDM, MDMConfig
+from mdm_lens.errors import ArgumentError
 from mdm_lens.probes import retrieval as RT
 
 P = 10                         # prompt length
@@ -151,13 +152,15 @@ def test_from_qa_item_locates_the_needle():
 
     qa = D.make_dataset(3, seed=1, n_distractors=3)
     for q in qa:
-        it = RT.from_qa_item(q)
+        it = RT.from_qa_item(q, ZT.load_tokenizer())
         (s, e), = it.evidence
         assert it.prompt_ids[s:e].tolist() == ZT.encode(q.answer)
         assert it.gold_doc[0] <= s < e <= it.gold_doc[1]
         assert ZT.decode(it.prompt_ids[it.gold_doc[0]:it.gold_doc[1]].tolist()).endswith(q.passages[q.gold_index])
-    assert RT.answer_correct(None, ZT.encode(qa[0].answer + " <eos> <eos>"), qa[0].answer)
-    assert not RT.answer_correct(None, ZT.encode("red"), "blue")
+    assert RT.answer_correct(None, ZT.encode(qa[0].answer + " <eos> <eos>"), qa[0].answer, decode=ZT.decode)
+    assert not RT.answer_correct(None, ZT.encode("red"), "blue", decode=ZT.decode)
+    with pytest.raises(ArgumentError, match="tokenizer"):                 # text needs the model's tokenizer
+        RT.from_qa_item(qa[0])
 
 
 # ---------------------------------------------------------------------------------------------- head masking

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mdm_lens import HookedMDM, MDMConfig, ReceivedAttention
+from mdm_lens.errors import ArgumentError
 from mdm_lens.probes import flow
 from mdm_lens.probes import run as R
 
@@ -202,8 +203,13 @@ def test_regions_for_item_from_one_tokenisation():
 def test_flow_for_items_runs_both_modes():
     from mdm_lens.zoo import data as D
 
+    from mdm_lens.zoo import tokenizer as ZT
+
     model = tiny(vocab=322)
     items = D.make_dataset(2, seed=3, n_distractors=2)
+    with pytest.raises(ArgumentError, match="no tokenizer"):               # never the zoo's behind its back
+        R.flow_for_items(model, items, gen_length=4)
+    model.set_tokenizer(ZT.load_tokenizer())
     res = R.flow_for_items(model, items, gen_length=4)
     assert torch.isfinite(res.gold_ratio).all() and res.gold_ratio.shape == (2,)
     df = res.to_frame()

@@ -1,0 +1,103 @@
+"""`lens_trace`: a lens (logit, or tuned) over every step × layer × answer position of one trajectory, reduced as
+it goes. Above `logit` (the read-out) and `tuned` (the translators), so the two never import each other."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentTypeError, InputError
+from mdm_lens.lens.logit import SOURCES, LensTrace, check_model, reduce_layer, resid_name
+from mdm_lens.lens.tuned import TunedLens
+
+
+def _check_run(model: Any, out: Any) -> None:
+    from mdm_lens.diffusion.output import GenerateOutput
+
+    if not isinstance(out, GenerateOutput):
+        raise ArgumentTypeError(f"out={validate.describe(out)} is not what model.generate returns.", argument="out",
+                                value=out, allowed="a GenerateOutput")
+    if out.causal or out.sampler not in ("llada", "dream"):
+        raise InputError(f"out is a {out.sampler!r} run; the lens over denoising steps reads masked diffusion runs "
+                         "(sampler 'llada' or 'dream'): an autoregressive step has no masked canvas.",
+                         argument="out", value=out.sampler, allowed="a 'llada' or 'dream' run")
+    if out.settings.get("mask_id") != model.cfg.mask_token_id:
+        raise InputError(f"out was not made by this model ({model.cfg.model_name!r}): its mask id differs.",
+                         argument="out", value=out.model_name, allowed="a run of the same model")
+
+
+def _cached(out: Any, layers: list[int], steps: list[int]) -> bool:
+    c = out.cache
+    if c is None or not hasattr(c, "names") or "cond" not in getattr(c, "phases", ()):
+        return False
+    return all(resid_name(l) in c.names for l in layers) and set(steps) <= set(c.steps)
+
+
+def lens_trace(model: Any, out: Any, *, layers: Any = None, steps: Any = None, positions: Any = None,
+               lens: Any = None, source: str = "auto") -> LensTrace:
+    """The (logit or tuned) lens at every chosen step, layer and answer position of one run.
+
+    Args:
+        model: the HookedMDM that made `out`.
+        out: `model.generate(...)`'s output (a LLaDA or Dream run).
+        layers: layer indices (None: all; negative count from the end).
+        steps: step indices of the run (None: all).
+        positions: answer positions, indices into the generated canvas (None: all).
+        lens: a `TunedLens` (None: the logit lens).
+        source: "cache" (read `out.cache`'s `blocks.{l}.hook_resid_post`), "replay" (re-run each step's forward)
+            or "auto" (the cache when it has every requested step and layer, else replay).
+    """
+    check_model(model)
+    _check_run(model, out)
+    n, S = model.cfg.n_layers, out.n_steps
+    gen = out.tokens.shape[1] - out.prompt_length
+    layers = validate.indices(layers, n, name="layers", what="layer")
+    steps = sorted(validate.indices(steps, S, name="steps", what=f"step of this {S}-step run"))
+    positions = validate.indices(positions, gen, name="positions", what=f"answer position of {gen}")
+    source = validate.choice(source, SOURCES, name="source")
+    if lens is not None:
+        if not isinstance(lens, TunedLens):
+            raise ArgumentTypeError(f"lens={validate.describe(lens)} is not a TunedLens.", argument="lens",
+                                    value=lens, allowed="None (logit lens) or a TunedLens")
+        lens.check_model(model)
+        for l in layers:
+            lens.check_layer(l)
+    if source == "auto":
+        source = "cache" if _cached(out, layers, steps) else "replay"
+    elif source == "cache" and not _cached(out, layers, steps):
+        raise InputError("source='cache' but out.cache lacks some of the requested steps/layers: generate with "
+                         "cache='blocks.*.hook_resid_post' @ steps(...) covering them, or use source='replay'.",
+                         argument="source", value=source, allowed="'replay' or 'auto'")
+    absolute = torch.tensor([out.prompt_length + p for p in positions])
+    src = absolute - 1 if model.cfg.logit_shift else absolute  # canvas positions are >= 1, so i-1 exists
+    target = out.tokens[:, absolute].cpu()
+    per_step = []
+    for s in steps:
+        cells: dict[int, tuple] = {}
+        reduce = lambda resid, l: cells.__setitem__(l, reduce_layer(model, resid, l, lens, src, target))  # noqa: E731
+        if source == "cache":
+            act = out.cache[s]
+            with torch.no_grad():
+                for l in layers:
+                    reduce(act[resid_name(l)].to(model.input_device), l)
+        else:
+            _replay_step(model, out, s, layers, reduce)
+        per_step.append([cells[l] for l in layers])
+    stack = lambda k: torch.stack([torch.stack([c[k] for c in row]) for row in per_step])  # noqa: E731
+    x = out.trajectory.x_steps[steps][:, :, absolute]
+    return LensTrace("logit" if lens is None else "tuned", steps, layers, positions, S, out.prompt_length, stack(0),
+                     stack(1), stack(2), stack(3), target, out.trajectory.commit_step[:, absolute].clone(),
+                     x == model.cfg.mask_token_id, source, {"model": model.cfg.model_name, "sampler": out.sampler})
+
+
+def _replay_step(model: Any, out: Any, step: int, layers: list[int], reduce: Callable[[Tensor, int], None]) -> None:
+    """Re-run step `step`'s forward; each chosen layer is reduced inside its hook (nothing else is kept)."""
+    def hook_for(layer: int) -> Callable:
+        def fn(resid: Tensor, hook: Any) -> None:
+            reduce(resid.detach(), layer)
+        return fn
+
+    out.replay(model, step, fwd_hooks=[(resid_name(l), hook_for(l)) for l in layers])
