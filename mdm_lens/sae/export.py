@@ -49,6 +49,7 @@ from mdm_lens.sae import export_store as ES
 from mdm_lens.sae.export_plan import (SAMPLER_KEYS, Plan, Prompt, Source, check_hooks_arg, check_model,
                                       check_sampler_kwargs, data_hash, make_plan, parse_steps, read_data,
                                       render_prompts)
+from mdm_lens.sweep import manifest as SM
 from mdm_lens.sweep import runner as R
 from mdm_lens.sweep import templates as TM
 from mdm_lens.sweep.store import SweepStore
@@ -165,7 +166,7 @@ def export_activations(model: Any, data: Any, hooks: str | Sequence[str], *, out
         plan = make_plan(model, hooks, when, n_steps, gen_length, block_length, sampler_kwargs)
         prompts, tmpl = render_prompts(model, src, template, plan.settings["gen_length"])
         fingerprint = dict(kind="export_activations", layout=LAYOUT, model=model.cfg.model_name,
-                           config_hash=R._config_hash(model), data=src.path or f"<{src.kind}>",
+                           config_hash=SM.config_hash(model), data=src.path or f"<{src.kind}>",
                            data_hash=data_hash(src, prompts), hooks=list(plan.hooks), steps=repr(plan.when),
                            positions=positions, batch_size=batch_size, seed=seed, template=tmpl, limit=limit,
                            skip_bad=skip_bad, store_dtype=store_dtype, dtype=dtype,
@@ -239,7 +240,7 @@ def _finish(store: SweepStore, batches: list[list[int]], plan: Plan, fingerprint
     (store.root / "cache_activations_runner_cfg.json").write_text(json.dumps(cfg, indent=2))
     store.write_manifest({
         "arguments": {**fingerprint, "out": str(out), "device": device},
-        "versions": R._versions(),
+        "versions": SM.versions(),
         "hooks": plan.hooks,
         "columns": list(ds.column_names),
         "items": len(prompts),

@@ -20,6 +20,7 @@ from mdm_lens.diffusion import registry
 from mdm_lens.errors import ArgumentTypeError, InputError, SamplerConfigError
 from mdm_lens.hooks.names import expand_names
 from mdm_lens.hooks.steps import Steps
+from mdm_lens.sweep import manifest as SM
 from mdm_lens.sweep import runner as R
 from mdm_lens.sweep import templates as TM
 from mdm_lens.sweep.items import read_items
@@ -223,6 +224,6 @@ def render_prompts(model: Any, src: Source, template: str, gen_length: int) -> t
 
 def data_hash(src: Source, prompts: list[Prompt]) -> str:
     if src.kind == "jsonl":
-        return R._file_hash(src.path)
+        return SM.file_hash(src.path)
     blob = json.dumps([[p.item_id, list(p.ids)] for p in prompts]).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
