@@ -142,7 +142,7 @@ class ColumnSums(RowConsumer):
     `weights(rows)` returns the `[batch, query]` query weights once the layer's sizes are known (a
     callable, because ARM prefixes grow). Each chunk is reduced in `dtype` and the chunks are added in
     float64, so the result does not depend on the chunk size beyond the last bits. `kind="mass"` divides
-    by Σ_i w[b, i] (at least 1)."""
+    by Σ_i w[b, i]; a row whose query set is empty is NaN (undefined), never 0."""
 
     def __init__(self, weights: Any, kind: str = "mass", dtype: torch.dtype = torch.float32):
         self.weights_fn, self.kind, self.dtype = weights, kind, dtype
@@ -161,8 +161,9 @@ class ColumnSums(RowConsumer):
 
     def finish(self) -> None:
         out = self.acc
-        if self.kind == "mass":
-            out = out / self.w.sum(-1).to(torch.float64).clamp(min=1)[:, None, None]
+        if self.kind == "mass":  # the mean over an empty query set is undefined: NaN, not 0
+            n = self.w.sum(-1).to(torch.float64)[:, None, None]
+            out = torch.where(n > 0, out / n.clamp(min=1e-300), torch.full_like(out, float("nan")))
         self.result = out.to(self.dtype)
         del self.acc
 

@@ -35,6 +35,28 @@ def token_to_id(tokenizer: Any, token: str) -> int | None:
     return None if i == getattr(tokenizer, "unk_token_id", None) else i
 
 
+def unknown_ids_in(tokenizer: Any, ids: Sequence[int]) -> list[int]:
+    """The positions of `ids` that are the tokenizer's unknown token (text it could not spell)."""
+    unk = unknown_token_ids(tokenizer)
+    return [i for i, t in enumerate(ids) if int(t) in unk]
+
+
+def unknown_token_ids(tokenizer: Any) -> set[int]:
+    """The tokenizer's unknown-token id(s): transformers' ``unk_token_id``, a ``tokenizers`` model's
+    ``unk_token``; empty for byte-level vocabularies, which can spell any text."""
+    ids: set[int] = set()
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if isinstance(unk, int):
+        ids.add(unk)
+    model = getattr(tokenizer, "model", None)
+    name = getattr(model, "unk_token", None)
+    if isinstance(name, str) and hasattr(tokenizer, "token_to_id"):
+        i = tokenizer.token_to_id(name)
+        if i is not None:
+            ids.add(int(i))
+    return ids
+
+
 def require(tokenizer: Any) -> Any:
     if tokenizer is None:
         raise InputError(

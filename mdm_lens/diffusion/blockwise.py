@@ -25,7 +25,7 @@ from torch import Tensor
 from mdm_lens import tokenization
 from mdm_lens.diffusion import arguments
 from mdm_lens.diffusion.canvas import CanvasSampler, Plan
-from mdm_lens.diffusion.output import GenerateOutput, Trajectory
+from mdm_lens.diffusion.output import GenerateOutput, model_key, Trajectory
 from mdm_lens.diffusion.registry import Observation, progress_bar
 from mdm_lens.errors import SamplerConfigError
 from mdm_lens.hooks.runner import StepRunner
@@ -173,7 +173,8 @@ class AlignedBlockSampler(CanvasSampler):
         return GenerateOutput(tokens=tokens, prompt_length=prompt_length, attention_mask=torch.ones_like(tokens),
                               trajectory=recorder.finish(), sampler=self.name, settings=settings, causal=False,
                               records=records, record_meta=meta, cache=runner.cache, model_name=model.cfg.model_name,
-                              texts=texts, answer_length=None if all(a is None for a in answer) else
+                              texts=texts, model_key=model_key(model),
+                              answer_length=None if all(a is None for a in answer) else
                               [s.gen_length if a is None else a for a in answer])
 
     def run(self, runner: Any, model: Any, x: Tensor, prompt_length: int, s: Any, plan: Plan,

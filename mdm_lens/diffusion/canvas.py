@@ -12,7 +12,7 @@ from torch import Tensor
 
 from mdm_lens import tokenization, validate
 from mdm_lens.diffusion import arguments
-from mdm_lens.diffusion.output import GenerateOutput
+from mdm_lens.diffusion.output import GenerateOutput, model_key
 from mdm_lens.diffusion.registry import Observation, Sampler, SamplerSettings, progress_bar
 from mdm_lens.errors import InputError, SamplerConfigError
 from mdm_lens.hooks.runner import StepRunner
@@ -117,7 +117,8 @@ class CanvasSampler(Sampler):
             texts = [tokenization.decode(model.tokenizer, row[prompt_length:].tolist()) for row in x.cpu()]
         return GenerateOutput(tokens=x, prompt_length=prompt_length, attention_mask=am, trajectory=recorder.finish(),
                               sampler=self.name, settings=settings, causal=self.causal, records=records,
-                              record_meta=meta, cache=runner.cache, model_name=model.cfg.model_name, texts=texts)
+                              record_meta=meta, cache=runner.cache, model_name=model.cfg.model_name, texts=texts,
+                              model_key=model_key(model))
 
     def _check_prompt(self, model: Any, ids: Tensor, gen_length: int) -> None:
         prompt_length = ids.shape[1]

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from mdm_lens import tokenization
 from mdm_lens.diffusion.arguments import prompt_tokens
-from mdm_lens.diffusion.output import GenerateOutput, Trajectory
+from mdm_lens.diffusion.output import GenerateOutput, Trajectory, model_key
 from mdm_lens.diffusion.registry import DEFAULT, Observation, Sampler, SamplerSettings, progress_bar, register
 from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens.errors import InputError, SamplerConfigError
@@ -338,7 +338,7 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
                          trajectory=recorder.finish(length), sampler="diffusion_gemma", settings=settings_out,
                          causal=False, records=_finish_records(records, meta, max_pos, length, key_end),
                          record_meta=meta, cache=runner.cache,
-                         model_name=model.cfg.model_name, texts=texts)
+                         model_name=model.cfg.model_name, texts=texts, model_key=model_key(model))
     out.tokens_per_forward = hf._compute_tokens_per_forward(seq, forward_passes, prompt_length, gc.pad_token_id)
     return out
 

@@ -120,8 +120,13 @@ def _plain_settings(s: DreamSettings) -> dict[str, Any]:
         raise SamplerConfigError(f"block_length={s.block_length!r} on Dream is Fast-dLLM's block decoding, which runs "
                                  "with a KV cache: pass kv_cache='prefix' or 'dual'.", argument="block_length",
                                  value=s.block_length, allowed=f"None or {s.gen_length} (other values need kv_cache)")
-    return dict(alg=validate.choice("origin" if s.alg is DEFAULT else s.alg, ALGORITHMS, name="alg",
-                                    error=SamplerConfigError), block_length=None)
+    alg = validate.choice("origin" if s.alg is DEFAULT else s.alg, ALGORITHMS, name="alg", error=SamplerConfigError)
+    if alg == "origin" and s.alg_temp:
+        raise SamplerConfigError(f"alg_temp={s.alg_temp!r} with alg='origin': origin unmasks at random and never "
+                                 "reads alg_temp (it samples which confident tokens to commit in maskgit_plus, "
+                                 "topk_margin and entropy).", argument="alg_temp", value=s.alg_temp,
+                                 allowed="None or 0 with 'origin', any value with the other algorithms")
+    return dict(alg=alg, block_length=None)
 
 
 def _block_settings(s: DreamSettings) -> dict[str, Any]:

@@ -57,6 +57,13 @@ class Trajectory:
                 "x_steps[s] = canvas before step s)")
 
 
+def model_key(model: Any) -> tuple:
+    """What identifies a model for a run's replay: its name and shape (two runs' models with the same key compute
+    with the same architecture; the weights themselves are not hashed)."""
+    c = model.cfg
+    return (c.model_name, c.family, c.n_layers, c.d_model, c.n_heads, c.d_vocab, c.mask_token_id, c.attention)
+
+
 @dataclass
 class GenerateOutput:
     tokens: Int[Tensor, "batch pos"]
@@ -71,9 +78,20 @@ class GenerateOutput:
     cache: Any = None
     model_name: str = ""
     texts: list[str] | None = None  # decoded generations when the model has a tokenizer
+    model_key: tuple | None = None  # `model_key(model)` of the model that ran (checked by replay and the probes)
     # block samplers whose reference returns a shorter span (LLaDA2: up to and including the first EOS): each
     # row's answer length from `prompt_length` (None: all generated tokens are answer)
     answer_length: list[int] | None = None
+
+    def check_model(self, model: Any, *, argument: str = "out") -> None:
+        """Refuse a model other than the one this run was made with (its replay or lens would be numbers of another
+        model on this run's canvases)."""
+        from mdm_lens.errors import InputError
+
+        if self.model_key is not None and model_key(model) != self.model_key:
+            raise InputError(f"{argument} was made by {self.model_name!r} {self.model_key[1:]}, not by this model "
+                             f"{model.cfg.model_name!r} {model_key(model)[1:]}: pass the model that ran it.",
+                             argument=argument, value=self.model_name, allowed="a run of this model")
 
     @property
     def key_visible(self) -> Bool[Tensor, "batch pos"]:

@@ -64,6 +64,7 @@ def replay(out: Any, model: Any, step: int, *, fwd_hooks: Any = (), hook_steps: 
            phase: str = "cond") -> Tensor:
     from mdm_lens.hooks.runner import StepRunner
 
+    out.check_model(model)
     state = state_at(out, step, phase)
     device = model.input_device
     for name in ("x", "masked", "prompt", "key_visible", "query_position"):

@@ -24,6 +24,7 @@ def _check_run(model: Any, out: Any) -> None:
         raise InputError(f"out is a {out.sampler!r} run; the lens over denoising steps reads masked diffusion runs "
                          "(sampler 'llada' or 'dream'): an autoregressive step has no masked canvas.",
                          argument="out", value=out.sampler, allowed="a 'llada' or 'dream' run")
+    out.check_model(model)
     if out.settings.get("mask_id") != model.cfg.mask_token_id:
         raise InputError(f"out was not made by this model ({model.cfg.model_name!r}): its mask id differs.",
                          argument="out", value=out.model_name, allowed="a run of the same model")

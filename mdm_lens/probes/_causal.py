@@ -14,7 +14,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentError, NonFiniteError
+from mdm_lens.errors import ArgumentError, InputError, NonFiniteError
 
 from . import floating
 from .run import is_causal, readout_shift
@@ -168,7 +168,15 @@ def _encode_text(model: Any, text: str) -> list[int]:
 
     from ._text import model_tokenizer
 
-    return tokenization.encode(model_tokenizer(model, "answer", text, "the answer as token ids"), text)
+    tokenizer = model_tokenizer(model, "answer", text, "the answer as token ids")
+    ids = tokenization.encode(tokenizer, text)
+    unknown = tokenization.unknown_ids_in(tokenizer, ids)
+    if unknown:  # scored as <unk>, the answer's log-prob would measure the unknown token, not the answer
+        raise InputError(f"answer={text!r} tokenizes to the unknown token at position(s) {unknown} of {ids}: this "
+                         "tokenizer cannot spell it, so its log-prob would be the <unk> token's. Pass an answer the "
+                         "tokenizer spells, or its token ids.", argument="answer", value=text,
+                         allowed="text without unknown tokens, or token ids")
+    return ids
 
 
 def prompt_batch(ids: Any, name: str, device: Any) -> Tensor:

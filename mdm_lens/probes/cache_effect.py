@@ -41,8 +41,13 @@ METRICS = ("k_drift", "v_drift", "k_cosine", "v_cosine", "received_tv", "anchor_
 
 @dataclass
 class CacheEffect:
+    """`.table` / `.to_frame()`: the tidy table (one row per measurement)."""
+
     table: pd.DataFrame  # step, block, layer, metric, value, reason (layer -1: whole-model rows)
     kv_cache: str
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.table.copy()
 
     def __repr__(self) -> str:
         steps = self.table["step"].nunique() if len(self.table) else 0
@@ -113,6 +118,7 @@ def cache_effect(model: Any, out: Any, *, layers: Sequence[int] | None = None, s
     if kv not in MODES:
         raise InputError(f"cache_effect needs a KV-cached run (generate(..., kv_cache='prefix'|'dual')); this run "
                          f"has kv_cache={kv!r}.", argument="out", value=kv, allowed=f"a run with kv_cache in {MODES}")
+    out.check_model(model)
     n = model.cfg.n_layers
     layers = validate.indices(list(range(n)) if layers is None else layers, n, name="layers", what=f"layer of {n}")
     windows = _windows(out)

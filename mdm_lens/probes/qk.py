@@ -67,6 +67,14 @@ def _safe_div(x: Tensor, y: Tensor) -> Tensor:
     return torch.where(y != 0, x / torch.where(y != 0, y, torch.ones_like(y)), torch.full_like(x, torch.nan))
 
 
+def _share(part: Tensor, advantage: Tensor) -> Tensor:
+    """A term's share of the anchor's advantage, N/Δ or G/Δ: defined only where there is an advantage (Δ > 0);
+    NaN where Δ ≤ 0 (a head whose anchor is not preferred: "no-advantage", where N/Δ would be a meaningless or
+    sign-flipped ratio)."""
+    return torch.where(advantage > 0, part / torch.where(advantage > 0, advantage, torch.ones_like(advantage)),
+                       torch.full_like(part, torch.nan))
+
+
 def _masked_mean(x: Tensor, mask: Tensor, dim: int) -> Tensor:
     # where(), not x*m: entries outside the mask may be NaN (e.g. queries with no reference key)
     return _safe_div(torch.where(mask, x, torch.zeros_like(x)).sum(dim), mask.to(x.dtype).sum(dim))
@@ -149,8 +157,8 @@ class QKDecomposition(ResultMixin):
     norm_term: Tensor            # [batch, head]  N
     angle_term: Tensor           # [batch, head]  G
     advantage: Tensor            # [batch, head]  Δ = N + G
-    norm_share: Tensor           # [batch, head]  N/Δ
-    angle_share: Tensor          # [batch, head]  G/Δ
+    norm_share: Tensor           # [batch, head]  N/Δ (NaN where Δ ≤ 0: no advantage to share)
+    angle_share: Tensor          # [batch, head]  G/Δ (likewise)
     key_norm_ratio: Tensor       # [batch, head]  ‖k*‖ / mean_R ‖k_j‖
     key_norm_z: Tensor           # [batch, head]  column z-score of ‖k*‖ among R
     cos_gap: Tensor              # [batch, head]  mean_i (cos_i* − mean_{R_i} cos_ij)
@@ -250,12 +258,12 @@ def decompose(q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch pos 
     nm, gm = norm_term.mean(-1), angle_term.mean(-1)
     return QKDecomposition(
         norm_term=norm_term, angle_term=angle_term, advantage=adv,
-        norm_share=_safe_div(norm_term, adv), angle_share=_safe_div(angle_term, adv),
+        norm_share=_share(norm_term, adv), angle_share=_share(angle_term, adv),
         key_norm_ratio=_safe_div(a_star, _masked_mean(a, rest, -1)), key_norm_z=_z_vs_rest(a, hot, rest),
         cos_gap=cos_gap, cos_z=_z_vs_rest(cos_col, hot, rest), value_norm_ratio=value_ratio,
         labels=qk_label(norm_term, angle_term, share), anchor=anc, n_queries=qvalid.sum(-1),
         norm_term_mean=nm, angle_term_mean=gm, advantage_mean=nm + gm,
-        norm_share_mean=_safe_div(nm, nm + gm), labels_mean=qk_label(nm, gm, share))
+        norm_share_mean=_share(nm, nm + gm), labels_mean=qk_label(nm, gm, share))
 
 
 # ----------------------------------------------------------------------------------------------

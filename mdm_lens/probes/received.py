@@ -97,6 +97,21 @@ def _default_query_mask(n_query: int, n_key: int, key_visible: Tensor | None) ->
 # §3.1 received attention
 # ----------------------------------------------------------------------------------------------
 
+def _check_probabilities(pattern: Tensor, used: Tensor) -> None:
+    """An attention pattern holds probabilities: in [0, 1], each row summing to at most 1 over the keys it uses.
+    Scores (`hook_attn_scores`) or a sum of heads would give "mass" outside [0, 1]: refused, not reduced."""
+    vals = pattern[used]
+    if vals.numel() == 0:
+        return
+    tol = 1e-3
+    row = torch.where(used, pattern, torch.zeros((), dtype=pattern.dtype, device=pattern.device)).sum(-1)
+    if bool(vals.min() < -tol) or bool(vals.max() > 1 + tol) or bool(row.max() > 1 + tol):
+        raise ArgumentError(f"pattern holds values in [{float(vals.min()):.3g}, {float(vals.max()):.3g}] with row sums "
+                            f"up to {float(row.max()):.3g}: not attention probabilities (pass hook_pattern, or a "
+                            "head mean of it, not hook_attn_scores or a sum over heads).", argument="pattern",
+                            value=tuple(pattern.shape), allowed="probabilities: entries in [0, 1], rows summing to <= 1")
+
+
 def received_attention(pattern: Float[Tensor, "... query key"],
                        query_mask: Bool[Tensor, "... query"] | None = None,
                        key_visible: Bool[Tensor, "... key"] | None = None,
@@ -128,6 +143,7 @@ def received_attention(pattern: Float[Tensor, "... query key"],
     used = vis & q[..., :, None]
     C.finite_where(pattern, used, name="pattern", policy=policy)
     used = used & torch.isfinite(pattern)
+    _check_probabilities(pattern, used)
     a = torch.where(used, pattern, torch.zeros((), dtype=pattern.dtype, device=pattern.device))
     col = a.sum(-2)                                                         # Σ_{i∈Q} A_ij
     if kind == "cumulative":

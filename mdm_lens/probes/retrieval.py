@@ -161,7 +161,7 @@ def retrieval_scores(model: Any, items: Sequence[Any], method: Method = "copy@co
     steps = _optional_length(steps, "steps")
     g = _optional_length(gen_length, "gen_length") or int(model.cfg.extra.get("gen_length", 4))
     shift, H = readout_shift(model), model.cfg.n_heads
-    per, correct = [], []
+    per, correct, no_needle = [], [], 0
     for raw in items:
         item = _as_item(raw, model)
         out = _generate(model, item, method, ls, g, steps, fwd_hooks, seed, generate_kwargs)
@@ -169,7 +169,10 @@ def retrieval_scores(model: Any, items: Sequence[Any], method: Method = "copy@co
         ok = answer_correct(model, toks[out.prompt_length:], item.answer, decode)
         positions = _answer_positions(model, toks, out.prompt_length)
         correct.append(ok)
-        if (only_correct and not ok) or not positions:
+        # nothing to copy from (or attend to): the score is undefined, not 0 ("never copies")
+        needle_less = (item.gold_doc is None) if method == "evidence_focus" else not item.evidence
+        no_needle += int(needle_less)
+        if (only_correct and not ok) or not positions or needle_less:
             per.append(torch.full((len(ls), H), torch.nan, dtype=torch.float64))
             continue
         keys = _keys_per_position(method, out, positions, shift, ls, model, fwd_hooks)
@@ -180,6 +183,9 @@ def retrieval_scores(model: Any, items: Sequence[Any], method: Method = "copy@co
     above = [(ls[i], h) for i, h in (scores > threshold).nonzero().tolist()]
     above.sort(key=lambda lh: -float(scores[ls.index(lh[0]), lh[1]]))
     notes = ["evidence_focus is a lax attention-to-gold-doc share, not a retrieval score"] if method == "evidence_focus" else []
+    if no_needle:
+        what = "gold document" if method == "evidence_focus" else "needle (evidence span)"
+        notes.append(f"{no_needle} of {len(per)} item(s) have no {what}: not scored (NaN), not counted")
     return RetrievalScores(method=method, threshold=threshold, layers=ls, scores=scores, per_sample=per_t,
                            correct=torch.tensor(correct, dtype=torch.bool), n_counted=int(counted.sum()),
                            above_threshold=above, retrieval_heads=[] if method == "evidence_focus" else above,

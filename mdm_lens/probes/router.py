@@ -37,6 +37,8 @@ CLASSES = ("prompt", "canvas", "anchor", "non_anchor")
 
 @dataclass
 class RouterStats:
+    """`.table` / `.to_frame()`: the tidy table (one row per measurement)."""
+
     table: pd.DataFrame  # step, layer, class, expert, metric, value, reason
 
     def loads(self, step: int, layer: int) -> pd.DataFrame:
@@ -45,6 +47,9 @@ class RouterStats:
         rows = t[(t["metric"] == "load") & (t["step"] == step) & (t["layer"] == layer)]
         shares = rows[rows["expert"].notna()].pivot(index="class", columns="expert", values="value")
         return shares.reindex(index=list(CLASSES))
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.table.copy()
 
 
 def _moe_layers(model: Any) -> list[int]:

@@ -140,6 +140,15 @@ def _series(out: Any, layer: int | None, head: Any, record: str) -> tuple[Tensor
     return r, vis, steps, rec_layers, lead
 
 
+_DETECT_KWARGS = ("eps", "floor", "k", "kind", "nan_policy")
+
+
+def _known_detect_kwargs(kwargs: dict) -> None:
+    """`**detect_kwargs` go to `floating.detect_anchors`; a misspelt one is a typed error naming the choices."""
+    for name in kwargs:
+        validate.choice(name, _DETECT_KWARGS, name="detect_kwargs")
+
+
 def anchors_over_steps(out: Any, layer: int | None = None, rule: str = "zscore", head: Any = "mean",
                        record: str = "received_attention", eps: float | None = None, **detect_kwargs: Any) -> StepAnchors:
     """S_s = detect_anchors(r(s)) at every recorded step of a run (§3.2 on ``ReceivedAttention`` records).
@@ -154,6 +163,7 @@ def anchors_over_steps(out: Any, layer: int | None = None, rule: str = "zscore",
     rule = validate.choice(rule, floating.RULES, name="rule")
     r, vis, steps, layers, lead = _series(out, layer, head, record)
     vis_b = vis.reshape(vis.shape[0], *([1] * (r.ndim - 3)), *vis.shape[1:])
+    _known_detect_kwargs(detect_kwargs)
     anchors = floating.detect_anchors(r, rule=rule, eps=eps, causal=out.causal, key_visible=vis_b, **detect_kwargs)
     return StepAnchors(anchors=anchors & vis_b, received=r, key_visible=vis, steps=steps, layers=layers,
                        rule=rule, head=head, causal=out.causal, lead_dims=lead)
@@ -166,6 +176,7 @@ def drift_from_output(out: Any, layer: int | None = None, rule: str = "zscore", 
     Leading shape ``[batch, (layer,) (head,)]`` as in :func:`anchors_over_steps`.  Anchor types are
     only reported when every step was recorded (otherwise the step axis is not the run's step index).
     """
+    _known_detect_kwargs(detect_kwargs)
     sa = anchors_over_steps(out, layer, rule, head, record, **detect_kwargs)
     commit = None
     if sa.steps == list(range(out.n_steps)):

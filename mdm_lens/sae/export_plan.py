@@ -21,7 +21,6 @@ from mdm_lens.errors import ArgumentTypeError, InputError, SamplerConfigError
 from mdm_lens.hooks.names import expand_names
 from mdm_lens.hooks.steps import Steps
 from mdm_lens.sweep import manifest as SM
-from mdm_lens.sweep import runner as R
 from mdm_lens.sweep import templates as TM
 from mdm_lens.sweep.items import read_items
 

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from mdm_lens import tokenization
 from mdm_lens.errors import InputError
+from mdm_lens.tokenization import unknown_token_ids  # noqa: F401  (re-exported)
 from mdm_lens.sweep import templates as TM
 from mdm_lens.sweep.items import SweepItem
 from mdm_lens.sweep.templates import Rendered
@@ -48,22 +49,6 @@ def data_problems(item: SweepItem, probes: Sequence[str]) -> list[str]:
         out.append("probe 'flow' needs a question with passages; the item is "
                    + ("a plain prompt" if not item.is_qa else "closed-book (no passages)"))
     return out
-
-
-def unknown_token_ids(tokenizer: Any) -> set[int]:
-    """The tokenizer's unknown-token id(s): transformers' ``unk_token_id``, a ``tokenizers`` model's
-    ``unk_token``; empty for byte-level vocabularies, which can spell any text."""
-    ids: set[int] = set()
-    unk = getattr(tokenizer, "unk_token_id", None)
-    if isinstance(unk, int):
-        ids.add(unk)
-    model = getattr(tokenizer, "model", None)
-    name = getattr(model, "unk_token", None)
-    if isinstance(name, str) and hasattr(tokenizer, "token_to_id"):
-        i = tokenizer.token_to_id(name)
-        if i is not None:
-            ids.add(int(i))
-    return ids
 
 
 def render_problems(model: Any, r: Rendered, probes: Sequence[str], gen_length: int, unk: set[int]) -> list[str]:

@@ -259,8 +259,10 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
         if world.rank == 0:
             order = {it.id: i for i, it in enumerate(items)}
             merged = store.merge(plan.active, order)
-            store.write_tables(summarize(merged), "_summary")
+            summaries = summarize(merged)
+            store.write_tables(summaries, "_summary")
             store.write_tables({"skipped": _skipped_table(skipped)}, "")
+            store.write_schema(list(merged) + [f"{k}_summary" for k in summaries] + ["skipped"])
             ranks = store.rank_infos()
             sampler = store.add_sampler_settings([e for r in ranks for e in r.pop("sampler", [])])
             done = store.done_items([k for k in plan.active if plan.units[k][0] == "batch"])

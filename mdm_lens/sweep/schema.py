@@ -139,7 +139,7 @@ METRICS: dict[str, dict[str, tuple[str, str]]] = {
                  "n_empty_pairs": ("count", "summary only: step pairs with both anchor sets empty (excluded)")},
     "qk": {"norm_term": ("logit", "N: key-norm part of the anchor's QK advantage"),
            "angle_term": ("logit", "G: angle part of the advantage"), "advantage": ("logit", "Δ = N + G"),
-           "norm_share": ("fraction", "N / Δ"), "angle_share": ("fraction", "G / Δ"),
+           "norm_share": ("fraction", "N / Δ (NaN where Δ ≤ 0)"), "angle_share": ("fraction", "G / Δ (NaN where Δ ≤ 0)"),
            "key_norm_ratio": ("ratio", "‖k*‖ / mean ‖k_j‖ of the other keys"),
            "cos_gap": ("cosine", "mean over queries of cos(q, k*) − mean cos(q, k_j)"),
            "anchor": (_POS, "the top-1 received key j*")},

@@ -169,6 +169,7 @@ class SweepStore:
             if len(df):
                 rank = df["item_id"].map(order)
                 df = df.iloc[rank.to_numpy().argsort(kind="stable")].reset_index(drop=True)
+            df = _in_schema_dtypes(name, df)
             tmp = self.root / f".{name}.parquet.tmp"
             df.to_parquet(tmp, index=False)
             os.replace(tmp, self.root / f"{name}.parquet")
@@ -177,9 +178,17 @@ class SweepStore:
 
     def write_tables(self, tables: dict[str, pd.DataFrame], suffix: str) -> None:
         for name, df in tables.items():
+            df = _in_schema_dtypes(name + suffix, df)
             tmp = self.root / f".{name}{suffix}.parquet.tmp"
             df.to_parquet(tmp, index=False)
             os.replace(tmp, self.root / f"{name}{suffix}.parquet")
+
+    def write_schema(self, names: list[str]) -> None:
+        """``schema.json`` / ``schema.md`` beside the tables: each written table's columns, dtypes, units, meaning."""
+        from mdm_lens.sweep import schema
+
+        known = [n for n in names if _declared(n)]
+        schema.write(self.root, {n: None for n in known})
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         _atomic_write(self.root / "manifest.json", json.dumps(manifest, indent=1, default=str))
@@ -195,3 +204,25 @@ def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _declared(name: str) -> bool:
+    from mdm_lens.errors import ArgumentError as _Unknown
+    from mdm_lens.sweep import schema
+
+    try:
+        schema.table_columns(name)
+    except _Unknown:
+        return False
+    return True
+
+
+def _in_schema_dtypes(name: str, df: pd.DataFrame) -> pd.DataFrame:
+    """The declared dtype for every column the schema knows (one dtype per column name across all tables: indices
+    and steps `Int64`, ...); a table or column it does not declare is written as it is."""
+    from mdm_lens.sweep import schema
+
+    if not _declared(name):
+        return df
+    known = [c for c in df.columns if c in schema.table_columns(name)]
+    return df.assign(**schema.conform(name, df[known])) if known else df
