@@ -27,10 +27,10 @@ D, M, L, H, P = "mdm_lens/diffusion/", "mdm_lens/", "mdm_lens/loading/", "mdm_le
 
 MUTANTS: list[Mutant] = [
     # --- samplers ---------------------------------------------------------------------------------------------
-    _m("dream-entropy-sign", "sampler", D + "dream.py",
+    _m("dream-entropy-sign", "sampler", D + "noise.py",
        "confidence = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)",
        "confidence = -torch.sum(probs * torch.log(probs + 1e-10), dim=-1)", "entropy confidence with the wrong sign"),
-    _m("dream-margin-order", "sampler", D + "dream.py",
+    _m("dream-margin-order", "sampler", D + "noise.py",
        "confidence = top2[:, 0] - top2[:, 1]", "confidence = top2[:, 1] - top2[:, 0]",
        "topk_margin sorted the wrong way"),
     _m("dream-origin-inverted", "sampler", D + "dream.py",
@@ -82,7 +82,8 @@ MUTANTS += [
        "step % self.every == 0 or step == n_steps - 1", "step % self.every == 0",
        "steps(every=k) loses the always-included last step"),
     _m("received-mass-undivided", "hooks", M + "pattern_rows.py",
-       "out = out / self.w.sum(-1).to(torch.float64).clamp(min=1)[:, None, None]", "out = out",
+       "torch.where(n > 0, out / n.clamp(min=1e-300), torch.full_like(out, float(\"nan\")))",
+       "torch.where(n > 0, out, torch.full_like(out, float(\"nan\")))",
        "received mass not divided by the query count"),
     _m("topk-smallest", "hooks", M + "pattern_rows.py",
        "pattern.float().topk(min(self.k, pattern.shape[-1]), dim=-1)",
