@@ -116,3 +116,26 @@ def test_results_have_to_frame_and_misspelt_options_are_typed(twins):
     rec = mdm.generate(mdm.to_tokens(["where is ketterby ?"]), steps=4, gen_length=4, record=[ReceivedAttention()])
     with pytest.raises(ArgumentError, match="detect_kwargs"):
         R.drift_from_output(rec, layer=0, foo=1)
+
+
+def test_a_text_prompt_the_tokenizer_cannot_spell_warns(twins):
+    mdm, _ = twins
+    with pytest.warns(UserWarning, match="cannot spell: \\[2\\] unknown"):
+        mdm.generate("hello world", gen_length=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        mdm.generate("where is ketterby ?", gen_length=4)
+
+
+def test_a_report_never_mixes_one_models_sweeps_of_other_data(mdm, tmp_path):
+    from mdm_lens import sweep
+    from mdm_lens.views.sweep_report import find_sweeps
+    from mdm_lens.zoo import jsonl
+
+    for name, seed, n in (("a", 1, 2), ("b", 2, 3)):
+        data = tmp_path / f"{name}.jsonl"
+        jsonl.export(data, n, seed=seed)
+        sweep.run(mdm, data, "accuracy", tmp_path / "sweeps" / name, progress=False)
+    sweeps, left = find_sweeps(tmp_path / "sweeps")
+    assert sorted(s.label for s in sweeps) == ["tiny-mdm (a)", "tiny-mdm (b)"] and not left
+    assert sorted(len(s.table("accuracy").item_id.unique()) for s in sweeps) == [2, 3]

@@ -56,6 +56,7 @@ def prompt_tokens(model: Any, prompt: Any, attention_mask: Any) -> tuple[Tensor,
             raise InputError("attention_mask is built by the tokenizer for text prompts; pass token ids to give "
                              "your own.", argument="attention_mask", value=attention_mask, allowed="None")
         ids, am = model.to_tokens(prompt, return_attention_mask=True)
+        _warn_unknown(model, ids, am)
     else:
         if isinstance(prompt, (list, tuple)) and len(prompt) == 0:
             raise InputError("prompt=[] is empty; give at least one token.", argument="prompt", value=prompt,
@@ -78,6 +79,19 @@ def prompt_tokens(model: Any, prompt: Any, attention_mask: Any) -> tuple[Tensor,
         raise InputError(f"prompt of shape {tuple(ids.shape)} is empty; give at least one token per row.",
                          argument="prompt", value=ids, allowed="a [batch >= 1, pos >= 1] prompt")
     return ids.long(), check_padding(am.to(ids.device).long())
+
+
+def _warn_unknown(model: Any, ids: Tensor, am: Tensor) -> None:
+    """A text prompt the tokenizer could not spell (unknown tokens) decodes a different prompt: say so."""
+    from mdm_lens import tokenization
+
+    unknown = tokenization.unknown_token_ids(model.tokenizer)
+    if not unknown:
+        return
+    hit = (sum(ids == u for u in unknown).bool() & am.bool()).sum(-1).tolist()
+    if any(hit):
+        warnings.warn(f"the text prompt has tokens this tokenizer cannot spell: {hit} unknown token(s) per row; the "
+                      "model sees <unk> there. Check the text (or pass token ids).", UserWarning, stacklevel=5)
 
 
 def check_padding(am: Tensor) -> Tensor:

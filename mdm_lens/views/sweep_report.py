@@ -118,10 +118,19 @@ def find_sweeps(folder: str | Path, exclude: Sequence[Path] = ()) -> tuple[list[
         raise InputError(f"{folder} is not a sweep folder (no manifest.json) and has no finished sweep subfolders"
                          + (f" (left out: {detail})" if detail else "") + "; run `mdm-lens sweep ... --out DIR` "
                          "first.", argument="folder", value=str(folder))
-    groups: dict[str, list[Path]] = {}
+    # one Sweep per (model, data): folders of one model on one data file complement each other (e.g. a knockout
+    # sweep on fewer items); the same model on other data is another sweep, labelled with its folders, never mixed
+    groups: dict[tuple[str, str], list[Path]] = {}
     for r in roots:
-        groups.setdefault(json.loads((r / "manifest.json").read_text())["model"]["id"], []).append(r)
-    return [Sweep(rs) for rs in groups.values()], left
+        man = json.loads((r / "manifest.json").read_text())
+        data = man.get("arguments", {}).get("data_hash") or str(man.get("data", {}).get("path", ""))
+        groups.setdefault((man["model"]["id"], data), []).append(r)
+    sweeps = [Sweep(rs) for rs in groups.values()]
+    models = [m for m, _ in groups]
+    for (model, _), sw in zip(groups, sweeps):
+        if models.count(model) > 1:
+            sw.label = f"{sw.label} ({', '.join(r.name for r in sw.roots)})"
+    return sweeps, left
 
 
 def load_sweeps(folder: str | Path) -> list[Sweep]:
