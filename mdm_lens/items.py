@@ -39,6 +39,17 @@ def passage_marker(k: int) -> str:
     return f"[{k}]"
 
 
+def gold_set(gold_index: int | None, gold_indices: Sequence[int]) -> tuple[int, ...]:
+    """One sorted gold set from the two fields a producer may fill; `gold_index` must be its smallest member."""
+    gold = tuple(sorted({int(g) for g in gold_indices}))
+    if gold_index is not None and not gold:
+        gold = (int(gold_index),)
+    if gold and gold_index is not None and int(gold_index) != gold[0]:
+        raise InputError(f"gold_index={gold_index!r} is not the smallest of gold_indices={gold!r}",
+                         argument="gold_index", value=gold_index, allowed=f"min(gold_indices) = {gold[0]}")
+    return gold
+
+
 @dataclass
 class QAItem:
     """One QA example plus everything analysis code needs to locate prompt regions.
@@ -69,12 +80,7 @@ class QAItem:
 
     def __post_init__(self) -> None:
         # Why normalise here: every reader then sees one gold set, whichever of the two fields a producer filled.
-        gold = tuple(sorted({int(g) for g in self.gold_indices}))
-        if self.gold_index is not None and not gold:
-            gold = (int(self.gold_index),)
-        if gold and self.gold_index is not None and int(self.gold_index) != gold[0]:
-            raise InputError(f"gold_index={self.gold_index!r} is not the smallest of gold_indices={gold!r}",
-                             argument="gold_index", value=self.gold_index, allowed=f"min(gold_indices) = {gold[0]}")
+        gold = gold_set(self.gold_index, self.gold_indices)
         bad = [g for g in gold if not 0 <= g < len(self.passages)]
         if bad:
             raise InputError(f"gold_indices={gold!r}: {bad} outside the {len(self.passages)} passages",

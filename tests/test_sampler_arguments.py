@@ -68,9 +68,10 @@ def llada_settings(draw):
 @st.composite
 def dream_settings(draw):
     gen = draw(st.integers(1, 6))
-    return dict(gen_length=gen, steps=draw(st.integers(1, 2 * gen)),
-                alg=draw(st.sampled_from(["origin", "maskgit_plus", "topk_margin", "entropy"])),
-                alg_temp=draw(st.sampled_from([None, 0, 0.3, 2.0])), eps=draw(st.sampled_from([1e-3, 0.2, 0.9])),
+    alg = draw(st.sampled_from(["origin", "maskgit_plus", "topk_margin", "entropy"]))
+    temps = [None, 0] if alg == "origin" else [None, 0, 0.3, 2.0]  # origin never reads alg_temp: refused there
+    return dict(gen_length=gen, steps=draw(st.integers(1, 2 * gen)), alg=alg,
+                alg_temp=draw(st.sampled_from(temps)), eps=draw(st.sampled_from([1e-3, 0.2, 0.9])),
                 temperature=draw(st.sampled_from([0.0, 0.4, 1])), top_p=draw(st.sampled_from([None, 0.3, 1.0])),
                 top_k=draw(st.sampled_from([None, 1, 3, 100])))
 

@@ -304,8 +304,10 @@ def test_received_attention_equals_the_full_cache_statistic(kind, query):
             rows = out.trajectory.committed_at(s)[:, :pos]
         for layer in range(2):
             pattern = out.cache[s][f"blocks.{layer}.attn.hook_pattern"]  # [b, h, q, k]
-            expected = (pattern * rows[:, None, :, None]).sum(2) / rows.sum(-1).clamp(min=1)[:, None, None]
-            torch.testing.assert_close(rec[s, :, layer, :, :pos], expected, atol=1e-5, rtol=1e-5)
+            n = rows.sum(-1)[:, None, None]
+            expected = (pattern * rows[:, None, :, None]).sum(2) / n.clamp(min=1)
+            expected = torch.where(n > 0, expected, torch.full_like(expected, float("nan")))  # no query: undefined
+            torch.testing.assert_close(rec[s, :, layer, :, :pos], expected, atol=1e-5, rtol=1e-5, equal_nan=True)
             assert (rec[s, :, layer, :, pos:] == 0).all()
     if query == "all":  # mass shares sum to one over keys
         torch.testing.assert_close(rec.sum(-1), torch.ones(6, 2, 2, 4))

@@ -30,4 +30,11 @@ def test_bfloat16_sweep_is_recorded_finite_and_close_to_fp32(tmp_path):
     # bf16 keeps ~3 significant digits: absorption percentages agree to a few points, and rank the same way
     assert np.abs(v32 - v16).max() < 5.0
     assert np.corrcoef(v32.ravel(), v16.ravel())[0, 1] > 0.98
-    assert np.isfinite(tabs["bfloat16"]["qk"].select_dtypes("number").to_numpy(float)).all()
+    qk = tabs["bfloat16"]["qk"]
+    share = qk["metric"].isin(["norm_share", "angle_share"])
+    assert np.isfinite(qk.loc[~share, "value"].to_numpy(float)).all()
+    # the shares N/Δ, G/Δ are NaN exactly where the head has no advantage (Δ ≤ 0), finite elsewhere
+    adv = qk[qk["metric"] == "advantage"].set_index(["item_id", "layer", "head"])["value"]
+    for metric in ("norm_share", "angle_share"):
+        sh = qk[qk["metric"] == metric].set_index(["item_id", "layer", "head"])["value"]
+        assert (sh.isna() == (adv.reindex(sh.index) <= 0)).all()

@@ -103,7 +103,9 @@ def _check_probabilities(pattern: Tensor, used: Tensor) -> None:
     vals = pattern[used]
     if vals.numel() == 0:
         return
-    tol = 1e-3
+    # a bf16 / fp16 pattern (even upcast) is rounded to ~1e-2 per entry; a wrong input (scores, a sum over heads:
+    # row sums of n_heads) is off by far more
+    tol = 0.05
     row = torch.where(used, pattern, torch.zeros((), dtype=pattern.dtype, device=pattern.device)).sum(-1)
     if bool(vals.min() < -tol) or bool(vals.max() > 1 + tol) or bool(row.max() > 1 + tol):
         raise ArgumentError(f"pattern holds values in [{float(vals.min()):.3g}, {float(vals.max()):.3g}] with row sums "

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mdm_lens.errors import InputError
+from mdm_lens.items import gold_set
 
 __all__ = ["SweepItem", "ReadResult", "read_items", "parse_item"]
 
@@ -57,12 +58,7 @@ class SweepItem:
     gold_indices: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        gold = tuple(sorted({int(g) for g in self.gold_indices}))
-        if self.gold_index is not None and not gold:
-            gold = (int(self.gold_index),)
-        if gold and self.gold_index is not None and int(self.gold_index) != gold[0]:
-            raise InputError(f"gold_index={self.gold_index!r} is not the smallest of gold_indices={gold!r}",
-                             argument="gold_index", value=self.gold_index, allowed=f"min(gold_indices) = {gold[0]}")
+        gold = gold_set(self.gold_index, self.gold_indices)
         object.__setattr__(self, "gold_indices", gold)
         object.__setattr__(self, "gold_index", gold[0] if gold else None)
 
