@@ -210,6 +210,10 @@ def test_ridge_r2_and_ci_equal_a_hand_item_bootstrap(per_position):
     assert row.metric == "r2" and row.n_test == len(test) == 8
     assert row.value == pytest.approx(value, abs=1e-9)
     assert (row.ci_low, row.ci_high) == pytest.approx((lo, hi), abs=1e-9)
+    if per_position:  # resampling rows (each its own "item") gives another, narrower interval here
+        rows_lo, rows_hi = _hand_r2_ci(xte @ wr + b, yy[te], torch.arange(int(te.sum())),
+                                       torch.arange(int(te.sum())), 200, 4)[1:]
+        assert abs((rows_hi - rows_lo) - (hi - lo)) > 1e-3
 
 
 def test_item_level_logistic_split_is_stratified():
