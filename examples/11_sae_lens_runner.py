@@ -14,7 +14,7 @@ rows, where anchors live.
 
 Needs sae-lens and `datasets` (the transformer-lens 3.x venv):
 
-    /work/venv-tl3/bin/python examples/11_sae_lens_runner.py [--n 24] [--steps 8] [--bands 3] [--tokens 30000]
+    python examples/11_sae_lens_runner.py   # with sae-lens installed: pip install "mdm-lens[sae]" [--n 24] [--steps 8] [--bands 3] [--tokens 30000]
 """
 
 from __future__ import annotations

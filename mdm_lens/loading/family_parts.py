@@ -80,3 +80,24 @@ def attention_plan(cfg: MDMConfig, dst: str, src: str, q_norm: str = "q_norm", k
         plan[dst + "q_norm.w"] = [src + q_norm + ".weight"]
         plan[dst + "k_norm.w"] = [src + k_norm + ".weight"]
     return plan
+
+
+def hf_layout_plan(cfg: MDMConfig, bias: str | None, shared: str | None) -> Plan:
+    """The weight plan of the transformers-style layout LLaDA-MoE and SDAR(-MoE) share (`model.embed_tokens`,
+    `model.layers.{i}.self_attn / mlp`, `model.norm`, `lm_head`): dense or MoE per `cfg.extra["moe_layers"]`, the MoE
+    layers' expert bias and shared expert at `src + bias` / `src + shared` when the family has them."""
+    plan: Plan = {"embed.W_E": ["model.embed_tokens.weight"], "ln_final.w": ["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        plan["unembed.weight"] = ["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        src, dst = f"model.layers.{i}.", f"blocks.{i}."
+        plan.update({dst + "ln1.w": [src + "input_layernorm.weight"],
+                     dst + "ln2.w": [src + "post_attention_layernorm.weight"]})
+        plan.update(attention_plan(cfg, dst + "attn.", src + "self_attn."))
+        if cfg.extra["moe_layers"][i]:
+            plan.update(moe_plan(cfg, dst + "mlp.", src + "mlp.", router=src + "mlp.gate.weight",
+                                 bias=None if bias is None else src + bias,
+                                 shared=None if shared is None else src + shared))
+        else:
+            plan.update(mlp_plan(dst + "mlp.", src + "mlp."))
+    return plan

@@ -80,19 +80,6 @@ def config_from_sdar(config: dict[str, Any], family: str, name: str, folder: Pat
 
 
 def sdar_plan(cfg: MDMConfig, keys: list[str]) -> Plan:
-    from mdm_lens.loading.family_parts import attention_plan, mlp_plan, moe_plan
+    from mdm_lens.loading.family_parts import hf_layout_plan
 
-    plan: Plan = {"embed.W_E": ["model.embed_tokens.weight"], "ln_final.w": ["model.norm.weight"]}
-    if not cfg.tie_word_embeddings:
-        plan["unembed.weight"] = ["lm_head.weight"]
-    for i in range(cfg.n_layers):
-        src, dst = f"model.layers.{i}.", f"blocks.{i}."
-        plan.update({dst + "ln1.w": [src + "input_layernorm.weight"],
-                     dst + "ln2.w": [src + "post_attention_layernorm.weight"]})
-        plan.update(attention_plan(cfg, dst + "attn.", src + "self_attn."))
-        if cfg.extra["moe_layers"][i]:
-            plan.update(moe_plan(cfg, dst + "mlp.", src + "mlp.", router=src + "mlp.gate.weight", bias=None,
-                                 shared=None))
-        else:
-            plan.update(mlp_plan(dst + "mlp.", src + "mlp."))
-    return plan
+    return hf_layout_plan(cfg, bias=None, shared=None)
