@@ -139,3 +139,17 @@ def test_a_report_never_mixes_one_models_sweeps_of_other_data(mdm, tmp_path):
     sweeps, left = find_sweeps(tmp_path / "sweeps")
     assert sorted(s.label for s in sweeps) == ["tiny-mdm (a)", "tiny-mdm (b)"] and not left
     assert sorted(len(s.table("accuracy").item_id.unique()) for s in sweeps) == [2, 3]
+
+
+@pytest.mark.parametrize("kv", ["prefix", "dual"])
+def test_kv_cached_runs_are_not_replayed_or_lensed_as_fresh_forwards(twins, kv):
+    """A replay is a fresh full forward; a cached run's forwards read stale keys/values (the committed greedy token
+    need not be the replayed argmax), so both are refused rather than answered with another forward's numbers."""
+    mdm, _ = twins
+    from mdm_lens.lens import lens_trace
+
+    out = mdm.generate(torch.tensor([[5, 6, 7, 8, 9, 10]]), gen_length=8, block_length=4, steps=4, kv_cache=kv)
+    with pytest.raises(SamplerConfigError, match="kv_cache"):
+        out.replay(mdm, 1)
+    with pytest.raises(InputError, match="kv_cache"):
+        lens_trace(mdm, out)

@@ -33,6 +33,12 @@ def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
                                  "canvas prefix or one KV-cached block that x_steps does not describe; hook the run "
                                  "itself (fwd_hooks / cache=).", argument="out", value=out.sampler,
                                  allowed="a llada, dream, arm or diffusion_gemma run")
+    if out.settings.get("kv_cache") is not None:  # a replay would be a fresh full forward, not what the run read
+        raise SamplerConfigError(f"replay is not available for kv_cache={out.settings['kv_cache']!r} runs: their "
+                                 "window forwards attended to stale cached keys/values, which a replay (a fresh full "
+                                 "forward) would not; hook the run itself (fwd_hooks / cache=), or compare the two "
+                                 "with probes.cache_effect.", argument="out", value=out.settings["kv_cache"],
+                                 allowed="a run without kv_cache")
     n = out.trajectory.n_steps
     s = validate.index(step, n, name="step", what=f"step of this {n}-step run")
     phase = validate.choice(phase, ("cond", "uncond"), name="phase")

@@ -25,6 +25,11 @@ def _check_run(model: Any, out: Any) -> None:
                          "(sampler 'llada' or 'dream'): an autoregressive step has no masked canvas.",
                          argument="out", value=out.sampler, allowed="a 'llada' or 'dream' run")
     out.check_model(model)
+    if out.settings.get("kv_cache") is not None:  # window forwards: neither a replay nor the cache rows cover them
+        raise InputError(f"out is a kv_cache={out.settings['kv_cache']!r} run: its window forwards attended to stale "
+                         "keys/values and computed a window of rows, so a lens over replayed (fresh) forwards would "
+                         "not be what the sampler read. Lens a run without kv_cache, or see probes.cache_effect.",
+                         argument="out", value=out.settings["kv_cache"], allowed="a run without kv_cache")
     if out.settings.get("mask_id") != model.cfg.mask_token_id:
         raise InputError(f"out was not made by this model ({model.cfg.model_name!r}): its mask id differs.",
                          argument="out", value=out.model_name, allowed="a run of the same model")

@@ -4,8 +4,8 @@
     stats = probes.router_stats(model, out, steps=[0, 8, -1])
     stats.table          # step, layer, class, expert, metric, value, reason (tidy)
 
-Each chosen step's forward is replayed (`out.replay`: the step's own canvas and state; on a KV-cached run this is
-the fresh forward, not the cached one) with the router and attention hooks of every MoE layer. Per step and layer:
+Each chosen step's forward is replayed (`out.replay`: the step's own canvas and state; KV-cached runs are refused,
+their forwards cannot be replayed) with the router and attention hooks of every MoE layer. Per step and layer:
 
 * `router_entropy` (class "all"): the mean over visible positions of the entropy (nats) of the routing distribution
   — the router's softmax (LLaDA-MoE, SDAR-MoE), or the sigmoid scores normalised to sum 1 (LLaDA2);
