@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from mdm_lens.views.figstyle import _new, _np, _styled, _tick_step, save
+from mdm_lens.views.figstyle import _new, _np, _styled, _tick_step, layer_step_axes, save
 
 __all__ = ["lens_heatmap", "emergence_map", "lens_grid", "lens_section"]
 
@@ -42,12 +42,7 @@ def lens_heatmap(grid: Any, steps: Sequence[int], layers: Sequence[int], *, titl
     cm = matplotlib.colormaps[cmap].with_extremes(bad="0.85")
     im = ax.imshow(np.ma.masked_invalid(g), cmap=cm, vmin=vmin, vmax=vmax, aspect="auto", origin="lower",
                    extent=(-0.5, S - 0.5, -0.5, L - 0.5))
-    ax.set_xticks(range(0, S, _tick_step(S, 24)))
-    ax.set_xticklabels([str(steps[i]) for i in range(0, S, _tick_step(S, 24))])
-    ax.set_yticks(range(0, L, _tick_step(L, 16)))
-    ax.set_yticklabels([str(layers[i]) for i in range(0, L, _tick_step(L, 16))])
-    ax.set_xlabel("denoising step")
-    ax.set_ylabel("layer")
+    layer_step_axes(ax, layers, steps)
     means = np.array([np.nanmean(r) if np.isfinite(r).any() else np.nan for r in g])
     side.barh(np.arange(L), np.nan_to_num(means), height=0.8, color=cm(np.clip((np.nan_to_num(means) - vmin) /
                                                                             max(vmax - vmin, 1e-12), 0, 1)),

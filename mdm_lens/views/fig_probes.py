@@ -30,7 +30,7 @@ from mdm_lens import validate
 from mdm_lens.errors import InputError, MDMLensError
 from mdm_lens.lens.linear import COLUMNS as GRID_COLUMNS
 from mdm_lens.lens.linear import ProbeFeatures, probe_grid
-from mdm_lens.views.figstyle import _new, _np, _styled, _tick_step, save
+from mdm_lens.views.figstyle import _new, _np, _styled, layer_step_axes, save
 
 __all__ = ["sweep_features", "sweep_probe_grids", "probe_heatmap", "probes_section", "CHANCE", "TARGETS",
            "MIN_TEST"]
@@ -144,12 +144,7 @@ def probe_heatmap(auc: Any, auc_sig: Any, r2: Any, r2_sig: Any, steps: Sequence[
         text = ("★\n" if r_sig[l] else "") + (f"{v:.2f}" if np.isfinite(v) else "n/a")
         side.text(0, l, text, ha="center", va="center", fontsize=7,
                   color="white" if np.isfinite(v) and v < 0.6 else "black")
-    ax.set_xticks(range(0, S, _tick_step(S, 24)))
-    ax.set_xticklabels([str(steps[i]) for i in range(0, S, _tick_step(S, 24))])
-    ax.set_yticks(range(0, L, _tick_step(L, 16)))
-    ax.set_yticklabels([str(layers[i]) for i in range(0, L, _tick_step(L, 16))])
-    ax.set_xlabel("denoising step")
-    ax.set_ylabel("layer")
+    layer_step_axes(ax, layers, steps)
     fig.suptitle(title, x=0.02, ha="left", fontsize=10, fontweight="bold")
     ax.set_title("correctness probe per (layer, step)", loc="left", fontsize=9)
     side.set_xticks([0])

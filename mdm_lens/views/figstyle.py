@@ -125,6 +125,17 @@ def _tick_step(n: int, max_labels: int) -> int:
     return max(1, math.ceil(n / max_labels))
 
 
+def layer_step_axes(ax: Any, layers: Sequence[Any], steps: Sequence[Any]) -> None:
+    """Label a layer × step heatmap (`imshow` of `[layer, step]`, origin lower): thinned ticks, axis names."""
+    L, S = len(layers), len(steps)
+    ax.set_xticks(range(0, S, _tick_step(S, 24)))
+    ax.set_xticklabels([str(steps[i]) for i in range(0, S, _tick_step(S, 24))])
+    ax.set_yticks(range(0, L, _tick_step(L, 16)))
+    ax.set_yticklabels([str(layers[i]) for i in range(0, L, _tick_step(L, 16))])
+    ax.set_xlabel("denoising step")
+    ax.set_ylabel("layer")
+
+
 def _set_token_xticks(ax, labels: Sequence[str] | None, n: int, max_labels: int = 80, fontsize: float = 6.5) -> None:
     step = _tick_step(n, max_labels)
     idx = list(range(0, n, step))
