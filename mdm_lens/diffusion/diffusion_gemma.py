@@ -38,6 +38,7 @@ counted from the end ("last", -1) are refused while a stopping rule is on.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -54,9 +55,6 @@ from mdm_lens.errors import InputError, SamplerConfigError
 from mdm_lens.hooks.runner import StepRunner
 from mdm_lens.hooks.steps import Steps
 
-GENERATION_SETTINGS = ("max_new_tokens", "max_length", "max_denoising_steps", "sampler_config", "t_min", "t_max",
-                       "stability_threshold", "confidence_threshold", "eos_token_id", "pad_token_id", "bos_token_id",
-                       "cache_implementation")
 
 
 def _seeded_sampler(sampler_cls: type, generator: torch.Generator) -> type:
@@ -364,6 +362,11 @@ class DiffusionGemmaSettings(SamplerSettings):
     bos_token_id: int | None = DEFAULT
     cache_implementation: str | None = DEFAULT
     generation_config: Any = DEFAULT
+
+
+# transformers' own generation settings: the dataclass's fields less our two conveniences (one list, not two)
+GENERATION_SETTINGS = tuple(f.name for f in dataclasses.fields(DiffusionGemmaSettings)
+                            if f.name not in ("entropy_bound", "generation_config"))
 
 
 class DiffusionGemmaSampler(Sampler):
