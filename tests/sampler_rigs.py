@@ -68,3 +68,26 @@ def static(rows: dict[int, torch.Tensor], vocab: int = V) -> Callable:
         return out
 
     return designed
+
+
+def identity_unembed(model: HookedMDM, scale: float = 3.0) -> HookedMDM:
+    """The unembedding as `scale` × the identity on the first d_vocab residual dimensions (d_model >= d_vocab) and a
+    unit final-norm weight, so a hook on `ln_final.hook_normalized` can pin single logits (see `no_mask_hooks`)."""
+    vocab = model.cfg.d_vocab
+    with torch.no_grad():
+        model.unembed.weight.zero_()
+        model.unembed.weight[:, :vocab].copy_(scale * torch.eye(vocab))
+        model.ln_final.w.fill_(1.0)
+    return model
+
+
+def no_mask_hooks(mask: int) -> list[tuple[str, Callable]]:
+    """On an `identity_unembed` model: its own logits, except that the mask id is never predicted (pinned at -30).
+    A random model can otherwise sample the mask id, and a slot then stays masked after its commit, which no
+    sampler's schedule accounts for. Pass the hooks to every run and every reference forward."""
+    def no_mask(x, hook):
+        x = x.clone()
+        x[..., mask] = -30.0
+        return x
+
+    return [("ln_final.hook_normalized", no_mask)]

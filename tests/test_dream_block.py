@@ -11,18 +11,13 @@ import torch
 
 from mdm_lens import HookedMDM, MDMConfig, SamplerConfigError
 from mdm_lens.diffusion.dream import sample_tokens
+from sampler_rigs import identity_unembed, no_mask_hooks
 
 MASK = 19
+NO_MASK = no_mask_hooks(MASK)
 PROMPT = torch.tensor([[3, 4, 5, 6, 7]])
 
 
-def _no_mask_logit(x, hook):
-    x = x.clone()
-    x[..., MASK] = -30.0
-    return x
-
-
-NO_MASK = [("ln_final.hook_normalized", _no_mask_logit)]
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +25,7 @@ def model():
     cfg = MDMConfig(d_model=24, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=16, d_vocab=20, mask_token_id=MASK,
                     n_ctx=40, logit_shift=True, position_policy="cumsum", padding_mask="pair")
     m = HookedMDM.from_config(cfg, seed=5, init_std=0.6)
-    with torch.no_grad():
-        m.unembed.weight.zero_()
-        m.unembed.weight[:, :20].copy_(3 * torch.eye(20))
-        m.ln_final.w.fill_(1.0)
-    return m
+    return identity_unembed(m)
 
 
 def _kv_names(model):

@@ -16,20 +16,13 @@ from hypothesis import strategies as st
 from mdm_lens import HookedMDM, MDMConfig, ReceivedAttention, SamplerConfigError, steps
 from mdm_lens.hooks.runner import StepsNotReachedWarning
 from mdm_lens.diffusion.fastdllm import eb_transfer, factor_transfer, threshold_transfer
+from sampler_rigs import identity_unembed, no_mask_hooks
 
 MASK = 19
+NO_MASK = no_mask_hooks(MASK)
 PROMPT = torch.tensor([[3, 4, 5, 6]])
 
 
-def _no_mask_logit(x, hook):
-    """The model never predicts the mask id (a random model can, and then a slot stays masked after its commit):
-    the unembedding is the identity on the first d_vocab dimensions, so this pins that one logit at -30."""
-    x = x.clone()
-    x[..., MASK] = -30.0
-    return x
-
-
-NO_MASK = [("ln_final.hook_normalized", _no_mask_logit)]
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +30,7 @@ def model():
     cfg = MDMConfig(d_model=24, n_layers=2, n_heads=2, n_kv_heads=1, d_mlp=16, d_vocab=20, mask_token_id=MASK,
                     n_ctx=40, eos_token_id=1)
     m = HookedMDM.from_config(cfg, seed=3, init_std=0.6)
-    with torch.no_grad():
-        m.unembed.weight.zero_()
-        m.unembed.weight[:, :20].copy_(3 * torch.eye(20))
-        m.ln_final.w.fill_(1.0)
-    return m
+    return identity_unembed(m)
 
 
 def _rows(*values):

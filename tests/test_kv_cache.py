@@ -18,29 +18,20 @@ import torch.nn.functional as F
 from mdm_lens import (HookedMDM, KeyValueNorms, MDMConfig, ReceivedAttention, SamplerConfigError, TopKKeys,
                       TrajectoryCache, at_steps, steps)
 from mdm_lens.kvcache import KVCache
+from sampler_rigs import identity_unembed, no_mask_hooks
 
 MASK = 19
+NO_MASK = no_mask_hooks(MASK)
 PROMPT = torch.tensor([[3, 4, 5, 6, 7]])
 
 
-def _no_mask_logit(x, hook):
-    x = x.clone()
-    x[..., MASK] = -30.0  # identity unembedding: the model never predicts the mask id
-    return x
-
-
-NO_MASK = [("ln_final.hook_normalized", _no_mask_logit)]
 
 
 def _model(dtype=torch.float32):
     cfg = MDMConfig(d_model=24, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=16, d_vocab=20, mask_token_id=MASK,
                     n_ctx=40, eos_token_id=1, dtype=dtype)
     m = HookedMDM.from_config(cfg, seed=7, init_std=0.6)
-    with torch.no_grad():
-        m.unembed.weight.zero_()
-        m.unembed.weight[:, :20].copy_(3 * torch.eye(20))
-        m.ln_final.w.fill_(1.0)
-    return m
+    return identity_unembed(m)
 
 
 @pytest.fixture(scope="module")
