@@ -20,6 +20,7 @@ from mdm_lens.config import MDMConfig
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, CheckpointError, CheckpointNotFoundError, ConfigError
 from mdm_lens.loading.families import family_config, family_of, family_plan
+from mdm_lens.loading.fastdllm_v2 import config_from_fastdllm_v2, is_fastdllm_v2
 from mdm_lens.loading.hf import config_from_hf, hf_family, hf_plan
 from mdm_lens.loading.llada import config_from_llada, is_llada, llada_plan
 from mdm_lens.loading.plan import Plan, source_shapes
@@ -49,6 +50,8 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
         elif family_of(raw) is not None:  # LLaDA2.x, LLaDA-MoE (model_type "llada"!), SDAR, SDAR-MoE
             family = family_of(raw)
             cfg = family_config(raw, family, name, folder)
+        elif is_fastdllm_v2(raw):  # Qwen2 weights, block-causal attention (mdm_lens.loading.fastdllm_v2)
+            cfg, family = config_from_fastdllm_v2(raw, name, folder), "fastdllm_v2"
         elif is_llada(raw):
             check_raw(raw, LLADA_SCHEMA, path)
             cfg, family = config_from_llada(raw, name), "llada"
