@@ -18,6 +18,7 @@ from torch import Tensor
 from mdm_lens import validate
 from mdm_lens.diffusion import arm, diffusion_gemma, dream, llada, registry  # noqa: F401  (each registers itself)
 from mdm_lens.diffusion import llada2, sdar  # noqa: F401  (block diffusion: LLaDA2.x, SDAR)
+from mdm_lens.diffusion import fastdllm_v2  # noqa: F401  (block diffusion: Fast-dLLM v2)
 from mdm_lens.diffusion.canvas import CanvasSampler, Plan
 from mdm_lens.diffusion.output import GenerateOutput
 from mdm_lens.diffusion.registry import Observation
@@ -33,6 +34,8 @@ def default_sampler(model: Any) -> str:
         return "llada2"
     if model.cfg.family in ("sdar", "sdar_moe"):
         return "sdar"
+    if model.cfg.family == "fastdllm_v2":
+        return "fastdllm_v2"
     if model.cfg.attention == "causal":
         return "arm"
     return "dream" if model.cfg.logit_shift else "llada"
