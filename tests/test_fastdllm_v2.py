@@ -251,3 +251,37 @@ def test_stop_token_pads_the_rest_and_skips_the_ar_step():
     assert out.tokens[0].tolist() == [20, 21, 1, 0]  # the token after the stop token became pad
     assert out.trajectory.commit_step[0].tolist() == [-1, -1, 0, 1]
     assert [k for k, *_ in log] == ["denoise", "denoise"]  # the only row finished: no AR forward
+
+
+def test_block_cache_forwards_match_the_reference_logits(tiny):
+    """`use_block_cache`: the sub-block forwards (stale block keys/values, fresh rows written in place) compute the
+    reference's logits, which differ from a full block forward's."""
+    model, ref_model, _ = tiny
+    kw = dict(threshold=1.0, small_block_size=4, max_new_tokens=16, block_size=8, stop_token=95,
+              use_block_cache=True)  # one commit per forward: sub-block windows follow each fill
+    theirs, forward = [], ref_model.forward
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        theirs.append(out.logits)
+        return out
+
+    ref_model.forward = recording
+    try:
+        reference_run(ref_model, [P6], **kw)
+    finally:
+        del ref_model.forward
+    mine, rows, canvases = [], [], []
+
+    def hook(x, hook):
+        mine.append(model.unembed(x * model.ln_final.w))  # hook_normalized is before the weight
+        rows.append(model.state.extra["block_cache"])
+        canvases.append(model.state.x.clone())
+
+    ours(model, [P6], fwd_hooks=[("ln_final.hook_normalized", hook)], **kw)
+    assert len(mine) == len(theirs) and rows.count("window") >= 2
+    for a, b in zip(mine, theirs):
+        assert a.shape == b.shape and (a - b).abs().max() <= 1e-4
+    i = rows.index("window")
+    fresh = model(canvases[i][:, :8], block_length=8)[:, 4:8]  # block 0 recomputed from its current tokens
+    assert (fresh - mine[i]).abs().max() > 1e-3  # the stale block keys/values matter

@@ -10,7 +10,8 @@ reference's factor rule instead). Once the block holds no mask, one more forward
 and its last raw logit's argmax becomes the first token of the next block. Every forward is a step; hooks see the
 rows it computes (`state.extra["query_start"/"query_end"]`; `use_block_cache=True`: a sub-block forward computes the
 sub-block's rows only, writing their keys/values into the block's cache). `state.block` counts decoded blocks,
-`state.extra["sub_block"]` the sub-block, `state.extra["active_rows"]` the rows the reference still decodes.
+`state.extra["sub_block"]` the sub-block, `state.extra["active_rows"]` the rows the reference still decodes,
+`state.extra["block_cache"]` "fill" / "window" for the block-cache forwards (None otherwise).
 
 A batch of prompts of different lengths is decoded as the reference does: right-padded with the mask id, decoding
 from the shortest prompt's block on (a longer prompt's remaining positions are not masks, so they stay). A row stops
@@ -301,7 +302,8 @@ class _Loop:
                                (x == self.mask_id) & (self.positions < blk.stop), self.prompt,
                                (self.positions < (blk.stop if mode == "block_window" else hi)).expand_as(x), blk)
         state.extra.update(kind=kind, query_start=lo, query_end=hi, kv_age=self.cache.age.clone(), sub_block=sub,
-                           active_rows=self.active.clone())
+                           active_rows=self.active.clone(),
+                           block_cache={"block_fill": "fill", "block_window": "window"}.get(mode))
         self.runner.model.state = state
         hooks = self.runner._hooks_for(state)
         try:
