@@ -285,3 +285,19 @@ def test_block_cache_forwards_match_the_reference_logits(tiny):
     i = rows.index("window")
     fresh = model(canvases[i][:, :8], block_length=8)[:, 4:8]  # block 0 recomputed from its current tokens
     assert (fresh - mine[i]).abs().max() > 1e-3  # the stale block keys/values matter
+
+
+def test_observation_limits(tiny):
+    from mdm_lens.hooks.reducers import KeyValueNorms, ReceivedAttention
+
+    model, _, _ = tiny
+    kw = dict(block_size=4, small_block_size=2, threshold=0.03, max_new_tokens=8, stop_token=95)
+    out = ours(model, [P6], record=[ReceivedAttention()], cache="blocks.0.attn.hook_pattern", **kw)
+    shapes = [tuple(out.cache[i]["blocks.0.attn.hook_pattern"].shape[-2:]) for i in range(out.trajectory.n_steps)]
+    assert shapes == [(4, 4)] + [(4, 8)] * (shapes.count((4, 8))) + [(4, 12)] * (shapes.count((4, 12)))
+    assert shapes.count((4, 8)) >= 2 and shapes.count((4, 12)) >= 2  # prefill; block 1 (+ AR); block 2 (+ AR)
+    assert out.records["received_attention"].shape[-1] == out.tokens.shape[1]
+    with pytest.raises(SamplerConfigError, match="KeyValueNorms"):
+        ours(model, [P6], record=[KeyValueNorms()], **kw)
+    with pytest.raises(SamplerConfigError, match="replay"):
+        out.replay(model, 1)

@@ -219,6 +219,14 @@ class FastDLLMv2Sampler(CanvasSampler):
             raise SamplerConfigError("temperature > 0 with a batch: the reference's sample_with_top_p draws from row "
                                      "0's distribution and writes those tokens into every row; decode rows one at a "
                                      "time.", argument="temperature", value=s.temperature, allowed="0 for a batch")
+        from mdm_lens.hooks.reducers import ReceivedAttention
+
+        other = [r for r in obs.record if not isinstance(r, ReceivedAttention)]
+        if other:
+            raise SamplerConfigError(f"record={[type(r).__name__ for r in other]} on a Fast-dLLM v2 run: these reducers "
+                                     "place rows at positions 0.. and its cached forwards compute one block's (or "
+                                     "sub-block's) rows; ReceivedAttention, cache= and fwd_hooks work.",
+                                     argument="record", value=obs.record, allowed="ReceivedAttention only")
         bs = s.block_size
         num_blocks = s.max_new_tokens // bs + max(lengths) // bs
         width = num_blocks * bs + 1
@@ -260,7 +268,9 @@ class FastDLLMv2Sampler(CanvasSampler):
         if model.tokenizer is not None:
             texts = [tokenization.decode(model.tokenizer, row[n:stop].tolist(), skip_special_tokens=True)
                      for row, n, stop in zip(tokens.cpu(), lengths, returned)]
+        # kv_cache: replay (a fresh full forward over x_steps) refuses such runs; the block-cache forwards read stale rows
         settings = dict(s.as_dict(), seed=obs.seed, mask_id=model.cfg.mask_token_id, prompt_lengths=lengths,
+                        kv_cache="block+sub_block" if s.use_block_cache else "block",
                         returned_lengths=returned, n_forwards=len(loop.recorder.x_steps))
         p = min(lengths)
         return GenerateOutput(tokens=tokens, prompt_length=p, attention_mask=keep.long(), trajectory=trajectory,
