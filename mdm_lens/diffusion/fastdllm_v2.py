@@ -2,36 +2,32 @@
 @ 734a60d4), step by step and observable: `generate(model, prompts, sampler="fastdllm_v2", ...)`.
 
 Blocks of `block_size` aligned at position 0, each split into sub-blocks of `small_block_size` decoded in order.
-One forward over the shortest prompt's whole blocks fills the KV cache (kind "prefill", when that prompt is longer
-than a block); per block, forwards over the block's rows (kind "denoise") attend to [cache; block], their logits
-token-shifted (`cat(raw[:1], raw[:-1])`: the prediction of row i is read at row i-1); per sub-block, every masked
-position whose probability exceeds `threshold` is committed, and always the most confident one (`factor=True`: the
-reference's factor rule instead). Once the block holds no mask, one more forward (kind "ar") stores its keys/values
-and its last raw logit's argmax becomes the first token of the next block. Every forward is a step; hooks see the
-rows it computes (`state.extra["query_start"/"query_end"]`; `use_block_cache=True`: a sub-block forward computes the
-sub-block's rows only, writing their keys/values into the block's cache). `state.block` counts decoded blocks,
-`state.extra["sub_block"]` the sub-block, `state.extra["active_rows"]` the rows the reference still decodes,
-`state.extra["block_cache"]` "fill" / "window" for the block-cache forwards (None otherwise).
+A forward over the shortest prompt's whole blocks fills the KV cache (kind "prefill", when it is longer than a
+block); per block, forwards over the block's rows (kind "denoise") attend to [cache; block], logits token-shifted
+(`cat(raw[:1], raw[:-1])`); per sub-block, every masked position whose probability exceeds `threshold` is committed,
+always the most confident one (`factor=True`: the reference's factor rule). Once the block holds no mask, one more
+forward (kind "ar") stores its keys/values and its last raw logit's argmax is the next block's first token. Every
+forward is a step; hooks see the rows it computes (`state.extra["query_start"/"query_end"]`; `use_block_cache=True`:
+a sub-block forward computes the sub-block's rows, written into the block's cache, `state.extra["block_cache"]`
+"fill"/"window"). `state.block` counts decoded blocks, `state.extra["sub_block"]` the sub-block,
+`state.extra["active_rows"]` the rows the reference still decodes.
 
-A batch of prompts of different lengths is decoded as the reference does: right-padded with the mask id, decoding
-from the shortest prompt's block on (a longer prompt's remaining positions are not masks, so they stay). A row stops
-when it commits `stop_token`: when its block is full, every token after its first stop token becomes `pad_id`, and
-the row leaves the batch (here it stays in the forwards, frozen and filled with `pad_id`: rows never interact, so
-the others compute the same numbers; `active_rows` says which are live). `out.tokens` is each row as the reference
-returns it (prompt, generated tokens, the pads after the stop token, the next block's first token when the AR
-forward ran), in the reference's right-padded layout; `out.prompt_length` is the shortest prompt,
-`out.settings["prompt_lengths"]` each row's, `out.attention_mask` is 0 past a row's returned length.
+A batch of prompts of different lengths runs as the reference does: right-padded with the mask id, decoding from
+the shortest prompt's block on. A row stops when it commits `stop_token`: once its block is full, every token after
+its first stop token becomes `pad_id` and the row leaves the batch (here it stays in the forwards, frozen and
+filled with `pad_id`: rows never interact). `out.tokens` is each row as the reference returns it (prompt,
+generated tokens, pads after the stop token, the next block's first token when the AR forward ran) in its
+right-padded layout; `out.prompt_length` is the shortest prompt, `out.settings["prompt_lengths"]` each row's,
+`out.attention_mask` is 0 past a row's returned length.
 
-Reference quirks, reproduced: a prompt of exactly `block_size` tokens is never read (no prefill since the prompt
-is not longer than a block, decoding starts at block 1; warned); a stop token emitted by the AR step does not stop
-the row, but the padding after a later stop starts at the first stop token; a batch whose longest prompt is one
-token past a block end gets that prompt token overwritten by the AR prediction (warned); a longer prompt ending
-exactly at a block end while shorter rows are generating gets no AR token (its first position is then denoised
-from its own logit). Refused (the reference fails or loops forever): `block_size` not a multiple of
-`small_block_size`; `max_new_tokens < block_size`; a block size not dividing 32 (the reference's denoising forwards
-pass no `block_size`, so its model masks over 32-token blocks); temperature > 0 with more than one row (its
-`torch.multinomial(p[0])` samples row 0's distribution for every row); a greedy step that changes nothing (the
-model's top token is the mask id: the reference would loop forever).
+Quirks reproduced: a prompt of exactly `block_size` tokens is never read (no prefill, decoding starts at block 1;
+warned); a stop token emitted by the AR step does not stop the row; a batch whose longest prompt is one token past
+a block end loses that token to the AR prediction (warned); a longer prompt ending at a block end while shorter rows
+generate gets no AR token (its first position is denoised from its own logit). Refused (the reference fails or
+loops forever): `block_size` not a multiple of `small_block_size`; `max_new_tokens < block_size`; a block size not
+dividing 32 (its denoising forwards pass no `block_size`: the model masks over 32-token blocks); temperature > 0
+with several rows (`torch.multinomial(p[0])` samples row 0's distribution for all); a greedy step that changes
+nothing (the model's top token is the mask id).
 """
 
 from __future__ import annotations
@@ -187,6 +183,13 @@ class SubBlockKV(LayerKV):
 class FastDLLMv2Sampler(CanvasSampler):
     name, Settings = "fastdllm_v2", FastDLLMv2Settings
     neutral = dict(use_block_cache=False, factor=False)
+
+    def is_neutral(self, option: str, value: Any, given: dict[str, Any]) -> bool:
+        if value is None and option in ("threshold", "factor", "top_p"):  # "off" as the other samplers spell it
+            return True
+        if option == "top_p" and value == 1.0:  # keeps every token
+            return True
+        return super().is_neutral(option, value, given)
 
     def plan(self, s: FastDLLMv2Settings, lengths: list[int] | None = None) -> Plan:
         """The most forwards a run can make: the prefill, then per block one per masked position and the AR step
