@@ -301,3 +301,17 @@ def test_observation_limits(tiny):
         ours(model, [P6], record=[KeyValueNorms()], **kw)
     with pytest.raises(SamplerConfigError, match="replay"):
         out.replay(model, 1)
+
+
+def test_defaults_and_missing_ids(tiny):
+    from mdm_lens.diffusion import plan
+
+    model, _, _ = tiny
+    assert plan(model, small_block_size=2, max_new_tokens=8, stop_token=95, pad_id=PAD).n_blocks == 2
+    out = model.generate([P6], small_block_size=2, max_new_tokens=8, threshold=0.03, stop_token=95, pad_id=PAD)
+    assert out.sampler == "fastdllm_v2" and out.settings["block_size"] == 4  # auto: the family's; bd_size
+    assert (out.settings["threshold"], out.settings["top_p"], out.settings["temperature"]) == (0.03, 0.95, 0.0)
+    for missing, given in (("stop_token", dict(pad_id=PAD)), ("pad_id", dict(stop_token=95))):
+        with pytest.raises(SamplerConfigError) as info:  # vocab 97: no 151645, no EOS, no pad in this config
+            model.generate([P6], small_block_size=2, max_new_tokens=8, **given)
+        assert info.value.argument == missing
