@@ -59,6 +59,15 @@ def test_loader_reads_the_released_layout(tiny):
     assert (c.family, c.mask_token_id, c.extra["block_length"], c.logit_shift, c.attention, c.qkv_bias) == \
         ("fastdllm_v2", MASK, 4, True, "bidirectional", True)
     assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.d_vocab, c.rope_theta) == (2, 64, 4, 2, 97, 1e6)
+    assert c.pad_token_id is None  # neither config.json nor the tokenizer names one
+
+
+def test_pad_id_from_the_tokenizer(tmp_path):
+    folder = write_fastdllm_v2(tmp_path / "ckpt")[0]
+    (folder / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<|endoftext|>", "added_tokens_decoder": {
+        "7": {"content": "<|endoftext|>"}, str(MASK): {"content": "|<MASK>|"}}}))
+    model = HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
+    assert (model.cfg.pad_token_id, model.cfg.mask_token_id) == (7, MASK)
 
 
 def test_forward_matches_transformers_qwen2_with_the_eval_mask(tiny):

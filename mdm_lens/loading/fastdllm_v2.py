@@ -11,7 +11,8 @@ token-shifted like Dream's (`cfg.logit_shift`: the logit at i predicts token i+1
 branch is used (the split-half rotation of the reference's training branch never runs at inference).
 
 The mask id: config.json `mask_token_id`, else the tokenizer files' `mask_token` or a token named `|<MASK>|`
-(the released vocabulary's), else the reference constant 151665 when the vocabulary holds it."""
+(the released vocabulary's), else the reference constant 151665 when the vocabulary holds it. The pad id (the
+sampler writes `tokenizer.pad_token_id` after a stop token): config.json's, else the tokenizer's `pad_token`."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def is_fastdllm_v2(config: dict[str, Any]) -> bool:
 def config_from_fastdllm_v2(config: dict[str, Any], name: str, folder: Path) -> MDMConfig:
     from mdm_lens.loading.family_parts import mask_token_id
     from mdm_lens.loading.hf import config_from_hf
-    from mdm_lens.loading.special import TokenTable
+    from mdm_lens.loading.special import TokenTable, _read_json, _token_name
     from mdm_lens.loading.values import HF_SCHEMA, check_raw
 
     check_raw(config, HF_SCHEMA, folder / "config.json")
@@ -50,4 +51,7 @@ def config_from_fastdllm_v2(config: dict[str, Any], name: str, folder: Path) -> 
     if mask is None and MASK_ID < cfg.d_vocab:
         mask = MASK_ID
     cfg.mask_token_id = mask
+    if cfg.pad_token_id is None:
+        pad = TokenTable(folder).get(_token_name(_read_json(folder / "tokenizer_config.json").get("pad_token")))
+        cfg.pad_token_id = pad if pad is not None and 0 <= pad < cfg.d_vocab else None
     return cfg
