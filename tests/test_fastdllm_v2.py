@@ -324,3 +324,15 @@ def test_defaults_and_missing_ids(tiny):
         with pytest.raises(SamplerConfigError) as info:  # vocab 97: no 151645, no EOS, no pad in this config
             model.generate([P6], small_block_size=2, max_new_tokens=8, **given)
         assert info.value.argument == missing
+
+
+def test_a_stop_token_from_the_ar_step_does_not_stop_the_row_but_anchors_the_padding():
+    model, log = planted_model(), []
+    table = {4: (1, 9.0), 5: (9, 5.0), 6: (1, 9.0)}  # the AR step emits the stop token 1 at position 4
+    out = model.generate([20, 21], sampler="fastdllm_v2", block_size=4, small_block_size=4, max_new_tokens=8,
+                         threshold=0.99, stop_token=1, fwd_hooks=plant(model, table, log))
+    # block 1 still decodes (9 at 5, the stop token at 6 ends the row, 3 at 7); the padding then starts after the
+    # first stop token from the prompt's end on, the AR one at 4
+    assert [k for k, *_ in log] == ["denoise", "denoise", "ar", "denoise", "denoise", "denoise"]
+    assert out.tokens[0].tolist() == [20, 21, 3, 3, 1, 0, 0, 0]
+    assert out.trajectory.commit_step[0].tolist() == [-1, -1, 0, 1, 2, 4, 3, 5]
