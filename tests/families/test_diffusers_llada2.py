@@ -18,9 +18,10 @@ of those loops), and each difference is asserted exactly below as a diffusers qu
    dllm's block mask leaves them visible. Only a ragged last block is affected.
 4. LLaDA2.1: diffusers runs `max_post_steps + 1` post-fill forwards where dllm runs `max_post_steps`; a block
    filled exactly at its last scheduled step gets no post-fill editing forward; `editing_threshold=0.0` disables
-   editing (dllm edits any changed token with p > 0).
-Not covered: LLaDA2.1 with `eos_early_stop` (diffusers stops mid-block at a committed EOS, dllm after the block) and
-`num_to_transfer > 1` (no diffusers schedule expresses it together with post-fill editing).
+   editing (dllm edits any changed token with p > 0); with `eos_early_stop` diffusers stops right after the
+   forward that commits an EOS with everything before it decoded, where dllm's 2.1 loop finishes (and edits) the
+   block and stops after it only when the generated part holds no mask.
+Not covered: `num_to_transfer > 1` with post-fill editing (no diffusers schedule expresses it).
 
 The model runs in fp32; diffusers builds no float mask (no bf16 cast: that cast is dllm's `generate`'s)."""
 
@@ -180,3 +181,18 @@ def test_quirk_llada21_editing_threshold_zero_disables_editing(model, monkeypatc
     plain = _ours(model, monkeypatch, prompt, steps=4, **kw)
     editing = _ours(model, monkeypatch, prompt, editing_threshold=0.0, max_post_steps=3, **kw)
     assert torch.equal(plain.tokens[:, 8:], seq) and not torch.equal(editing.tokens[:, 8:], seq)
+
+
+@pytest.mark.parametrize("eos", [96, 18])
+def test_quirk_llada21_eos_early_stop_mid_block(model, monkeypatch, eos):
+    """diffusers' result is exactly dllm's canvas at the step where diffusers stopped: ours goes on editing and
+    filling that block (96: then stops after it; 18: the EOS is edited away and decoding runs to the end)."""
+    prompt = _prompt(6)
+    kw = dict(gen_length=10, block_length=4, temperature=0.9, top_k=8, top_p=0.95, editing_threshold=0.5,
+              max_post_steps=16, eos=eos, eos_early_stop=True)
+    seq, calls = _diffusers(model, prompt, steps=8, **kw)
+    out = _ours(model, monkeypatch, prompt, **kw)
+    assert torch.equal(out.trajectory.x_steps[len(calls)][:, 6:], seq) and len(calls) < out.trajectory.n_steps
+    start = (6 + int((seq[0] == eos).nonzero()[0, 0])) // 4 * 4  # canvas start of the block diffusers stopped in
+    assert bool((seq[0, start - 6:start - 2] == MASK_ID).any())  # it left that block unfinished
+    assert not bool((out.tokens[0, start:start + 4] == MASK_ID).any())  # dllm / ours finished it
