@@ -190,13 +190,14 @@ class DreamSampler(CanvasSampler):
         if (s.threshold is not None or s.factor is not None) and ids.shape[0] != 1:
             raise SamplerConfigError(f"{'threshold' if s.factor is None else 'factor'}= on Dream decodes one prompt at "
                                      "a time (the reference commits row 0 only).", argument="prompt", value=tuple(ids.shape), allowed="a [1, pos] prompt")
-        from mdm_lens.hooks.reducers import ReceivedAttention
+        from mdm_lens.hooks.reducers import KeyValueNorms, ReceivedAttention, TopKKeys
 
-        other = [r for r in obs.record if not isinstance(r, ReceivedAttention)]
+        other = [r for r in obs.record if not isinstance(r, (ReceivedAttention, KeyValueNorms, TopKKeys))]
         if other:
             raise SamplerConfigError(f"record={[type(r).__name__ for r in other]} on a kv_cache run: only "
-                                     "ReceivedAttention follows the window rows.", argument="record",
-                                     value=obs.record, allowed="ReceivedAttention only")
+                                     "ReceivedAttention, KeyValueNorms and TopKKeys follow the window rows and the "
+                                     "cached keys.", argument="record", value=obs.record,
+                                     allowed="ReceivedAttention, KeyValueNorms, TopKKeys")
 
     def idle_steps(self, s: DreamSettings) -> list[int] | None:
         if s.alg == "origin" or s.kv_cache is not None:
