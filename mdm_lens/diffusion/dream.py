@@ -136,8 +136,8 @@ def _block_settings(s: DreamSettings) -> dict[str, Any]:
     the same loop with the factor rule, see dream_block)."""
     if s.kv_cache is None:
         raise SamplerConfigError("block_length= / threshold= / factor= on Dream are Fast-dLLM's block decoding, "
-                                 "which runs with a KV cache: pass kv_cache='prefix' or 'dual'.", argument="kv_cache", value=None,
-                                 allowed="'prefix' or 'dual'")
+                                 "which runs with a KV cache: pass kv_cache='prefix' or 'dual'.", argument="kv_cache",
+                                 value=None, allowed="'prefix' or 'dual'")
     from mdm_lens.kvcache import MODES
 
     kv = validate.choice(s.kv_cache, MODES, name="kv_cache", error=SamplerConfigError)
@@ -189,7 +189,8 @@ class DreamSampler(CanvasSampler):
                                      argument="attention_mask", value=am, allowed="no padding")
         if (s.threshold is not None or s.factor is not None) and ids.shape[0] != 1:
             raise SamplerConfigError(f"{'threshold' if s.factor is None else 'factor'}= on Dream decodes one prompt at "
-                                     "a time (the reference commits row 0 only).", argument="prompt", value=tuple(ids.shape), allowed="a [1, pos] prompt")
+                                     "a time (the reference commits row 0 only).", argument="prompt",
+                                     value=tuple(ids.shape), allowed="a [1, pos] prompt")
         from mdm_lens.hooks.reducers import KeyValueNorms, ReceivedAttention, TopKKeys
 
         other = [r for r in obs.record if not isinstance(r, (ReceivedAttention, KeyValueNorms, TopKKeys))]

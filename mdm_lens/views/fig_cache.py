@@ -204,19 +204,25 @@ def cache_skip(sweep: Any) -> str | None:
 
 def _mode_claims(claims: stats.Claims, label: str, t: pd.DataFrame, mode: str) -> None:
     rows = t[t.kv_cache == mode]
+    if not (rows.metric == "logprob_delta").any():  # e.g. every item refused with this mode: its NaN rows say why
+        return
     lp = stats.bootstrap_mean(stats.per_item(rows[rows.metric == "logprob_delta"]))
     claims.add(f"{label} {mode}: log-prob cached − fresh", lp,
                f"{label}, {mode} cache: the run's final tokens are more likely under the stale cache than fresh",
                f"{label}, {mode} cache: the run's final tokens are less likely under the stale cache than fresh",
-               f"{label}, {mode} cache: stale and fresh keys give the same log-prob", digits=3, unit="nats")
+               f"{label}, {mode} cache: no measured log-prob difference between stale and fresh keys", digits=3,
+               unit="nats")
     ch = stats.bootstrap_mean(stats.per_item(rows[rows.metric == "answer_changed"]))
-    claims.add(f"{label} {mode}: share of generated tokens changed", ch,
-               f"{label}, {mode} cache: the decoded tokens differ from the uncached decode",
-               f"{label}, {mode} cache: (a share cannot be negative)",
-               f"{label}, {mode} cache: the share of changed tokens is not distinguishable from 0", digits=3)
+    if (rows.metric == "answer_changed").any():
+        claims.add(f"{label} {mode}: share of generated tokens changed", ch,
+                   f"{label}, {mode} cache: the decoded tokens differ from the uncached decode",
+                   f"{label}, {mode} cache: (a share cannot be negative)",
+                   f"{label}, {mode} cache: the share of changed tokens is not distinguishable from 0", digits=3)
     for metric, what in (("k_drift", "mean K drift"), ("received_tv", "mean received-attention TV"),
                          ("anchor_jaccard", "mean anchor Jaccard")):
         of = rows[rows.metric == metric]
+        if of.empty:
+            continue
         iv = stats.bootstrap_mean(stats.per_item(of[(of.layer >= 0).fillna(False)]))
         claims.estimate(f"{label} {mode}: {what}", iv, f"{label}, {mode} cache: {what}", digits=3)
 
@@ -313,7 +319,8 @@ def cache_section(sweeps: Sequence[Any], img: Path) -> Any:
         text += (" Per-layer patching levels (1 − 0.05 / layers; the sentences print them rounded): "
                  + ", ".join(patch_levels) + ".")
     if undefined:
-        text += "\n\nUndefined values (NaN, never averaged as 0) and what is not in the table:\n\n" + "\n".join(undefined)
+        text += ("\n\nUndefined values (NaN, never averaged as 0) and what is not in the table:\n\n"
+                 + "\n".join(undefined))
     return Section(TITLE, text, images, table=pd.DataFrame(summary).round(4),
                    table_caption="Per model, cache mode and metric: the mean over items of each item's mean "
                                  "(finite rows only), the items with a value and the NaN rows.",
