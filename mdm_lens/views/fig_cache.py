@@ -60,7 +60,7 @@ def _need(table: Any, columns: Sequence[str]) -> pd.DataFrame:
 
 
 def with_age(table: pd.DataFrame) -> pd.DataFrame:
-    """The rows with a step, plus ``age`` = step − the block's refresh step (its first listed step − 1), per item and
+    """The rows with a step, plus ``age`` = step − the block's refresh step (first listed step − 1), per item and
     cache mode."""
     t = _need(table, ("item_id", "kv_cache", "step", "block", "layer", "metric", "value"))
     t = t[t["step"].notna()].copy()
