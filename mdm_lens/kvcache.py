@@ -14,7 +14,9 @@ finished block) attend to [cache; own rows] and keep their rows; `block` forward
 the same way and keep nothing. An empty cache is allowed in both (a prompt shorter than one block).
 
 `age[pos]` is the step whose forward computed the keys/values a forward attends to at `pos` (the window's own rows:
-that forward's step; -1: not cached).
+that forward's step; -1: not cached). `LayerKV.attended(rows, "k"|"v")` gives, from a hook on the window's rows
+(`hook_rot_k` / `hook_v`), the whole key/value sequence that forward attends to, without touching the cache (what
+`KeyValueNorms` and `TopKKeys` read on cached runs).
 """
 
 from __future__ import annotations
@@ -36,6 +38,21 @@ class LayerKV:
         self.v: Tensor | None = None
         self.mode = "fill"
         self.window: tuple[int, int] | None = None
+
+    def attended(self, rows: Tensor, which: str) -> Tensor:
+        """The keys (`which="k"`) or values ("v") a forward whose new rows are `rows` attends to in the current mode:
+        position order, cached rows where this forward computes none; the cache is left as it is."""
+        cached = self.k if which == "k" else self.v
+        if self.mode == "fill" or (self.mode in ("block", "append") and cached is None):
+            return rows
+        if cached is None:
+            raise RuntimeError("a cached forward ran before the cache was filled")
+        if self.mode in ("block", "append", "prefix"):
+            return torch.cat([cached, rows], dim=1)
+        start, end = self.window  # type: ignore[misc]
+        out = cached.clone()
+        out[:, start:end] = rows
+        return out
 
     def __call__(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if self.mode == "fill":

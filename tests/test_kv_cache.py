@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mdm_lens import (HookedMDM, KeyValueNorms, MDMConfig, ReceivedAttention, SamplerConfigError, TopKKeys,
+from mdm_lens import (HookedMDM, MDMConfig, ReceivedAttention, SamplerConfigError,
                       TrajectoryCache, at_steps, steps)
 from mdm_lens.kvcache import KVCache
 from sampler_rigs import identity_unembed, no_mask_hooks
@@ -254,8 +254,6 @@ def test_hooks_see_the_rows_each_forward_computes_and_the_cache_age(model):
     (dict(kv_cache="dual", steps=2, block_length=4), "steps"),
     (dict(kv_cache="prefix", sampler_rule="eb"), "kv_cache"),
     (dict(kv_cache="prefix", logits_eos_inf=True), "logits_eos_inf"),
-    (dict(kv_cache="prefix", record=[KeyValueNorms()]), "record"),
-    (dict(kv_cache="dual", record=[ReceivedAttention(), TopKKeys(k=2)]), "record"),
 ])
 def test_inconsistent_cache_settings_are_refused_before_compute(model, kw, argument):
     calls = []

@@ -102,6 +102,7 @@ class DreamSettings(CanvasSettings):
     kv_cache: str | None = None
     block_length: int | None = None  # with kv_cache; Fast-dLLM's default 32
     threshold: float | None = None  # its `confidence_threshold` algorithm
+    factor: float | None = None  # the factor rule in place of the threshold (no reference has it on Dream: dream_block)
 
     def resolve(self, model: Any) -> "DreamSettings":
         s = dataclasses.replace(
@@ -111,7 +112,7 @@ class DreamSettings(CanvasSettings):
             eps=validate.number(self.eps, name="eps", min=0, max=1, min_open=True, max_open=True,
                                 error=SamplerConfigError))
         return dataclasses.replace(s, **(_block_settings(s) if s.kv_cache is not None or s.threshold is not None
-                                         else _plain_settings(s)))
+                                         or s.factor is not None else _plain_settings(s)))
 
 
 def _plain_settings(s: DreamSettings) -> dict[str, Any]:
@@ -131,20 +132,27 @@ def _plain_settings(s: DreamSettings) -> dict[str, Any]:
 
 def _block_settings(s: DreamSettings) -> dict[str, Any]:
     """Fast-dLLM's Dream loop: a cache is what it runs with; its non-threshold path ranks by entropy whatever `alg`
-    says, so only "entropy" (or unset) is accepted, and `threshold` is its `confidence_threshold` algorithm."""
+    says, so only "entropy" (or unset) is accepted, and `threshold` is its `confidence_threshold` algorithm (`factor`:
+    the same loop with the factor rule, see dream_block)."""
     if s.kv_cache is None:
-        raise SamplerConfigError("block_length= / threshold= on Dream are Fast-dLLM's block decoding, which runs with "
-                                 "a KV cache: pass kv_cache='prefix' or 'dual'.", argument="kv_cache", value=None,
-                                 allowed="'prefix' or 'dual'")
+        raise SamplerConfigError("block_length= / threshold= / factor= on Dream are Fast-dLLM's block decoding, "
+                                 "which runs with a KV cache: pass kv_cache='prefix' or 'dual'.", argument="kv_cache",
+                                 value=None, allowed="'prefix' or 'dual'")
     from mdm_lens.kvcache import MODES
 
     kv = validate.choice(s.kv_cache, MODES, name="kv_cache", error=SamplerConfigError)
     threshold = optional(s.threshold, lambda v: validate.number(v, name="threshold", min=0, max=1,
                                                                 error=SamplerConfigError))
-    rule = "confidence_threshold" if threshold is not None else "entropy"
+    factor = optional(s.factor, lambda v: validate.number(v, name="factor", min=0, min_open=True,
+                                                          error=SamplerConfigError))
+    if threshold is not None and factor is not None:
+        raise SamplerConfigError("threshold= and factor= are two Fast-dLLM rules; pass one.", argument="factor",
+                                 value=factor, allowed="None when threshold is set")
+    parallel = threshold is not None or factor is not None
+    rule = "confidence_threshold" if parallel else "entropy"
     if s.alg is not DEFAULT and s.alg != rule:
         raise SamplerConfigError(f"alg={s.alg!r} with kv_cache: Fast-dLLM's Dream loop ranks by "
-                                 f"{'the threshold rule' if threshold is not None else 'entropy'} whatever alg says.",
+                                 f"{'the threshold rule' if parallel else 'entropy'} whatever alg says.",
                                  argument="alg", value=s.alg, allowed=f"unset or {rule!r}")
     block = validate.integer(32 if s.block_length is None else s.block_length, name="block_length", min=1,
                              error=SamplerConfigError)
@@ -152,17 +160,18 @@ def _block_settings(s: DreamSettings) -> dict[str, Any]:
         raise SamplerConfigError(f"gen_length={s.gen_length} is not a multiple of block_length={block}.",
                                  argument="block_length", value=block, allowed=f"a divisor of {s.gen_length}")
     n_blocks = s.gen_length // block
-    if threshold is None and (s.steps % n_blocks or s.steps // n_blocks < 2):
+    if not parallel and (s.steps % n_blocks or s.steps // n_blocks < 2):
         raise SamplerConfigError(f"steps={s.steps} must be a multiple of the {n_blocks} blocks with at least 2 per "
                                  "block: with one step per block the reference decodes only each block's first "
                                  "token and leaves the rest masked.", argument="steps", value=s.steps,
                                  allowed=f"a multiple of {n_blocks}, >= {2 * n_blocks}")
-    return dict(kv_cache=kv, block_length=block, threshold=threshold, alg=rule)
+    return dict(kv_cache=kv, block_length=block, threshold=threshold, factor=factor, alg=rule)
 
 
 class DreamSampler(CanvasSampler):
     name, Settings = "dream", DreamSettings
-    neutral = dict(alg="origin", alg_temp=None, eps=1e-3, top_p=None, top_k=None, kv_cache=None, threshold=None)
+    neutral = dict(alg="origin", alg_temp=None, eps=1e-3, top_p=None, top_k=None, kv_cache=None, threshold=None,
+                   factor=None)
 
     def plan(self, s: DreamSettings) -> Plan:
         if s.kv_cache is None:
@@ -178,16 +187,18 @@ class DreamSampler(CanvasSampler):
             raise SamplerConfigError(f"kv_cache={s.kv_cache!r} on a padded batch: pass prompts of one length (the "
                                      "reference's padded cached path slices its mask by key).",
                                      argument="attention_mask", value=am, allowed="no padding")
-        if s.threshold is not None and ids.shape[0] != 1:
-            raise SamplerConfigError("threshold= on Dream decodes one prompt at a time (the reference commits row 0 "
-                                     "only).", argument="prompt", value=tuple(ids.shape), allowed="a [1, pos] prompt")
-        from mdm_lens.hooks.reducers import ReceivedAttention
+        if (s.threshold is not None or s.factor is not None) and ids.shape[0] != 1:
+            raise SamplerConfigError(f"{'threshold' if s.factor is None else 'factor'}= on Dream decodes one prompt at "
+                                     "a time (the reference commits row 0 only).", argument="prompt",
+                                     value=tuple(ids.shape), allowed="a [1, pos] prompt")
+        from mdm_lens.hooks.reducers import KeyValueNorms, ReceivedAttention, TopKKeys
 
-        other = [r for r in obs.record if not isinstance(r, ReceivedAttention)]
+        other = [r for r in obs.record if not isinstance(r, (ReceivedAttention, KeyValueNorms, TopKKeys))]
         if other:
             raise SamplerConfigError(f"record={[type(r).__name__ for r in other]} on a kv_cache run: only "
-                                     "ReceivedAttention follows the window rows.", argument="record",
-                                     value=obs.record, allowed="ReceivedAttention only")
+                                     "ReceivedAttention, KeyValueNorms and TopKKeys follow the window rows and the "
+                                     "cached keys.", argument="record", value=obs.record,
+                                     allowed="ReceivedAttention, KeyValueNorms, TopKKeys")
 
     def idle_steps(self, s: DreamSettings) -> list[int] | None:
         if s.alg == "origin" or s.kv_cache is not None:
@@ -200,7 +211,8 @@ class DreamSampler(CanvasSampler):
         if s.kv_cache is not None:
             x, recorder = dream_block_sample(
                 runner, model, x, am, ids.shape[1], kv_cache=s.kv_cache, steps=s.steps, gen_length=s.gen_length,
-                block_length=s.block_length, threshold=s.threshold, temperature=s.temperature, top_p=s.top_p,
+                block_length=s.block_length, threshold=s.threshold, factor=s.factor, temperature=s.temperature,
+                top_p=s.top_p,
                 top_k=s.top_k, alg_temp=s.alg_temp, eps=s.eps, mask_id=model.cfg.mask_token_id,
                 budget=self.plan(s).n_steps, generator=generator, progress=bar)
             return x, am, recorder

@@ -1,13 +1,19 @@
 """Fast-dLLM's block decoding of Dream (`dream/model/generation_utils_block.py` @ 24cc59e, `_sample`), step by step
 and observable: `sampler="dream", kv_cache="prefix"|"dual", block_length=32` (+ `threshold=0.9` for its
-`confidence_threshold` algorithm).
+`confidence_threshold` algorithm, or `factor=1.0`).
 
 Per block: one full forward fills the KV cache and commits the block's *first* token (sampled from that forward,
 whatever the algorithm); then window forwards (prefix: block start to the end; dual: the block) against the cache:
 
 * with `threshold`: every masked row of the window is sampled; of the block's masked positions, ranked by
   confidence, the first always commits and every later one whose confidence is not below the threshold;
-* without: Dream's `entropy` rule on the block (negative entropy, whatever `alg` says in the reference: only
+* with `factor`: the same, with Fast-dLLM's factor rule (`fastdllm.factor_transfer`, thr_n = 1 - factor/(n+1)
+  over the block's ranked confidences) deciding which commit. Neither reference has a factor path for Dream
+  (NVlabs/Fast-dLLM @ 24cc59e `dream/model/generation_utils_block.py` and ZHZisZZ/dllm @ ca176752
+  `dllm/pipelines/fastdllm/dream/sampler.py` have only `confidence_threshold`): this is the reference's threshold
+  loop (its sampling, window, first-token forward) with LLaDA's factor rule in place of the threshold comparison,
+  one prompt at a time as the threshold path;
+* without either: Dream's `entropy` rule on the block (negative entropy, whatever `alg` says in the reference: only
   "entropy" is accepted here), `int(n · (1 − s/t))` tokens by `torch.linspace(1, eps, steps_per_block + 1)`
   within the block, all the rest at the block's last scheduled step, `alg_temp` sampling as Dream's; the window
   forward at index `steps_per_block` runs and commits nothing (the reference breaks after it).
@@ -24,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mdm_lens.diffusion.fastdllm import window_forward
+from mdm_lens.diffusion.fastdllm import factor_transfer, window_forward
 from mdm_lens.diffusion.noise import sample_tokens
 from mdm_lens.diffusion.output import TrajectoryRecorder
 from mdm_lens.diffusion.schedules import dream_timesteps, dream_transfer_count
@@ -43,6 +49,7 @@ def _sample(logits: Tensor, temperature: float, top_p: Any, top_k: Any, generato
 
 def dream_block_sample(runner: Any, model: Any, x: Tensor, attention_mask: Tensor, prompt_length: int, *,
                        kv_cache: str, steps: int, gen_length: int, block_length: int, threshold: float | None,
+                       factor: float | None,
                        temperature: float, top_p: float | None, top_k: int | None, alg_temp: float | None,
                        eps: float, mask_id: int, budget: int, generator: torch.Generator | None = None,
                        progress: Any = None) -> tuple[Tensor, TrajectoryRecorder]:
@@ -68,9 +75,9 @@ def dream_block_sample(runner: Any, model: Any, x: Tensor, attention_mask: Tenso
                 transfer = torch.zeros_like(window, dtype=torch.bool)
                 transfer[:, start] = True
                 confidence = torch.where(transfer, conf.float(), torch.tensor(float("-inf"), device=x.device))
-            elif threshold is not None:
+            elif threshold is not None or factor is not None:
                 x0, transfer, confidence = _threshold_step(logits, window, mask_id, block_length, threshold,
-                                                           temperature, top_p, top_k, generator)
+                                                           temperature, top_p, top_k, generator, factor=factor)
             else:
                 if i == per_block:  # the reference breaks after this forward, committing nothing
                     _finish(runner, recorder, state, step, b, x, torch.zeros_like(masked), None, progress)
@@ -97,8 +104,9 @@ def dream_block_sample(runner: Any, model: Any, x: Tensor, attention_mask: Tenso
     return x, recorder
 
 
-def _threshold_step(logits: Tensor, window: Tensor, mask_id: int, block_length: int, threshold: float,
-                    temperature: float, top_p: Any, top_k: Any, generator: Any) -> tuple[Tensor, Tensor, Tensor]:
+def _threshold_step(logits: Tensor, window: Tensor, mask_id: int, block_length: int, threshold: float | None,
+                    temperature: float, top_p: Any, top_k: Any, generator: Any,
+                    factor: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     masked = window == mask_id
     proposal = torch.full_like(window, mask_id)
     if not bool(masked.any()):  # nothing left to sample (the reference would fail on an empty batch of rows)
@@ -108,9 +116,14 @@ def _threshold_step(logits: Tensor, window: Tensor, mask_id: int, block_length: 
     full = torch.full(window.shape, float("-inf"), dtype=logits.dtype, device=window.device)
     full[masked] = conf
     full[:, block_length:] = float("-inf")
+    transfer = torch.zeros_like(masked)
+    if factor is not None:  # the block's masked positions, ranked; row 0 as the threshold path
+        in_block = masked.clone()
+        in_block[:, block_length:] = False
+        transfer[:1] = factor_transfer(full[:1], in_block[:1], factor)
+        return proposal, transfer, full
     n = int((window[:, :block_length] == mask_id).sum())
     values, index = torch.topk(full, n)
-    transfer = torch.zeros_like(masked)
     keep = values[0] >= threshold
     if n:
         keep[0] = True

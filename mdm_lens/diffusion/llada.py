@@ -239,14 +239,15 @@ class LLaDASampler(CanvasSampler):
         return Plan(s.steps, n_blocks, phases)
 
     def check_run(self, ids: Tensor, am: Tensor, s: LLaDASettings, obs: Any) -> None:
-        from mdm_lens.hooks.reducers import ReceivedAttention
+        from mdm_lens.hooks.reducers import KeyValueNorms, ReceivedAttention, TopKKeys
 
-        other = [r for r in obs.record if not isinstance(r, ReceivedAttention)]
+        other = [r for r in obs.record if not isinstance(r, (ReceivedAttention, KeyValueNorms, TopKKeys))]
         if s.kv_cache is not None and other:
             raise SamplerConfigError(f"record={[type(r).__name__ for r in other]} on a kv_cache={s.kv_cache!r} run: "
                                      "these reducers place rows at positions 0.. and a cached forward computes a "
-                                     "window; ReceivedAttention (over the window's query rows), cache= and fwd_hooks "
-                                     "work.", argument="record", value=obs.record, allowed="ReceivedAttention only")
+                                     "window; ReceivedAttention, KeyValueNorms, TopKKeys (which follow the window and "
+                                     "the cached keys), cache= and fwd_hooks work.", argument="record",
+                                     value=obs.record, allowed="ReceivedAttention, KeyValueNorms, TopKKeys")
         if s.kv_cache is not None and not bool(am.all()):
             raise SamplerConfigError(f"kv_cache={s.kv_cache!r} on a padded batch: Fast-dLLM's cached loops take "
                                      "prompts of one length and attend without a padding mask; batch prompts of "

@@ -184,7 +184,13 @@ class KeyValueNorms(Reducer):
 
     Layers with fewer kv heads than the widest (DiffusionGemma's global and sliding layers differ) are NaN on the
     missing heads (`meta["kv_heads"]` lists each layer's count); positions a step has no key for (an ARM
-    prefix not grown yet) are NaN, not a norm of 0."""
+    prefix not grown yet) are NaN, not a norm of 0.
+
+    On a KV-cached run (`kv_cache="prefix"|"dual"`) a step's norms are those of the keys/values its forward really
+    attends to: the window's fresh rows, and at every other position the cached rows (computed at the block's
+    refresh forward; `mdm_lens.kvcache.LayerKV.attended`). The cache age of each position is recorded beside
+    them as `kv_age` `[step, pos]` (the step whose forward computed that position's keys/values; the window's
+    rows: the step itself; `state.extra["kv_age"]`)."""
 
     name = "kv_norms"
 
@@ -196,8 +202,11 @@ class KeyValueNorms(Reducer):
     def hooks(self, model: Any, state: DenoisingState) -> list[tuple[str, Any]]:
         self._current: dict[tuple[str, int], Tensor] = {}
 
+        self._age = state.extra.get("kv_age")
+
         def make(kind: str, layer: int):
             def hook(t: Float[Tensor, "batch pos kv_head d_head"], hook: Any) -> None:
+                t = attended(model, layer, t, "k" if kind == "key_norms" else "v")
                 self._current[(kind, layer)] = t.detach().float().norm(dim=-1).transpose(1, 2)
             return hook
 
@@ -217,6 +226,8 @@ class KeyValueNorms(Reducer):
             for i, t in enumerate(per_layer):
                 stacked[:, i, : t.shape[1], : t.shape[2]] = t
             row[kind] = self._pad(stacked, dim=-1, value=float("nan")).cpu()
+        if self._age is not None:  # a cached run: the step each position's keys/values were computed at
+            row["kv_age"] = self._pad(self._age.detach().clone(), dim=-1, value=-1).cpu()
         self._rows.append(row)
         self.steps_seen.append(state.step)
 
@@ -236,7 +247,11 @@ class TopKKeys(Reducer):
     Where a query has fewer than k keys it can attend to (an ARM prefix shorter than k, a causal query early in
     the sequence, pad keys, query rows that do not exist at a step), the missing entries are `ABSENT_KEY`
     (= `TopKKeys.ABSENT`, the most negative int64: indexing with it raises, unlike -1) in `topk_keys` and NaN
-    in `topk_attention`. `k` larger than the run's whole sequence is an error (checked before the run)."""
+    in `topk_attention`. `k` larger than the run's whole sequence is an error (checked before the run).
+
+    On a KV-cached run the query rows are the window's (`state.extra["query_start"]` on: the other rows of that
+    step are absent) and the keys are the ones the forward attends to (cached outside the window, fresh in it):
+    `topk_keys` are absolute key positions."""
 
     name = "topk"
     ABSENT = ABSENT_KEY
@@ -264,9 +279,11 @@ class TopKKeys(Reducer):
         self._consumers = {}
         vals = torch.stack([_ran(t.values, l) for t, l in zip(tops, self.layers)], dim=1)  # [b, layer, head, q, k]
         idx = torch.stack([t.indices for t in tops], dim=1)
-        offset = tops[0].query_offset  # queries that are a suffix of the keys sit at their absolute positions
+        # queries that are a suffix of the keys sit at their absolute positions; a cached window (the dual cache's
+        # block is not a suffix) starts where the sampler says
+        n_keys = tops[0].query_offset + vals.shape[-2]
+        offset = int(state.extra["query_start"]) if "query_start" in state.extra else tops[0].query_offset
         # keys a query cannot attend to (pads, a causal query's future) come out of topk with weight 0: absent
-        n_keys = offset + vals.shape[-2]
         visible = state.key_visible
         if visible is not None and visible.shape[-1] >= n_keys:
             seen = visible[:, :n_keys].to(idx.device)[:, None, None, None, :].expand(*idx.shape[:-1], n_keys)
@@ -311,6 +328,14 @@ def _layer_types(layers: Any) -> None:
     if not layers:
         raise InputError("layers=[] selects no layer; leave layers=None for every layer.", argument="layers",
                          value=layers, allowed="at least one layer index")
+
+
+def attended(model: Any, layer: int, rows: Tensor, which: str) -> Tensor:
+    """The keys/values layer `layer`'s running forward attends to, from its new rows (a hook on `hook_rot_k` /
+    `hook_v`): the rows themselves, or on a KV-cached forward the cache's sequence with these rows in it."""
+    blocks = getattr(model, "blocks", None)
+    kv = getattr(getattr(blocks[layer], "attn", None), "kv", None) if blocks is not None else None
+    return rows if kv is None else kv.attended(rows, which)
 
 
 def _record_name(name: Any) -> str:

@@ -29,6 +29,7 @@ from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, InputError
 from mdm_lens.sweep import schema
 from mdm_lens.views import sweep_layers, sweep_sections
+from mdm_lens.views.fig_cache import cache_section, cache_skip
 from mdm_lens.views.fig_lens import lens_section
 from mdm_lens.views.fig_probes import probes_section
 from mdm_lens.views.report import Section, write_report
@@ -233,3 +234,4 @@ for _spec in sweep_layers.BUILTIN + sweep_sections.BUILTIN:      # accuracy … 
     register_section(**_spec)
 register_section("lens", lens_section, tables=("lens",), title="Logit lens over denoising steps")
 register_section("features", probes_section, tables=("features",), title="Linear probes over layer × step")
+register_section("cache", cache_section, tables=("cache",), skip=cache_skip, title="KV-cache staleness")
