@@ -54,8 +54,9 @@ def _qwen3(c: dict, sd: dict, moe: bool) -> torch.nn.Module:
         if i in c["mlp_only_layers"]:
             continue
         p, n = f"model.layers.{i}.mlp.", c["num_experts"]
-        state[p + "experts.gate_up_proj"] = torch.stack(
-            [torch.cat([sd[f"{p}experts.{e}.gate_proj.weight"], sd[f"{p}experts.{e}.up_proj.weight"]]) for e in range(n)])
+        gate_up = [torch.cat([sd[f"{p}experts.{e}.gate_proj.weight"], sd[f"{p}experts.{e}.up_proj.weight"]])
+                   for e in range(n)]
+        state[p + "experts.gate_up_proj"] = torch.stack(gate_up)
         state[p + "experts.down_proj"] = torch.stack([sd[f"{p}experts.{e}.down_proj.weight"] for e in range(n)])
     ref.load_state_dict(state, strict=True)
     return ref.eval()
@@ -90,7 +91,8 @@ def forward_rows(s: dict, root: Path, repeats: int) -> list[Row]:
             mask = fw.block_mask(s["seq"], s["sdar_block"])
             ours = lambda: model(tokens, block_length=s["sdar_block"])  # noqa: E731
             theirs = lambda ref=ref, mask=mask: ref(tokens, attention_mask=mask).logits  # noqa: E731
-            what = f"transformers {'Qwen3-MoE' if family == 'sdar_moe' else 'Qwen3'} sdpa, 4-D block mask (B {s['sdar_block']})"
+            arch = "Qwen3-MoE" if family == "sdar_moe" else "Qwen3"
+            what = f"transformers {arch} sdpa, 4-D block mask (B {s['sdar_block']})"
         delta = (ours() - theirs()).abs().max().item()
         if not delta <= TOL:
             raise AssertionError(f"{family}: logits differ from the independent implementation by {delta:.2e}")
@@ -110,8 +112,10 @@ def trajectory_rows(s: dict, root: Path, repeats: int) -> list[Row]:
     n = base.trajectory.n_steps
     seen = []
     hooked = {
-        "ReceivedAttention() on every layer, every step": lambda: model.generate(prompt, record=[ReceivedAttention()], **kw),
-        "cache= blocks.*.hook_resid_post, every step": lambda: model.generate(prompt, cache="blocks.*.hook_resid_post", **kw),
+        "ReceivedAttention() on every layer, every step":
+            lambda: model.generate(prompt, record=[ReceivedAttention()], **kw),
+        "cache= blocks.*.hook_resid_post, every step":
+            lambda: model.generate(prompt, cache="blocks.*.hook_resid_post", **kw),
         "fwd_hooks on every hook_resid_post, every step": lambda: model.generate(
             prompt, fwd_hooks=[("blocks.*.hook_resid_post", lambda x, hook: seen.append(1))], **kw),
     }
