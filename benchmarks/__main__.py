@@ -4,6 +4,7 @@ TransformerLens' TransformerBridge, nnsight and the reference extraction code, a
     python -m benchmarks                      # the issue's sizes; writes benchmarks/results.md
     python -m benchmarks --only forward,patterns --repeats 5
     python -m benchmarks --size tiny --repeats 1 --out /tmp/r.md    # smoke run (seconds)
+    python -m benchmarks --only families,kvcache --repeats 11         # the opt-in ones (issues #19, #20)
 
 Nothing here asserts anything about wall time: the table says whether each target was met.
 """
@@ -20,13 +21,16 @@ from pathlib import Path
 import torch
 
 BENCHES = ("forward", "patterns", "trajectory", "memory")
+# run only when named in --only (minutes each at the full size): issue #19's families, issue #20's KV caches
+OPTIONAL = ("families", "kvcache")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results.md"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=["full", "tiny"], default="full", help="model/sequence sizes (default full)")
-    p.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {','.join(BENCHES)}")
+    p.add_argument("--only", default=",".join(BENCHES),
+                   help=f"comma-separated subset of {','.join(BENCHES + OPTIONAL)} (default {','.join(BENCHES)})")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed rounds per comparison (default 31; trajectories 5)")
     p.add_argument("--ref-repeats", type=int, default=None,
@@ -41,9 +45,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     chosen = [b.strip() for b in args.only.split(",") if b.strip()]
-    unknown = sorted(set(chosen) - set(BENCHES))
+    unknown = sorted(set(chosen) - set(BENCHES + OPTIONAL))
     if unknown:
-        print(f"unknown benchmark(s) {unknown}; choose from {BENCHES}", file=sys.stderr)
+        print(f"unknown benchmark(s) {unknown}; choose from {BENCHES + OPTIONAL}", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, chosen: list[str], argv: list[str] | None) -> int:
-    from benchmarks import bench_forward, bench_memory, bench_patterns, bench_trajectory
+    from benchmarks import bench_families, bench_forward, bench_kvcache, bench_memory, bench_patterns, bench_trajectory
     from benchmarks.harness import HEADER, machine_info, markdown_table, plain_table
     from benchmarks.models import SIZES, Workspace
 
@@ -86,6 +90,11 @@ def _run(args: argparse.Namespace, chosen: list[str], argv: list[str] | None) ->
                     r, s = bench_patterns.run(size, ws, reps, gqa=not args.no_gqa)
                 elif name == "trajectory":
                     r, s = bench_trajectory.run(size, ws, traj_reps, ref_reps, deep=not args.no_deep)
+                elif name == "families":
+                    r, s = bench_families.run(args.size, reps, traj_reps), [bench_families.size_label(
+                        bench_families.SIZES[args.size]) + " (families)"]
+                elif name == "kvcache":
+                    r, s = bench_kvcache.run(args.size, traj_reps), []
                 else:
                     r, s = bench_memory.run(size, ws, reps)
                 rows += r

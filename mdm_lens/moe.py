@@ -147,19 +147,38 @@ class MoEMLP(nn.Module):
             out = out + self.hook_shared_out(self.shared_expert(x))
         return out
 
+    def _dispatch(self, flat: Tensor, index: Tensor) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+        """Rows grouped by expert with one stable sort: (order, token of each sorted row, the sorted rows,
+        rows per expert). Within an expert the tokens stay ascending (a token picks an expert at most once), so
+        each expert sees the same rows in the same order as a per-expert `torch.where`; profiled: one sort,
+        one gather and one scatter instead of a mask, `nonzero`, gather and scatter per expert."""
+        order = index.reshape(-1).argsort(stable=True)
+        counts = torch.bincount(index.reshape(-1), minlength=self.n_experts).tolist()
+        token = order // index.shape[1]
+        return order, token, flat[token], counts
+
+    def _run_experts(self, rows: Tensor, counts: list[int]) -> list[tuple[int, slice, Tensor]]:
+        out, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                sl = slice(start, start + n)
+                out.append((e, sl, self.experts[e](rows[sl][None])[0]))
+                start += n
+        return out
+
     def _combine_slots(self, flat: Tensor, index: Tensor, weights: Tensor) -> Tensor:
         """LLaDA2: each (token, slot) output, then the fp32 weighted sum over slots, cast back."""
-        slots = flat.new_zeros(*index.shape, flat.shape[-1])
-        for e in index.unique().tolist():
-            token, slot = torch.where(index == e)
-            slots[token, slot] = self.experts[e](flat[token][None])[0]
+        order, _, rows, counts = self._dispatch(flat, index)
+        merged = torch.empty_like(rows)
+        merged[order] = torch.cat([y for _, _, y in self._run_experts(rows, counts)])
+        slots = merged.view(*index.shape, flat.shape[-1])
         return (slots.to(weights.dtype) * weights[..., None]).sum(dim=1).to(flat.dtype)
 
     def _combine_experts(self, flat: Tensor, index: Tensor, weights: Tensor) -> Tensor:
         """LLaDA-MoE / Qwen3-MoE: `expert(x)·w` accumulated expert by expert with `index_add_`."""
+        order, token, rows, counts = self._dispatch(flat, index)
+        slot = order % index.shape[1]
         out = torch.zeros_like(flat)
-        for e in index.unique().tolist():
-            token, slot = torch.where(index == e)
-            y = self.experts[e](flat[token][None])[0] * weights[token, slot, None]
-            out.index_add_(0, token, y.to(flat.dtype))
+        for _, sl, y in self._run_experts(rows, counts):
+            out.index_add_(0, token[sl], (y * weights[token[sl], slot[sl], None]).to(flat.dtype))
         return out
