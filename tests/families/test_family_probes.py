@@ -1,0 +1,102 @@
+"""Replay and the probes on the block-diffusion families (LLaDA2.x, SDAR) and the bidirectional LLaDA-MoE.
+
+Replay: a replayed step is the forward the sampler ran (same canvas, same state, logits equal to those it read).
+Probes under a block mask: planted block-causal patterns where received attention and the uniform null are
+computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_checkpoints import write_llada2, write_lladamoe, write_sdar
+
+from mdm_lens import HookedMDM
+from mdm_lens.diffusion.generate import generate
+from mdm_lens.errors import SamplerConfigError
+from mdm_lens.hooks.runner import StepRunner
+from mdm_lens.hooks.steps import at_steps
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("family_probes")
+    return {"llada2": HookedMDM.from_pretrained(write_llada2(root / "llada2")[0]),
+            "sdar": HookedMDM.from_pretrained(write_sdar(root / "sdar")[0]),
+            "lladamoe": HookedMDM.from_pretrained(write_lladamoe(root / "lladamoe")[0])}
+
+
+def _prompt(n: int) -> torch.Tensor:
+    return torch.randint(0, 90, (1, n), generator=torch.Generator().manual_seed(n))
+
+
+RUNS = {  # prompt 6 and gen 9 with blocks of 4: a straddling first block and a canvas tail past prompt + gen_length
+    "llada2": dict(sampler="llada2", gen_length=9, block_length=4, steps=2, threshold=0.5),
+    "sdar": dict(sampler="sdar", gen_length=9, block_length=4, steps=2, temperature=0.7, seed=3),
+}
+
+
+def _recorded_run(model, monkeypatch, **kw):
+    """A run, and what every forward of it read: (state, logits) per step, taken inside StepRunner.forward."""
+    seen = []
+    inner = StepRunner.forward
+
+    def forward(self, state, tokens, **kwargs):
+        logits = inner(self, state, tokens, **kwargs)
+        seen.append((state, tokens.clone(), logits.clone()))
+        return logits
+
+    monkeypatch.setattr(StepRunner, "forward", forward)
+    out = generate(model, _prompt(6), **kw)
+    monkeypatch.setattr(StepRunner, "forward", inner)
+    return out, seen
+
+
+@pytest.mark.parametrize("name", ["llada2", "sdar"])
+def test_replay_is_the_forward_the_sampler_ran(models, monkeypatch, name):
+    model = models[name]
+    out, seen = _recorded_run(model, monkeypatch, **RUNS[name])
+    assert len(seen) == out.n_steps
+    kinds = set()
+    for s, (state, tokens, logits) in enumerate(seen):
+        lo, hi = state.extra["query_start"], state.extra["query_end"]
+        kinds.add(state.extra["kind"])
+        replayed = out.replay(model, s)
+        assert replayed.shape[1] == hi  # position-aligned from 0 up to the forward's end
+        assert torch.allclose(replayed[:, lo:hi], logits, atol=1e-5, rtol=0)
+        assert tokens.shape[1] == hi - lo
+        again = out.state_at(s)
+        assert (again.step, again.n_steps, again.block, again.n_blocks, again.block_slice) == (
+            state.step, state.n_steps, state.block, state.n_blocks, state.block_slice)
+        assert torch.equal(again.x, state.x) and torch.equal(again.masked, state.masked)
+        assert torch.equal(again.prompt, state.prompt) and torch.equal(again.key_visible, state.key_visible)
+        assert again.extra["kind"] == state.extra["kind"] and again.extra["replay_rows"] == (0, hi)
+        assert (again.extra["query_start"], again.extra["query_end"]) == (lo, hi)
+        if "kv_age" in state.extra:
+            assert torch.equal(again.extra["kv_age"], state.extra["kv_age"])
+    total = seen[0][0].x.shape[1]
+    assert total == 16 and out.tokens.shape[1] == 15  # the canvas tail (position 15) is replayed too
+    if name == "sdar":
+        assert kinds == {"prefill", "denoise", "store"}
+        assert seen[0][0].extra["query_start"] == 0 and any(st.extra["query_start"] > 0 for st, _, _ in seen)
+    else:
+        assert all(st.extra["query_start"] == 0 for st, _, _ in seen)
+
+
+def test_replay_hooks_fire_with_the_step_state(models):
+    model = models["sdar"]
+    out = generate(model, _prompt(6), **RUNS["sdar"])
+    got = []
+
+    def fn(t, hook):
+        got.append((model.state.step, model.state.extra["kind"], tuple(t.shape)))
+
+    s = out.n_steps - 1
+    out.replay(model, s, fwd_hooks=[("blocks.0.attn.hook_pattern", at_steps(fn, [s]))])
+    out.replay(model, 0, fwd_hooks=[("blocks.0.attn.hook_pattern", at_steps(fn, [s]))])  # not its step
+    assert got == [(s, "store", (1, model.cfg.n_heads, 16, 16))]
+
+
+def test_replay_refuses_uncond_on_block_runs(models):
+    out = generate(models["llada2"], _prompt(6), **RUNS["llada2"])
+    with pytest.raises(SamplerConfigError, match="no CFG"):
+        out.replay(models["llada2"], 0, phase="uncond")
