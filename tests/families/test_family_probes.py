@@ -100,3 +100,36 @@ def test_replay_refuses_uncond_on_block_runs(models):
     out = generate(models["llada2"], _prompt(6), **RUNS["llada2"])
     with pytest.raises(SamplerConfigError, match="no CFG"):
         out.replay(models["llada2"], 0, phase="uncond")
+
+
+# ---- cfg.n_params ------------------------------------------------------------------------------------------------
+def _hub_numel(sd: dict, skip: str = "expert_bias") -> int:
+    return sum(t.numel() for k, t in sd.items() if skip not in k)
+
+
+def test_n_params_counts_experts_router_and_shared(tmp_path):
+    from tiny_checkpoints import hf_reference, write_dream
+
+    cases = {"llada2": write_llada2(tmp_path / "l2"), "lladamoe": write_lladamoe(tmp_path / "lm"),
+             "sdar": write_sdar(tmp_path / "s"), "sdar_moe": write_sdar(tmp_path / "sm", moe=True)}
+    for name, (folder, config, sd) in cases.items():
+        model = HookedMDM.from_pretrained(folder)
+        learned = sum(p.numel() for p in model.parameters())
+        assert model.cfg.n_params == learned == _hub_numel(sd), name  # expert_bias: a buffer, not counted
+        # the active count swaps every layer's routed experts for top_k of them
+        moe, d = model.cfg.extra.get("moe"), model.cfg.d_model
+        n_moe = sum(model.cfg.extra["moe_layers"])
+        if moe is None:
+            assert model.cfg.n_params_active == learned
+        else:
+            unused = n_moe * (moe["n_experts"] - moe["top_k"]) * 3 * d * moe["d_expert"]
+            assert model.cfg.n_params_active == learned - unused, name
+    dream = HookedMDM.from_pretrained(write_dream(hf_reference("dream"), tmp_path / "dream"))  # qkv biases
+    assert dream.cfg.n_params == sum(p.numel() for p in dream.parameters())
+    # the hand count for LLaDA2's tiny layout: 1 dense + 2 MoE layers, o/qkv bias, q/k norm, untied unembedding
+    c = cases["llada2"][1]
+    d, e, f = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    attn = d * e * (4 + 2 * 2) + 4 * e * d + e * (4 + 2 * 2) + d + 2 * e
+    moe_mlp = 8 * d + 8 * 3 * d * 24 + 3 * d * 24
+    assert HookedMDM.from_pretrained(cases["llada2"][0]).cfg.n_params == (
+        3 * (attn + 2 * d) + 3 * d * f + 2 * moe_mlp + d + 2 * 101 * d)
