@@ -103,7 +103,9 @@ class KnockoutHooks:
             m = torch.zeros_like(kv)
             m[:, [p for p in self.targets if p < m.shape[1]]] = True
             return m & kv
-        anchors = self._anchors[layer]
+        # under the block-causal mask a block run's forward holds the first keys of the pre-pass over the whole
+        # canvas, with the same values (later blocks never reach earlier ones): the anchors are cut to its keys
+        anchors = self._anchors[layer][..., :kv.shape[-1]]
         return anchors if self.targets == "anchors" else C.random_like(anchors, kv, self.gen)
 
     def _score_hook(self, layer: int):
@@ -116,7 +118,12 @@ class KnockoutHooks:
             self.n_knocked[layer] = float(t.sum(-1).float().mean())
             if self.model.state is not None:
                 self.knocked_by_step.setdefault(self.model.state.step, []).append(self.n_knocked[layer])
-            cut = self._rows[:, None, :, None] & t[:, None, None, :]
+            rows = self._rows
+            if rows.shape[-1] != scores.shape[-2]:  # a block run's forward: the query rows it computes
+                state = self.model.state
+                q0 = int(state.extra.get("query_start", 0)) if state is not None else 0
+                rows = rows[:, q0:q0 + scores.shape[-2]]
+            cut = rows[:, None, :, None] & t[:, None, None, :]
             new = scores.masked_fill(cut, -torch.inf)
             dead = ~(new > torch.finfo(new.dtype).min).any(-1, keepdim=True)   # no visible key left
             return torch.where(dead, scores, new)
