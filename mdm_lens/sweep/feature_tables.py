@@ -117,7 +117,7 @@ def masked_mean_residuals(model: Any, out: Any) -> tuple[Float[Tensor, "step lay
         def hook_for(layer: int, s: int = s, w: Tensor = w) -> Callable:
             def fn(resid: Tensor, hook: Any) -> None:
                 # 0/0 = NaN where nothing is masked: the mean over no position is undefined, not 0
-                g = min(resid.shape[1] - P, w.shape[1])
+                g = max(min(resid.shape[1] - P, w.shape[1]), 0)
                 pooled[s, layer] = ((resid[:, P:P + g].float() * w[:, :g]).sum(1) / w.sum(1)).cpu()
             return fn
 

@@ -133,3 +133,57 @@ def test_n_params_counts_experts_router_and_shared(tmp_path):
     moe_mlp = 8 * d + 8 * 3 * d * 24 + 3 * d * 24
     assert HookedMDM.from_pretrained(cases["llada2"][0]).cfg.n_params == (
         3 * (attn + 2 * d) + 3 * d * f + 2 * moe_mlp + d + 2 * 101 * d)
+
+
+# ---- received attention and its null under a block mask (planted) --------------------------------------------------
+def test_block_causal_received_attention_and_null_by_hand():
+    from mdm_lens.probes import floating
+    from mdm_lens.probes.received import (received_attention, uniform_pattern, uniform_received,
+                                          visibility_mask)
+
+    # 4 keys in blocks of 2: queries 0, 1 see keys 0, 1; queries 2, 3 see every key
+    vis = visibility_mask(4, 4, block_length=2)
+    assert vis.tolist() == [[True, True, False, False]] * 2 + [[True] * 4] * 2
+    # a cached block's rows (queries at absolute 2, 3) see all four keys
+    assert visibility_mask(2, 4, block_length=2).all()
+    assert torch.equal(uniform_pattern(4, block_length=2),
+                       torch.tensor([[.5, .5, 0, 0], [.5, .5, 0, 0], [.25] * 4, [.25] * 4], dtype=torch.float64))
+    # uniform null: mass (1/4) Σ_i 1/|V_i| over the queries that see j; not 1/4 each as without the mask
+    assert torch.allclose(uniform_received(torch.ones(4, dtype=torch.bool), block_length=2),
+                          torch.tensor([3 / 8, 3 / 8, 1 / 8, 1 / 8], dtype=torch.float64), atol=0, rtol=1e-15)
+    assert torch.allclose(uniform_received(torch.ones(4, dtype=torch.bool), kind="visibility", block_length=2),
+                          torch.tensor([3 / 8, 3 / 8, 1 / 4, 1 / 4], dtype=torch.float64), atol=0, rtol=1e-15)
+    # a padded key (1) is nobody's: query 0 sees key 0 alone, queries 2, 3 see keys 0, 2, 3
+    pad = torch.tensor([True, False, True, True])
+    assert torch.allclose(uniform_received(pad, block_length=2),
+                          torch.tensor([(1 + 1 / 3 + 1 / 3) / 3, 0, (1 / 3 + 1 / 3) / 3, (1 / 3 + 1 / 3) / 3],
+                                       dtype=torch.float64))
+    pattern = torch.tensor([[.9, .1, 0, 0], [.9, .1, 0, 0], [.1, .2, .3, .4], [.1, .2, .3, .4]],
+                           dtype=torch.float64)
+    mass = received_attention(pattern, block_length=2)
+    assert torch.allclose(mass, torch.tensor([.5, .15, .15, .2], dtype=torch.float64))
+    seen = received_attention(pattern, kind="visibility", block_length=2)  # key 2: only queries 2, 3 see it
+    assert torch.allclose(seen, torch.tensor([.5, .15, .3, .4], dtype=torch.float64))
+    res = floating.absorption_variants(mass, block_length=2)
+    assert float(res.pos0) == pytest.approx(50.0) and float(res.null_pos0) == pytest.approx(37.5)
+    assert float(res.excess_pos0) == pytest.approx(12.5)
+    assert float(floating.absorption_variants(mass).null_pos0) == pytest.approx(25.0)  # 100/n: the unmasked null
+
+
+def test_absorption_on_a_block_model_names_its_block_null(models):
+    from mdm_lens.probes.absorption import absorption_by_layer
+    from mdm_lens.probes.received import uniform_received
+
+    model = models["llada2"]
+    res = absorption_by_layer(model, _prompt(10))
+    assert res.block_length == 32 == model.cfg.extra["block_length"]  # one block: the null is 100/n
+    assert torch.allclose(res.null[..., 0], torch.full_like(res.null[..., 0], 10.0))
+    model.cfg.extra["block_length"] = 4
+    try:
+        res = absorption_by_layer(model, _prompt(10))
+    finally:
+        model.cfg.extra["block_length"] = 32
+    u = 100 * uniform_received(torch.ones(10, dtype=torch.bool), block_length=4)
+    assert res.block_length == 4
+    assert torch.allclose(res.null[..., 0], torch.full_like(res.null[..., 0], float(u[0])))  # pos0's null
+    assert float(u[0]) > 10.0
