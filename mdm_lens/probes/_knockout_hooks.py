@@ -83,8 +83,23 @@ class KnockoutHooks:
             rows = noised.clone() if self.queries == "masked" else torch.ones_like(noised)
             return rows, st.extra["rerun"]
         tokens, am = self._inputs()
-        return (C.readout_rows(self.model, tokens, self.prompt_length, self.queries),
-                lambda: self.model(tokens, attention_mask=am, return_type=None))
+        rows = C.readout_rows(self.model, tokens, self.prompt_length, self.queries)
+        if st is not None and "query_end" in st.extra:  # a block sampler's forward (llada2, sdar): see _block_rerun
+            return rows, lambda: self._block_rerun(tokens, st.extra)
+        return rows, lambda: self.model(tokens, attention_mask=am, return_type=None)
+
+    def _block_rerun(self, tokens: Tensor, extra: dict) -> None:
+        """The pre-pass of a block sampler's forward: the canvas up to its end under the run's block mask, without
+        SDAR's KV cache (detached meanwhile, so the pre-pass neither reads nor extends it). Under the block-causal
+        mask its rows and keys equal those of the cached forward, which covers a suffix of them."""
+        saved = [getattr(b.attn, "kv", None) for b in self.model.blocks]
+        for b in self.model.blocks:
+            b.attn.kv = None
+        try:
+            self.model(tokens[:, :int(extra["query_end"])], block_length=extra["block_length"], return_type=None)
+        finally:
+            for b, kv in zip(self.model.blocks, saved):
+                b.attn.kv = kv
 
     def _embed_hook(self, x: Tensor, hook: Any) -> None:
         if self._prepass:
