@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import string
 
 import pandas as pd
@@ -11,9 +12,14 @@ from family_checkpoints import write_llada2, write_lladamoe, write_sdar
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from mdm_lens.cli import main
-from mdm_lens.zoo import jsonl
 
 PROBES = "accuracy,absorption,temporal,qk,retrieval,flow,knockout,lens,cache,features"
+# SDAR: retrieval reads TopKKeys records, which SDAR's KV-cached block forwards refuse today (the sampler says so)
+SDAR_PROBES = PROBES.replace("retrieval,", "")
+ITEMS = [{"id": "a", "question": "ab?", "passages": [{"segment": "x is ab."}, {"segment": "ab is cd."}],
+          "answers": ["cd"], "gold_index": 1},
+         {"id": "b", "question": "ef?", "passages": [{"segment": "ef is gh."}, {"segment": "y is z."}],
+          "answers": ["gh"], "gold_index": 0}]
 WRITERS = {"llada2": write_llada2, "sdar": write_sdar, "lladamoe": write_lladamoe}
 
 
@@ -32,15 +38,16 @@ def _char_tokenizer(folder) -> None:
 def test_sweep_and_report_run_on_the_family(tmp_path, family):
     folder = WRITERS[family](tmp_path / "ckpt")[0]
     _char_tokenizer(folder)
-    data = tmp_path / "items.jsonl"
-    jsonl.export(data, 2, seed=0)
+    data = tmp_path / "items.jsonl"  # short items: a character tokenizer makes every letter a position
+    data.write_text("\n".join(json.dumps(item) for item in ITEMS) + "\n")
     out = tmp_path / "sweep"
-    assert main(["sweep", "--model", str(folder), "--data", str(data), "--probes", PROBES, "--out", str(out),
+    probes = SDAR_PROBES if family == "sdar" else PROBES
+    assert main(["sweep", "--model", str(folder), "--data", str(data), "--probes", probes, "--out", str(out),
                  "--limit", "2", "--gen-length", "4", "--steps", "4", "--block-length", "4", "--no-progress"]) == 0
-    for probe in PROBES.split(","):
+    for probe in probes.split(","):
         table = pd.read_parquet(out / f"{probe}.parquet")
         assert len(table) > 0, probe
-    acc = pd.read_parquet(out / "accuracy.parquet")
-    assert acc["item_id"].nunique() == 2 if "item_id" in acc else len(acc) > 0
+        if "item_id" in table:
+            assert set(table["item_id"]) == {"a", "b"}, probe
     assert main(["report", str(out)]) == 0
     assert (out / "report").is_dir() and any((out / "report").iterdir())
