@@ -187,3 +187,18 @@ def test_absorption_on_a_block_model_names_its_block_null(models):
     assert res.block_length == 4
     assert torch.allclose(res.null[..., 0], torch.full_like(res.null[..., 0], float(u[0])))  # pos0's null
     assert float(u[0]) > 10.0
+
+
+def test_router_stats_on_block_runs_read_the_replayed_positions(models):
+    from mdm_lens.probes import router_stats
+
+    model = models["llada2"]
+    out = generate(model, _prompt(6), **RUNS["llada2"])
+    last = out.n_steps - 1
+    table = router_stats(model, out, steps=[0, last]).table
+    end = out.state_at(last).extra["query_end"]
+    counts = table[(table.metric == "positions")].set_index(["step", "layer", "class"])["value"]
+    layer = int(table.layer.dropna().iloc[0])
+    # step 0 forwards the first decoded block's canvas (positions 0..7); the last step the whole canvas (16)
+    assert counts[(0, layer, "prompt")] + counts[(0, layer, "canvas")] == out.state_at(0).extra["query_end"] == 8
+    assert counts[(last, layer, "prompt")] + counts[(last, layer, "canvas")] == end == 16
