@@ -202,3 +202,22 @@ def test_router_stats_on_block_runs_read_the_replayed_positions(models):
     # step 0 forwards the first decoded block's canvas (positions 0..7); the last step the whole canvas (16)
     assert counts[(0, layer, "prompt")] + counts[(0, layer, "canvas")] == out.state_at(0).extra["query_end"] == 8
     assert counts[(last, layer, "prompt")] + counts[(last, layer, "canvas")] == end == 16
+
+
+def test_logit_lens_on_a_block_run_is_nan_past_the_step_forward(models):
+    import torch.nn.functional as F
+
+    from mdm_lens.lens.trace import lens_trace
+
+    model = models["llada2"]
+    out = generate(model, _prompt(6), **RUNS["llada2"])
+    trace = lens_trace(model, out, layers=[model.cfg.n_layers - 1], steps=[0])
+    end = out.state_at(0).extra["query_end"]  # 8: step 0 forwards the canvas of the first decoded block
+    inside = [p for p in trace.positions if 6 + p < end]
+    outside = [p for p in trace.positions if 6 + p >= end]
+    assert inside == [0, 1] and outside == list(range(2, 9))
+    assert bool(trace.final_prob[0, 0, 0, outside].isnan().all())
+    # the last layer's logit lens is the replayed step's own distribution at the positions it computed
+    probs = F.softmax(out.replay(model, 0)[0].double(), -1)
+    want = probs[torch.tensor([6, 7]), out.tokens[0, 6:8]]
+    assert torch.allclose(trace.final_prob[0, 0, 0, inside].double(), want, atol=1e-5)
