@@ -128,10 +128,36 @@ class MDMConfig:
 
     @property
     def n_params(self) -> int:
+        """Learned weights of the model (`sum(p.numel() for p in model.parameters())`): every routed expert,
+        shared expert and router of a mixture-of-experts layer counted once. LLaDA2's `expert_bias` (a buffer,
+        updated by load balancing, not by gradient) is not counted. `n_params_active`: those one token uses."""
+        return self._count(active=False)
+
+    @property
+    def n_params_active(self) -> int:
+        """Weights one token's forward uses: as `n_params`, but only `top_k` routed experts per MoE layer (the
+        router and shared expert always run); equals `n_params` for a dense model."""
+        return self._count(active=True)
+
+    def _count(self, active: bool) -> int:
         d, L, h, g, e, f, v = (self.d_model, self.n_layers, self.n_heads, self.n_key_value_heads,
                                self.d_head, self.d_mlp, self.d_vocab)
-        per_layer = d * e * (h + 2 * g) + h * e * d + 3 * d * f + 2 * d
-        return L * per_layer + d + v * d * (1 if self.tie_word_embeddings else 2)
+        attn = d * e * (h + 2 * g) + h * e * d
+        attn += e * (h + 2 * g) if self.qkv_bias else 0
+        attn += d if self.extra.get("o_bias") else 0
+        attn += 2 * e if self.extra.get("qk_norm") else 0  # one d_head RMSNorm weight for q, one for k
+        moe = self.extra.get("moe")
+        moe_layers = self.extra.get("moe_layers") or [False] * L
+        total = 0
+        for is_moe in moe_layers:
+            if is_moe and moe is not None:
+                n_routed = int(moe["top_k"]) if active else int(moe["n_experts"])
+                mlp = int(moe["n_experts"]) * d + n_routed * 3 * d * int(moe["d_expert"])
+                mlp += 3 * d * int(moe["d_shared"]) if moe.get("d_shared") else 0
+            else:
+                mlp = 3 * d * f
+            total += attn + mlp + 2 * d
+        return total + d + v * d * (1 if self.tie_word_embeddings else 2)
 
     # --- (de)serialisation for our own checkpoint format ------------------------------------------
     def to_dict(self) -> dict[str, Any]:

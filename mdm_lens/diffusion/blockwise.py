@@ -8,7 +8,7 @@ position `prompt_length + gen_length - 1`. Decoding starts at block `prompt_leng
   canvas, not answer (hooks and `model.state` still see it). The trajectory covers the same positions.
 * `DenoisingState.block` is the decoded block counted from the first one decoded (`n_blocks` of them);
   `block_slice` its absolute positions; `state.extra["query_start"]` / `["query_end"]` the rows the forward
-  computes; `state.extra["kind"]` is "denoise", or "prefill" / "store" for SDAR's cache-filling forwards.
+  computes, `["block_length"]` the run's block length; `state.extra["kind"]` is "denoise", or "prefill" / "store" for SDAR's cache-filling forwards.
 * Both references decode one prompt at a time (`x = torch.full((1, ...))`): a batch of more rows is refused.
 * Sampling is the references' `sample_with_temperature_topk_topp`: temperature division, top-k then top-p
   filters, `torch.multinomial` (drawn from the run's seeded generator on CPU; the reference uses the global RNG).
@@ -89,6 +89,14 @@ class BlockRecorder:
 
         self.n = n
         self.inner = TrajectoryRecorder(1, n, prompt_length, device)
+        self.forwards: list[dict] = []
+
+    def note(self, state: Any) -> None:
+        """What the step's forward read (the whole canvas and its state), kept for `replay`."""
+        extra = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in state.extra.items()
+                 if k in ("kind", "query_start", "query_end", "kv_age", "block_length")}
+        self.forwards.append(dict(x=state.x.detach().cpu().clone(), block=state.block, block_slice=state.block_slice,
+                                  n_steps=state.n_steps, n_blocks=state.n_blocks, extra=extra))
 
     def record(self, step: int, block: int, x_in: Tensor, committed: Tensor, confidence: Tensor | None) -> None:
         conf = None if confidence is None else confidence[:, :self.n]
@@ -99,7 +107,9 @@ class BlockRecorder:
         return self.inner.x_steps
 
     def finish(self) -> Trajectory:
-        return self.inner.finish()
+        out = self.inner.finish()
+        out.forwards = self.forwards
+        return out
 
 
 class AlignedBlockSampler(CanvasSampler):
@@ -187,6 +197,7 @@ def end_step(runner: Any, recorder: BlockRecorder, state: Any, x_in: Tensor, com
     state.confidence = None if confidence is None else confidence.float()
     state.committed = committed
     runner.end_step(state)
+    recorder.note(state)
     recorder.record(state.step, state.block, x_in, committed, confidence)
     if bar is not None:
         bar.update(1)

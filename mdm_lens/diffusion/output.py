@@ -29,6 +29,10 @@ class Trajectory:
     # DiffusionGemma only (None elsewhere, where accepted = committed): the samples each step keeps in the next
     # step's input, re-decided every step (see mdm_lens.diffusion.diffusion_gemma)
     accepted: Bool[Tensor, "step batch pos"] | None = None
+    # block samplers only (llada2, sdar; None elsewhere): per step, what its forward read, for `replay`: the whole
+    # canvas `x` (beyond prompt + gen_length too), `block`, `block_slice`, `n_steps`/`n_blocks` of its state and the
+    # forward-time `extra` (kind, query_start, query_end; SDAR's kv_age)
+    forwards: list[dict] | None = None
 
     @property
     def n_steps(self) -> int:

@@ -7,6 +7,17 @@ The canvas is `out.trajectory.x_steps[step]` (the input before that step's commi
 from the run's settings exactly as the sampler built it (step, block, masked/prompt/visible sets, phase; the
 post-commit fields are None during a forward pass, as inside `generate`). The forward runs through the same
 `StepRunner` as the sampler, so step-bound hooks fire by the same rule.
+
+Block samplers (`llada2`, `sdar`): the step's whole canvas and state come from `out.trajectory.forwards[step]`
+(the sampler's own `DenoisingState`: block, block_slice, masked set over the whole canvas, `extra` kind /
+query_start / query_end, SDAR's kv_age). The replay is one forward over the canvas up to `query_end` with the
+block-causal mask, returning position-aligned logits for positions `[0, query_end)`:
+* LLaDA2 forwards exactly that canvas prefix: the replay is its forward;
+* SDAR forwarded only the rows `[query_start, query_end)` against its KV cache of finished blocks. Under a
+  block-causal mask a finished block's keys/values depend on no later token, so the cache equals the rows of a
+  full forward; the replay's rows `[query_start, query_end)` are the logits the sampler read (to float rounding),
+  and hooks see every row `[0, query_end)` (`state.extra["replay_rows"]` says so; the run's own hooks saw only the
+  block's rows).
 """
 
 from __future__ import annotations
@@ -27,12 +38,33 @@ def _canvas(out: Any, s: int) -> tuple[Tensor, Tensor]:
     return x[:, :width], out.attention_mask[:, :width].cpu()
 
 
+BLOCK_SAMPLERS = ("llada2", "sdar")
+
+
+def _block_state(out: Any, s: int, phase: str) -> DenoisingState:
+    """The block sampler's own state at step s (module docstring), from the forwards the trajectory kept."""
+    forwards = out.trajectory.forwards
+    if forwards is None or len(forwards) != out.trajectory.n_steps:
+        raise SamplerConfigError(f"this sampler={out.sampler!r} run has no record of its forwards' canvases "
+                                 "(trajectory.forwards), so a replay cannot rebuild them.", argument="out",
+                                 value=out.sampler, allowed="a run made by generate() of this version")
+    if validate.choice(phase, ("cond", "uncond"), name="phase") != "cond":
+        raise SamplerConfigError(f"phase={phase!r}: sampler={out.sampler!r} runs one forward per step (no CFG).",
+                                 argument="phase", value=phase, allowed="'cond'")
+    f = forwards[s]
+    x = f["x"]
+    prompt = torch.zeros_like(x, dtype=torch.bool)
+    prompt[:, :out.prompt_length] = True
+    extra = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in f["extra"].items()}
+    extra["replay_rows"] = (0, int(extra["query_end"]))
+    return DenoisingState(s, f["n_steps"], f["block"], f["n_blocks"], x.clone(), x == out.settings["mask_id"],
+                          prompt, torch.ones_like(prompt), f["block_slice"], extra=extra)
+
+
 def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
-    if out.sampler in ("llada2", "sdar"):  # their forwards cover a canvas prefix / one KV-cached block
-        raise SamplerConfigError(f"replay is not available for sampler={out.sampler!r} runs: their forwards cover a "
-                                 "canvas prefix or one KV-cached block that x_steps does not describe; hook the run "
-                                 "itself (fwd_hooks / cache=).", argument="out", value=out.sampler,
-                                 allowed="a llada, dream, arm or diffusion_gemma run")
+    if out.sampler in BLOCK_SAMPLERS:
+        n = out.trajectory.n_steps
+        return _block_state(out, validate.index(step, n, name="step", what=f"step of this {n}-step run"), phase)
     if out.settings.get("kv_cache") is not None:  # a replay would be a fresh full forward, not what the run read
         raise SamplerConfigError(f"replay is not available for kv_cache={out.settings['kv_cache']!r} runs: their "
                                  "window forwards attended to stale cached keys/values, which a replay (a fresh full "
@@ -79,6 +111,12 @@ def replay(out: Any, model: Any, step: int, *, fwd_hooks: Any = (), hook_steps: 
             setattr(state, name, value.to(device))
     runner = StepRunner(model, fwd_hooks=fwd_hooks, hook_steps=hook_steps)
     runner.begin(state.x.shape[0], state.x.shape[1], state.n_steps)
+    if out.sampler in BLOCK_SAMPLERS:  # the canvas up to the forward's end, block-causal (module docstring)
+        end = int(state.extra["query_end"])
+        positions = torch.arange(end, device=device)[None]
+        with torch.no_grad():
+            return runner.forward(state, state.x[:, :end], position_ids=positions,
+                                  block_length=out.settings["block_length"])
     _, am = _canvas(out, state.step)
     with torch.no_grad():
         return runner.forward(state, state.x, attention_mask=am.to(device))

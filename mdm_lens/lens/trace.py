@@ -20,7 +20,7 @@ def _check_run(model: Any, out: Any) -> None:
     if not isinstance(out, GenerateOutput):
         raise ArgumentTypeError(f"out={validate.describe(out)} is not what model.generate returns.", argument="out",
                                 value=out, allowed="a GenerateOutput")
-    if out.causal or out.sampler not in ("llada", "dream"):
+    if out.causal or out.sampler not in ("llada", "dream", "llada2", "sdar"):
         raise InputError(f"out is a {out.sampler!r} run; the lens over denoising steps reads masked diffusion runs "
                          "(sampler 'llada' or 'dream'): an autoregressive step has no masked canvas.",
                          argument="out", value=out.sampler, allowed="a 'llada' or 'dream' run")
@@ -100,10 +100,17 @@ def lens_trace(model: Any, out: Any, *, layers: Any = None, steps: Any = None, p
 
 
 def _replay_step(model: Any, out: Any, step: int, layers: list[int], reduce: Callable[[Tensor, int], None]) -> None:
-    """Re-run step `step`'s forward; each chosen layer is reduced inside its hook (nothing else is kept)."""
+    """Re-run step `step`'s forward; each chosen layer is reduced inside its hook (nothing else is kept). A block
+    sampler's forward covers the canvas up to its block's end: positions past it (later blocks, not in that
+    forward) get NaN."""
+    width = out.trajectory.x_steps.shape[-1]
     def hook_for(layer: int) -> Callable:
         def fn(resid: Tensor, hook: Any) -> None:
-            reduce(resid.detach(), layer)
+            resid = resid.detach()
+            if resid.shape[1] < width:  # a block run's forward stops at its block's end: later positions are NaN
+                resid = torch.cat([resid, resid.new_full((resid.shape[0], width - resid.shape[1], resid.shape[2]),
+                                                         float("nan"))], dim=1)
+            reduce(resid, layer)
         return fn
 
     out.replay(model, step, fwd_hooks=[(resid_name(l), hook_for(l)) for l in layers])

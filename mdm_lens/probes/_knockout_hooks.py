@@ -83,8 +83,23 @@ class KnockoutHooks:
             rows = noised.clone() if self.queries == "masked" else torch.ones_like(noised)
             return rows, st.extra["rerun"]
         tokens, am = self._inputs()
-        return (C.readout_rows(self.model, tokens, self.prompt_length, self.queries),
-                lambda: self.model(tokens, attention_mask=am, return_type=None))
+        rows = C.readout_rows(self.model, tokens, self.prompt_length, self.queries)
+        if st is not None and "query_end" in st.extra:  # a block sampler's forward (llada2, sdar): see _block_rerun
+            return rows, lambda: self._block_rerun(tokens, st.extra)
+        return rows, lambda: self.model(tokens, attention_mask=am, return_type=None)
+
+    def _block_rerun(self, tokens: Tensor, extra: dict) -> None:
+        """The pre-pass of a block sampler's forward: the canvas up to its end under the run's block mask, without
+        SDAR's KV cache (detached meanwhile, so the pre-pass neither reads nor extends it). Under the block-causal
+        mask its rows and keys equal those of the cached forward, which covers a suffix of them."""
+        saved = [getattr(b.attn, "kv", None) for b in self.model.blocks]
+        for b in self.model.blocks:
+            b.attn.kv = None
+        try:
+            self.model(tokens[:, :int(extra["query_end"])], block_length=extra["block_length"], return_type=None)
+        finally:
+            for b, kv in zip(self.model.blocks, saved):
+                b.attn.kv = kv
 
     def _embed_hook(self, x: Tensor, hook: Any) -> None:
         if self._prepass:
@@ -103,7 +118,9 @@ class KnockoutHooks:
             m = torch.zeros_like(kv)
             m[:, [p for p in self.targets if p < m.shape[1]]] = True
             return m & kv
-        anchors = self._anchors[layer]
+        # under the block-causal mask a block run's forward holds the first keys of the pre-pass over the whole
+        # canvas, with the same values (later blocks never reach earlier ones): the anchors are cut to its keys
+        anchors = self._anchors[layer][..., :kv.shape[-1]]
         return anchors if self.targets == "anchors" else C.random_like(anchors, kv, self.gen)
 
     def _score_hook(self, layer: int):
@@ -116,7 +133,12 @@ class KnockoutHooks:
             self.n_knocked[layer] = float(t.sum(-1).float().mean())
             if self.model.state is not None:
                 self.knocked_by_step.setdefault(self.model.state.step, []).append(self.n_knocked[layer])
-            cut = self._rows[:, None, :, None] & t[:, None, None, :]
+            rows = self._rows
+            if rows.shape[-1] != scores.shape[-2]:  # a block run's forward: the query rows it computes
+                state = self.model.state
+                q0 = int(state.extra.get("query_start", 0)) if state is not None else 0
+                rows = rows[:, q0:q0 + scores.shape[-2]]
+            cut = rows[:, None, :, None] & t[:, None, None, :]
             new = scores.masked_fill(cut, -torch.inf)
             dead = ~(new > torch.finfo(new.dtype).min).any(-1, keepdim=True)   # no visible key left
             return torch.where(dead, scores, new)

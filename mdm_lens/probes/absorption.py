@@ -79,6 +79,9 @@ class AbsorptionByLayer(ResultMixin):
     std: Tensor                 # [layer, variant]
     null_mean: Tensor           # [layer, variant]
     excess_mean: Tensor         # [layer, variant]
+    # block-causal models (LLaDA2.x, SDAR): the block length of the mask the attention ran under; the nulls are
+    # then uniform attention under that mask (each query over its own and earlier blocks), not 100/n
+    block_length: int | None = None
 
     _dims: ClassVar = {"mean": ("layer", "variant"), "std": ("layer", "variant"),
                        "null_mean": ("layer", "variant"), "excess_mean": ("layer", "variant"),
@@ -108,16 +111,18 @@ class AbsorptionByLayer(ResultMixin):
 
 
 def _absorption_from_received(received: Tensor, key_visible: Tensor | None, causal: bool, mode: str,
-                              rule: str) -> tuple[tuple[str, ...], Tensor, Tensor, Tensor]:
+                              rule: str, block_length: int | None = None
+                              ) -> tuple[tuple[str, ...], Tensor, Tensor, Tensor]:
     """(variants, values [..., variant], nulls [..., variant], n_anchors [...]) from mass received attention."""
     if mode == "paper":
         if causal:
             res = floating.absorption_variants(received, key_visible, causal=True)
             return ("pos0",), res.pos0[..., None], res.null_pos0[..., None], torch.ones_like(res.pos0)
         s = floating.detect_anchors(received, rule="paper_absorption", key_visible=key_visible)
-        res = floating.absorption_variants(received, key_visible, causal=False, anchors=s)
+        res = floating.absorption_variants(received, key_visible, causal=False, anchors=s,
+                                           block_length=block_length)
         return ("top1",), res.anchors[..., None], res.null_anchors[..., None], res.n_anchors.to(torch.float64)
-    res = floating.absorption_variants(received, key_visible, causal=causal, rule=rule)
+    res = floating.absorption_variants(received, key_visible, causal=causal, rule=rule, block_length=block_length)
     names = ("pos0", "top1", "anchors")
     vals = torch.stack([getattr(res, n) for n in names], -1)
     nulls = torch.stack([getattr(res, f"null_{n}") for n in names], -1)
@@ -224,11 +229,12 @@ def absorption_from_received(model: Any, received: Float[Tensor, "batch layer *h
     causal = is_causal(model)
     received = received.to(torch.float64)
     kvb = None if kv is None else floating.align_mask(kv.to(received.device), received.ndim, batch_dim=0)
-    names, vals, nulls, n_anc = _absorption_from_received(received, kvb, causal, mode, rule)
+    block = model.cfg.extra.get("block_length")  # block-causal families: the forward ran under the block mask
+    names, vals, nulls, n_anc = _absorption_from_received(received, kvb, causal, mode, rule, block)
     if per_head:
         vals, nulls, n_anc = vals.mean(2), nulls.mean(2), n_anc.mean(2)
     ex = vals - nulls
     std = lambda x: x.std(0, unbiased=False) if x.shape[0] > 1 else torch.zeros_like(x[0])  # noqa: E731
     return AbsorptionByLayer(mode=mode, causal=causal, variants=names, layers=layer_ids,
                              per_sample=vals, null=nulls, excess=ex, n_anchors=n_anc, mean=vals.mean(0),
-                             std=std(vals), null_mean=nulls.mean(0), excess_mean=ex.mean(0))
+                             std=std(vals), null_mean=nulls.mean(0), excess_mean=ex.mean(0), block_length=block)

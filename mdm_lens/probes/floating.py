@@ -245,8 +245,12 @@ class AbsorptionResult(ResultMixin):
 
 def absorption_variants(received: Float[Tensor, "... key"], key_visible: Bool[Tensor, "... key"] | None = None,
                         causal: bool = False, anchors: Bool[Tensor, "... key"] | None = None,
-                        rule: Rule = "zscore", nan_policy: str = "raise") -> AbsorptionResult:
+                        rule: Rule = "zscore", nan_policy: str = "raise",
+                        block_length: int | None = None) -> AbsorptionResult:
     """Absorb_pos0 / Absorb_top1 / Absorb_anchors of mass received attention, each with its null.
+
+    ``block_length`` (block-causal models: LLaDA2.x, SDAR): the nulls are uniform attention under the block mask
+    (each query 1/|V_i| over the keys of its own and earlier blocks), not 100/n.
 
     Nulls (uniform attention, same visibility, all visible rows as queries): pos0 and top1 →
     100·H_n/n causal, 100/n bidirectional; anchors → 100·Σ_{j∈S} u_j (uniform mass on the same set).
@@ -271,7 +275,7 @@ def absorption_variants(received: Float[Tensor, "... key"], key_visible: Bool[Te
     first.scatter_(-1, vis.long().argmax(-1, keepdim=True), True)
     first &= vis
     top = _top1(r, vis)
-    u = 100.0 * uniform_received(vis, causal=causal, kind="mass")
+    u = 100.0 * uniform_received(vis, causal=causal, kind="mass", block_length=block_length)
 
     def null(mask: Tensor) -> Tensor:
         return torch.where(mask, u, torch.zeros_like(u)).sum(-1)

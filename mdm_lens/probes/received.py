@@ -8,7 +8,10 @@ this module only, so the two never import each other.
 Axis conventions (TransformerLens): attention patterns are ``[..., query, key]`` with rows summing
 to 1 over the keys visible to that query; received attention is ``[..., key]``; per-step series are
 ``[..., step, key]``.  Visibility: key ``j`` is visible to query ``i`` iff ``key_visible[j]`` (False =
-padding) and, when ``causal``, ``j <= i``.  Invisible keys never receive attention here.
+padding) and, when ``causal``, ``j <= i``; with ``block_length=B`` (block diffusion: LLaDA2.x, SDAR, blocks
+aligned at position 0) iff ``j // B <= i // B``.  Invisible keys never receive attention here: under a block mask
+the ``visibility`` kind averages a key's attention over the queries that can see it, and the uniform null gives each
+query ``1/|V_i|`` over its own visible keys.
 """
 
 from __future__ import annotations
@@ -59,8 +62,9 @@ def align_mask(mask: Tensor, ndim: int, batch_dim: int | None = None) -> Tensor:
 
 
 def visibility_mask(n_query: int, n_key: int, key_visible: Bool[Tensor, "... key"] | None = None,
-                    causal: bool = False, device=None) -> Bool[Tensor, "... query key"]:
-    """V[i, j] = key_visible[j] and (not causal or j <= i + n_key - n_query).
+                    causal: bool = False, device=None, block_length: int | None = None) -> Bool[Tensor, "... query key"]:
+    """V[i, j] = key_visible[j] and (not causal or j <= i + n_key - n_query) and, with ``block_length`` B,
+    j // B <= (i + n_key - n_query) // B (block-causal, blocks aligned at key position 0).
 
     The offset makes the last query see every key, as for a KV-cached suffix of queries.
     """
@@ -73,15 +77,19 @@ def visibility_mask(n_query: int, n_key: int, key_visible: Bool[Tensor, "... key
     vis = torch.ones(n_query, n_key, dtype=torch.bool, device=device)
     if causal:
         vis = torch.tril(vis, diagonal=n_key - n_query)
+    if block_length is not None:
+        b = validate.integer(block_length, name="block_length", min=1)
+        q_block = (torch.arange(n_query, device=device) + n_key - n_query) // b
+        vis = vis & ((torch.arange(n_key, device=device) // b)[None, :] <= q_block[:, None])
     if key_visible is not None:
         vis = vis & key_visible[..., None, :]
     return vis
 
 
 def uniform_pattern(n: int, causal: bool = False, key_visible: Bool[Tensor, "... key"] | None = None,
-                    dtype=torch.float64) -> Float[Tensor, "... query key"]:
+                    dtype=torch.float64, block_length: int | None = None) -> Float[Tensor, "... query key"]:
     """Uniform attention under the given visibility: A[i, j] = 1/|V_i| for j in V_i (0 for empty rows)."""
-    vis = visibility_mask(n, n, key_visible, causal).to(dtype)
+    vis = visibility_mask(n, n, key_visible, causal, block_length=block_length).to(dtype)
     return vis / vis.sum(-1, keepdim=True).clamp_min(1)
 
 
@@ -118,7 +126,7 @@ def received_attention(pattern: Float[Tensor, "... query key"],
                        query_mask: Bool[Tensor, "... query"] | None = None,
                        key_visible: Bool[Tensor, "... key"] | None = None,
                        kind: Kind = "mass", causal: bool = False,
-                       nan_policy: str = "raise") -> Float[Tensor, "... key"]:
+                       nan_policy: str = "raise", block_length: int | None = None) -> Float[Tensor, "... key"]:
     """Attention received by each key, reduced over a query set Q (default: all non-pad rows).
 
     - ``mass``:       m_j = (1/|Q|) Σ_{i∈Q} A_ij            (AF's A^l_j; Σ_j m_j = 1 when Q = all rows)
@@ -126,7 +134,7 @@ def received_attention(pattern: Float[Tensor, "... query key"],
       every query sees every key, i.e. bidirectional); 0 where Q_j is empty
     - ``cumulative``: α_j = Σ_{i∈Q} A_ij                    (Rulli / SAP column sum)
 
-    ``causal`` only matters for ``visibility`` (which queries can see j); entries at invisible
+    ``causal`` and ``block_length`` (block-causal) only matter for ``visibility`` (which queries can see j); entries at invisible
     (query, key) pairs are ignored, so unmasked patterns with mass (or NaN) on padding do not leak into
     m_j.  NaN/inf at a used entry raises ``NonFiniteError`` (``nan_policy="omit"``: such entries count
     as 0).  An empty query set raises for ``mass`` / ``visibility`` (a mean over no rows is undefined).
@@ -138,7 +146,7 @@ def received_attention(pattern: Float[Tensor, "... query key"],
     kind = validate.choice(kind, KINDS, name="kind")
     causal = validate.boolean(causal, name="causal")
     policy = C.nan_policy(nan_policy)
-    vis = visibility_mask(n_q, n_k, key_visible, causal, device=pattern.device)
+    vis = visibility_mask(n_q, n_k, key_visible, causal, device=pattern.device, block_length=block_length)
     if query_mask is None:
         query_mask = _default_query_mask(n_q, n_k, key_visible)
     q = torch.ones(n_q, dtype=torch.bool, device=pattern.device) if query_mask is None else query_mask
@@ -171,12 +179,14 @@ def _harmonic(n: Tensor) -> Tensor:
 
 
 def uniform_received(key_visible: Bool[Tensor, "... key"], causal: bool = False,
-                     kind: Kind = "mass") -> Float[Tensor, "... key"]:
+                     kind: Kind = "mass", block_length: int | None = None) -> Float[Tensor, "... key"]:
     """Closed-form received attention of *uniform* attention, query set = all visible rows.
 
     With n = |V| visible keys and ρ_j the rank of j among them (0-based): bidirectional m_j = 1/n;
     causal m_j = (H_n − H_{ρ_j})/n, r_j = (H_n − H_{ρ_j})/(n − ρ_j), α_j = H_n − H_{ρ_j}.
     In particular causal m_0 = H_n/n (the causal-mask share of column 0, §1.a).  Invisible keys: 0.
+    ``block_length`` B (block-causal): each visible query i spreads 1/|V_i| over the visible keys of its own and
+    earlier blocks; m_j = (1/n) Σ_{i: j ∈ V_i} 1/|V_i| (computed, not closed form).
     """
     if not isinstance(key_visible, Tensor):
         raise C.ArgumentTypeError(f"key_visible={validate.describe(key_visible)} is invalid: expected a bool tensor.",
@@ -185,6 +195,10 @@ def uniform_received(key_visible: Bool[Tensor, "... key"], causal: bool = False,
     causal = validate.boolean(causal, name="causal")
     kind = validate.choice(kind, KINDS, name="kind")
     n = vis.sum(-1, keepdim=True)
+    if block_length is not None:
+        size = vis.shape[-1]
+        return received_attention(uniform_pattern(size, causal, vis, block_length=block_length), key_visible=vis,
+                                  kind=kind, causal=causal, block_length=block_length).to(torch.float64)
     if not causal:
         inv = 1.0 / n.clamp_min(1).to(torch.float64)
         per = {"mass": inv, "visibility": inv, "cumulative": torch.ones_like(inv)}[kind]

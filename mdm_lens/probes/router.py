@@ -101,7 +101,8 @@ def router_stats(model: Any, out: Any, *, steps: Sequence[int] | None = None, la
         with torch.no_grad():
             out.replay(model, step, fwd_hooks=list(fwd_hooks) + [(nm, keep) for nm in names])
         state = out.state_at(step)
-        visible = state.key_visible.to(got[names[0]].device)
+        # a block run's replay covers the canvas up to its step's block end (`out.replay`): its positions only
+        visible = state.key_visible[:, :got[names[0]].shape[1]].to(got[names[0]].device)
         prompt = torch.zeros_like(visible)
         prompt[:, :out.prompt_length] = True
         for l in chosen:

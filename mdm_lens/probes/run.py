@@ -79,6 +79,8 @@ class StepAnchors(ResultMixin):
 def _step_visibility(out: Any, steps: Sequence[int], n_keys: int) -> Bool[Tensor, "batch step key"]:
     """Key j exists and is not padding at step s (ARM: j < prompt_length + s)."""
     am = out.attention_mask.bool().cpu()[:, :n_keys]
+    if am.shape[1] < n_keys:  # a block sampler's canvas tail (past prompt + gen_length): canvas keys, no padding
+        am = torch.cat([am, am.new_ones((am.shape[0], n_keys - am.shape[1]))], dim=1)
     vis = am[:, None, :].expand(am.shape[0], len(steps), n_keys).clone()
     if out.causal:
         pos = torch.arange(n_keys)
@@ -113,6 +115,9 @@ def _recorded_layer(layer: Any, rec_layers: list[int]) -> int:
 
 def _series(out: Any, layer: int | None, head: Any, record: str) -> tuple[Tensor, Tensor, list[int], list[int], tuple]:
     rec = _record(out, record)                                             # [step, batch, layer, head, key]
+    # a block sampler's record covers its whole canvas; keys past prompt + gen_length (the last block's tail) are
+    # canvas, not answer, and the trajectory (commit steps) stops there: they are left out here
+    rec = rec[..., :out.tokens.shape[1]]
     meta = out.record_meta.get(record, {})
     rec_layers = list(meta.get("layers", range(rec.shape[2])))
     steps = list(meta.get("steps", range(rec.shape[0])))

@@ -99,9 +99,15 @@ def masked_mean_residuals(model: Any, out: Any) -> tuple[Float[Tensor, "step lay
     """``blocks.{l}.hook_resid_post`` of every layer at every step of the run ``out``, averaged over the canvas
     positions masked in that step's input: (``[step, layer, batch, d_model]`` float32 on CPU, NaN where nothing is
     masked; ``n_masked [step, batch]``). Each step's forward is replayed with hooks that pool as the layer is
-    computed. Raises ``SamplerConfigError`` for runs that cannot be replayed (llada2 / sdar)."""
+    computed. A block run's (llada2 / sdar) step covers the positions its forward computed (up to its block's
+    end: ``n_masked`` counts those)."""
     S, P = out.n_steps, out.prompt_length
     masked = out.trajectory.x_steps[:, :, P:] == model.cfg.mask_token_id        # [step, batch, gen]
+    ends = [None] * S if out.trajectory.forwards is None else [f["extra"]["query_end"] for f in
+                                                               out.trajectory.forwards]
+    for s, end in enumerate(ends):  # a block run's step forwards the canvas up to its block's end only
+        if end is not None:
+            masked[s, :, max(end - P, 0):] = False
     n_masked = masked.sum(-1)
     L, B, d = model.cfg.n_layers, masked.shape[1], model.cfg.d_model
     pooled = torch.full((S, L, B, d), float("nan"), dtype=torch.float32)
@@ -111,7 +117,8 @@ def masked_mean_residuals(model: Any, out: Any) -> tuple[Float[Tensor, "step lay
         def hook_for(layer: int, s: int = s, w: Tensor = w) -> Callable:
             def fn(resid: Tensor, hook: Any) -> None:
                 # 0/0 = NaN where nothing is masked: the mean over no position is undefined, not 0
-                pooled[s, layer] = ((resid[:, P:].float() * w).sum(1) / w.sum(1)).cpu()
+                g = max(min(resid.shape[1] - P, w.shape[1]), 0)
+                pooled[s, layer] = ((resid[:, P:P + g].float() * w[:, :g]).sum(1) / w.sum(1)).cpu()
             return fn
 
         out.replay(model, s, fwd_hooks=[(f"blocks.{layer}.{HOOK}", hook_for(layer)) for layer in range(L)])

@@ -220,6 +220,9 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
                        n_random=n_random, exact=batching == "length")
         kw = A._gen_kwargs(model, s)
         C.check_sampler(model, kw)
+        from mdm_lens.diffusion.generate import default_sampler
+        if default_sampler(model) in ("llada2", "sdar"):  # their reference loops decode one prompt at a time
+            batch_size = 1
         sel = C.select(model, screened, names, tmpl, g, max_passages, str(data), skip_bad, limit)
         skipped = [dict(item_id=None, **d) for d in read.skipped] + sel.skipped
         if not sel.items:

@@ -74,6 +74,8 @@ def sweep_features(table: pd.DataFrame) -> tuple[ProbeFeatures, pd.DataFrame]:
     acts[li, si, ii] = x
     complete = np.isfinite(acts).all(axis=(0, 1, 3))
     targets["complete"] = complete
+    if not complete.any():  # e.g. SDAR: its KV-cache forwards (prefill, store) pool no masked position
+        return None, targets  # type: ignore[return-value]
     feats = ProbeFeatures(torch.from_numpy(acts[:, :, complete]), layers, steps, meta={"hook": "hook_resid_post",
                                                                                      "pool": "mean over masked"})
     return feats, targets[complete].reset_index(drop=True).assign(all_index=np.flatnonzero(complete))
@@ -214,7 +216,8 @@ def probes_section(sweeps: Sequence[Any], img: Path) -> Any:
     """The report section of the sweeps that hold a ``features`` table with finite rows (None when none does)."""
     from mdm_lens.views.report import Section
 
-    have = [s for s in sweeps if (t := s.table("features")) is not None and t.step.notna().any()]
+    have = [s for s in sweeps if (t := s.table("features")) is not None and t.step.notna().any()
+            and sweep_features(t)[0] is not None]  # an item with a finite vector at every step and layer
     if not have:
         return None
     images, rows, finds = [], [], []

@@ -415,13 +415,6 @@ def test_sdar_block_cache_is_exact(models):
     assert shapes == [(1, model.cfg.n_heads, 4, 12)] and cache.layers[0].k.shape[1] == 8  # block mode stores nothing
 
 
-def test_replay_refused(models):
-    for name, model in (("llada2", models["llada2"]), ("sdar", models["sdar"])):
-        out = generate(model, _prompt(4), sampler=name, gen_length=4, block_length=4)
-        with pytest.raises(SamplerConfigError, match="replay is not available"):
-            out.replay(model, 0)
-
-
 def test_sdar_invariants(models):
     """steps = block_length with the dynamic rule: every generated slot committed exactly once, prompt untouched."""
     out = generate(models["sdar"], _prompt(5), sampler="sdar", gen_length=11, block_length=4, seed=3)
