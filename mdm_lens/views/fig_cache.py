@@ -9,7 +9,8 @@ its figures.
 
 Cache age: the cache's keys/values outside the window were computed at the block's refresh forward (the block's
 first step); a window step's age is its step minus that one (1 = the first window forward after the refresh). The
-refresh step is not a row of the table (nothing is stale there), so it is the block's first listed step minus 1.
+refresh step is not a row of the table (nothing is stale there), so it is the block's smallest step minus 1 (per
+item and cache mode, whatever the row order: the two modes may commit at different rates, so their steps differ).
 
 Claims: every comparison is over items (one value per item: the mean of its finite rows), with a 95% percentile
 bootstrap interval (:mod:`mdm_lens.views.stats`); a sentence says more/less only when the interval excludes 0, else
@@ -60,8 +61,8 @@ def _need(table: Any, columns: Sequence[str]) -> pd.DataFrame:
 
 
 def with_age(table: pd.DataFrame) -> pd.DataFrame:
-    """The rows with a step, plus ``age`` = step − the block's refresh step (first listed step − 1), per item and
-    cache mode."""
+    """The rows with a step, plus ``age`` = step − the block's refresh step, which is the smallest step of the
+    (item, cache mode, block) rows minus 1 (the refresh forward itself has no row), whatever the rows' order."""
     t = _need(table, ("item_id", "kv_cache", "step", "block", "layer", "metric", "value"))
     t = t[t["step"].notna()].copy()
     first = t.groupby(["item_id", "kv_cache", "block"])["step"].transform("min")
@@ -235,7 +236,7 @@ def _dual_vs_prefix(claims: stats.Claims, label: str, t: pd.DataFrame) -> None:
             rows = rows[(rows.layer >= 0).fillna(False)]
         a = stats.per_item(rows[rows.kv_cache == "dual"])
         b = stats.per_item(rows[rows.kv_cache == "prefix"])
-        if a.empty or b.empty:
+        if not (a.notna().any() and b.notna().any()):  # a mode refused for every item: its NaN rows say why
             continue
         claims.add(f"{label}: dual − prefix {what}", stats.difference(a, b),
                    f"{label}: the dual cache's {what} is larger than the prefix cache's",
