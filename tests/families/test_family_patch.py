@@ -1,0 +1,88 @@
+"""The probes that run their own forward of a run's step (patching, knockout) run the forward the block sampler ran:
+the run's block length and the step forward's canvas extent, not the checkpoint's default block length (32 / 4 on
+the tiny LLaDA2 / SDAR; the runs here use 4 / 8, so the two forwards differ)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_checkpoints import write_llada2, write_sdar
+
+from mdm_lens import HookedMDM
+from mdm_lens.probes.patching import matched_canvases, patch_anchor_activations
+from mdm_lens.probes.run import step_canvas, step_forward_kwargs
+
+RUNS = {  # prompt 6, gen 9; blocks other than the checkpoints' defaults (llada2: 32, sdar: 4)
+    "llada2": dict(sampler="llada2", block_length=4, threshold=0.5),
+    "sdar": dict(sampler="sdar", block_length=8, temperature=0.7, seed=3),
+}
+# a step that commits; SDAR's step 2 (> steps=2: a block run has `steps` per block) is a KV-cached forward of the
+# rows [8, 16) against the cached first block
+STEP = {"llada2": 1, "sdar": 2}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("family_patch")
+    return {"llada2": HookedMDM.from_pretrained(write_llada2(root / "llada2")[0]),
+            "sdar": HookedMDM.from_pretrained(write_sdar(root / "sdar")[0])}
+
+
+def _prompt(seed: int) -> torch.Tensor:
+    return torch.randint(0, 90, (1, 6), generator=torch.Generator().manual_seed(seed))
+
+
+def _logprob(logits: torch.Tensor, rows: torch.Tensor, target: torch.Tensor) -> float:
+    """Mean log-softmax of the target at the rows (the `logprob` metric of a model without a readout shift)."""
+    lp = torch.log_softmax(logits[0, rows].double(), -1)
+    return float(lp.gather(-1, target[:, None]).mean())
+
+
+@pytest.mark.parametrize("name", ["llada2", "sdar"])
+def test_step_canvas_forward_is_the_replayed_step(models, name):
+    model = models[name]
+    block = RUNS[name]["block_length"]
+    assert model.cfg.extra["block_length"] != block
+    out = model.generate(_prompt(0), steps=2, gen_length=9, **RUNS[name])
+    assert step_forward_kwargs(out) == {"block_length": block}
+    differs = []
+    for s in range(out.n_steps):
+        x, am = step_canvas(out, s)
+        replayed = out.replay(model, s)
+        assert x.shape[1] == replayed.shape[1] == out.state_at(s).extra["query_end"]
+        with torch.no_grad():
+            ours = model(x, attention_mask=am, **step_forward_kwargs(out))
+            default = model(out.trajectory.x_steps[s])  # what the probes ran before: the output's width, block 32
+        assert torch.allclose(ours, replayed, atol=1e-5, rtol=0)
+        w = min(default.shape[1], x.shape[1])
+        differs.append(float((default[:, :w] - replayed[:, :w]).abs().max()))
+    assert min(differs) > 1e-2, differs  # every step's canvas spans > 4 positions: the default mask differs
+
+
+@pytest.mark.parametrize("name", ["llada2", "sdar"])
+def test_a_no_op_patch_is_the_replayed_step(models, monkeypatch, name):
+    """Patching the first canvas position's layer-0 residual (its token embedding, the same in the clean and the
+    corrupted canvas: only the prompts differ) changes nothing: the patched metric and the clean metric both equal
+    the metric of the replayed step's logits, and not the one of the checkpoint-default forward."""
+    model = models[name]
+    runs = []
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda *a, **k: runs.append(generate(*a, **k)) or runs[-1])
+    step = STEP[name]
+    res = patch_anchor_activations(model, _prompt(0), _prompt(1), step=step, layers=[0], component="resid_pre",
+                                   positions=[6], metric="logprob", n_random=0, gen_length=9, n_steps=2,
+                                   **RUNS[name])
+    (out,) = runs
+    assert res.step == step
+    committed = out.trajectory.commit_step[0] == step
+    assert bool(committed.any())
+    rows, target = committed.nonzero().flatten(), out.tokens[0, committed]
+    expected = _logprob(out.replay(model, step), rows, target)
+    assert res.conditions == ["positions"] and res.n_positions.tolist() == [[1.0]]
+    assert abs(res.clean_value - expected) <= 1e-5
+    assert abs(float(res.value[0, 0]) - expected) <= 1e-5
+    with torch.no_grad():
+        default = model(out.trajectory.x_steps[step])
+    assert abs(_logprob(default, rows, target) - expected) > 1e-3
+    pair = matched_canvases(out, _prompt(1), step, model=model)
+    assert pair.forward_kwargs == {"block_length": RUNS[name]["block_length"]} and pair.clean.shape[1] == out.state_at(step).extra["query_end"]
