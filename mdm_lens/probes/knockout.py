@@ -124,6 +124,8 @@ def _teacher_canvas(model: Any, clean: Any, s: int, gold: Tensor) -> tuple[Tenso
     """(canvas with the gold answer placed, attention mask, gold positions predicted at s)."""
     x, am = step_canvas(clean, s)
     g = gold[:, : x.shape[1]].to(x.device)
+    if g.shape[1] < x.shape[1]:  # a block run's canvas tail past the output: no gold there
+        g = torch.cat([g, g.new_full((g.shape[0], x.shape[1] - g.shape[1]), -1)], 1)
     if is_causal(model):
         x = torch.where(g >= 0, g, x)
         predicted = torch.zeros_like(gold, dtype=torch.bool)
@@ -132,7 +134,8 @@ def _teacher_canvas(model: Any, clean: Any, s: int, gold: Tensor) -> tuple[Tenso
     masked = x == model.cfg.mask_token_id
     x = torch.where((g >= 0) & ~masked, g, x)
     predicted = torch.zeros_like(gold, dtype=torch.bool)
-    predicted[:, : x.shape[1]] = masked & (g >= 0)
+    w = min(x.shape[1], gold.shape[1])
+    predicted[:, :w] = (masked & (g >= 0))[:, :w]
     return x, am, predicted
 
 
