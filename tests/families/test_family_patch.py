@@ -86,3 +86,33 @@ def test_a_no_op_patch_is_the_replayed_step(models, monkeypatch, name):
     assert abs(_logprob(default, rows, target) - expected) > 1e-3
     pair = matched_canvases(out, _prompt(1), step, model=model)
     assert pair.forward_kwargs == {"block_length": RUNS[name]["block_length"]} and pair.clean.shape[1] == out.state_at(step).extra["query_end"]
+
+
+# ---- retrieval's records on SDAR's KV-cached forwards ------------------------------------------------------------
+def test_topk_keys_on_sdar_are_the_cached_forwards_own_rows(models):
+    """TopKKeys (retrieval's record) on an SDAR run: at every step, the rows of the forward's block
+    [query_start, query_end) hold the top-2 keys and weights of that step's replayed pattern (keys = the cached
+    finished blocks + the block, absolute positions); every other row is absent."""
+    from mdm_lens.hooks import TopKKeys
+
+    model = models["sdar"]
+    out = model.generate(_prompt(0), steps=2, gen_length=9, record=[TopKKeys(k=2)], **{**RUNS["sdar"],
+                                                                                       "block_length": 4})
+    top, att = out.records["topk_keys"], out.records["topk_attention"]
+    assert out.record_meta["topk_keys"]["steps"] == list(range(out.n_steps))
+    starts = set()
+    for s in range(out.n_steps):
+        pats = {}
+        hooks = [(f"blocks.{l}.attn.hook_pattern", lambda t, hook, l=l: pats.__setitem__(l, t.clone()))
+                 for l in range(model.cfg.n_layers)]
+        out.replay(model, s, fwd_hooks=hooks)
+        lo, hi = out.state_at(s).extra["query_start"], out.state_at(s).extra["query_end"]
+        starts.add(lo)
+        for l in range(model.cfg.n_layers):
+            value, key = pats[l][0, :, lo:hi].topk(2, -1)
+            assert torch.equal(top[s, 0, l, :, lo:hi], key)
+            assert torch.allclose(att[s, 0, l, :, lo:hi].float(), value.float(), atol=1e-5, rtol=0)
+            assert bool((top[s, 0, l, :, :lo] == TopKKeys.ABSENT).all())
+            assert bool((top[s, 0, l, :, hi:] == TopKKeys.ABSENT).all())
+            assert bool(att[s, 0, l, :, :lo].isnan().all())
+    assert len(starts) > 1 and max(starts) > 0  # cached forwards of later blocks were checked

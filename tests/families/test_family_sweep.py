@@ -20,9 +20,9 @@ FAMILY_PROBES = {
     "llada2": PROBES,
     # KV-cached block forwards: the probes that read what the sampler's forwards saw (the generation, attention
     # recorded on the cached rows, knockout's cache-detached pre-pass, the lens on replayed rows, the cache table,
-    # residual features). qk / flow run the same plain block-mask forward of the final sequence as on LLaDA2;
-    # retrieval is refused on SDAR (tests/families/test_family_patch.py says why)
-    "sdar": "accuracy,absorption,temporal,knockout,lens,cache,features",
+    # residual features, retrieval's TopKKeys records on the cached rows: test_family_patch.py checks them against
+    # the replay). qk / flow run the same plain block-mask forward of the final sequence as on LLaDA2
+    "sdar": "accuracy,absorption,temporal,retrieval,knockout,lens,cache,features",
     # bidirectional MoE through the llada sampler: the generation, attention hooks and the KV-cached run (cache)
     # through the MoE blocks; the rest is LLaDA's code path, swept on LLaDA in tests/test_sweep.py
     "lladamoe": "accuracy,temporal,cache",
