@@ -116,3 +116,19 @@ def test_topk_keys_on_sdar_are_the_cached_forwards_own_rows(models):
             assert bool((top[s, 0, l, :, hi:] == TopKKeys.ABSENT).all())
             assert bool(att[s, 0, l, :, :lo].isnan().all())
     assert len(starts) > 1 and max(starts) > 0  # cached forwards of later blocks were checked
+
+
+def test_copy_at_final_reads_the_final_sequence_under_the_runs_block_mask(models):
+    """retrieval's copy@final forward of a block run's final sequence runs under the run's block length (4): every
+    position's argmax key lies in its own block or an earlier one; under the checkpoint's default (32: one block
+    over these 15 positions) some argmax key lies in a later block."""
+    from mdm_lens.probes.retrieval import _final_argmax
+
+    model = models["llada2"]
+    out = model.generate(_prompt(0), steps=2, gen_length=9, **RUNS["llada2"])
+    tokens, layers = out.tokens[0], list(range(model.cfg.n_layers))
+    block_end = (torch.arange(tokens.shape[0]) // 4 + 1) * 4                       # [query]
+    ours = _final_argmax(model, tokens, layers, [], out.prompt_length, step_forward_kwargs(out))
+    default = _final_argmax(model, tokens, layers, [], out.prompt_length)
+    assert bool((ours < block_end).all())
+    assert bool((default >= block_end).any())
