@@ -137,14 +137,17 @@ class SDARSampler(AlignedBlockSampler):
                     adaptive="SDAR ends a block when it holds no mask and stops at a stopping token")
 
     def check_run(self, ids: Tensor, am: Tensor, s: SDARSettings, obs: Any) -> None:
-        from mdm_lens.hooks.reducers import ReceivedAttention
+        from mdm_lens.hooks.reducers import ReceivedAttention, TopKKeys
 
-        other = [r for r in obs.record if not isinstance(r, ReceivedAttention)]
+        # TopKKeys follows a cached forward (query rows from state.extra["query_start"], keys = the cached finished
+        # blocks + the block, absolute positions), so retrieval's records are what SDAR's forwards saw
+        other = [r for r in obs.record if not isinstance(r, (ReceivedAttention, TopKKeys))]
         if other:
             raise SamplerConfigError(f"record={[type(r).__name__ for r in other]} on an SDAR run: these reducers "
                                      "place rows at positions 0.. and SDAR's cached forwards compute one block's "
-                                     "rows; ReceivedAttention (over the block's query rows), cache= and fwd_hooks "
-                                     "work.", argument="record", value=obs.record, allowed="ReceivedAttention only")
+                                     "rows; ReceivedAttention, TopKKeys (over the block's query rows), cache= and "
+                                     "fwd_hooks work.", argument="record", value=obs.record,
+                                     allowed="ReceivedAttention, TopKKeys")
 
     def run(self, runner: Any, model: Any, x: Tensor, prompt_length: int, s: SDARSettings, plan: Plan,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, BlockRecorder, list[int | None]]:

@@ -20,7 +20,7 @@ from . import _causal as C
 from ._results import ResultMixin
 from ._runtools import is_block_diffusion
 from .retrieval import _decode, answer_correct
-from .run import is_causal, step_canvas
+from .run import is_causal, step_canvas, step_forward_kwargs
 
 
 class KnockoutHooks:
@@ -50,6 +50,8 @@ class KnockoutHooks:
         self.prompt_length = validate.integer(prompt_length, name="prompt_length", min=0)
         self.gen = torch.Generator().manual_seed(validate.integer(seed, name="seed"))
         self.tokens: Tensor | None = None
+        # outside generate: what makes the pre-pass the forward being cut (a block run's block length, step_canvas)
+        self.forward_kwargs: dict = {}
         self.attention_mask: Tensor | None = None
         self._prepass = False
         self._anchors: dict[int, Tensor] = {}
@@ -86,7 +88,8 @@ class KnockoutHooks:
         rows = C.readout_rows(self.model, tokens, self.prompt_length, self.queries)
         if st is not None and "query_end" in st.extra:  # a block sampler's forward (llada2, sdar): see _block_rerun
             return rows, lambda: self._block_rerun(tokens, st.extra)
-        return rows, lambda: self.model(tokens, attention_mask=am, return_type=None)
+        kw = {} if st is not None else self.forward_kwargs
+        return rows, lambda: self.model(tokens, attention_mask=am, return_type=None, **kw)
 
     def _block_rerun(self, tokens: Tensor, extra: dict) -> None:
         """The pre-pass of a block sampler's forward: the canvas up to its end under the run's block mask, without
@@ -198,7 +201,7 @@ def _replay_scores(model: Any, out: Any, gold: Tensor) -> tuple[Tensor, Tensor]:
     scorer = _GoldScorer(model, gold)
     for s in range(out.n_steps):
         x, am = step_canvas(out, s)
-        raw = C.check_logits(model(x, attention_mask=am), f"the clean run at step {s}")
+        raw = C.check_logits(model(x, attention_mask=am, **step_forward_kwargs(out)), f"the clean run at step {s}")
         scorer.lp[s], scorer.rank[s] = (t.cpu() for t in C.gold_scores(model, raw, gold))
     return scorer.at_commit(out.trajectory.commit_step)
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens import validate
+from mdm_lens.diffusion.replay import BLOCK_SAMPLERS, state_at
 from mdm_lens.errors import ArgumentError, ArgumentTypeError
 
 from . import _checks as C
@@ -101,12 +102,30 @@ def _batch(tokens: Any, device: Any = None) -> Tensor:
 def step_canvas(out: Any, step: int) -> tuple[Tensor, Tensor]:
     """The model input ``x_s`` and its attention mask at ``step`` of a run (ARM: the prefix ``prompt + s``).
 
+    Block samplers (``llada2``, ``sdar``): the canvas the step's forward covered, ``[0, query_end)``, as
+    ``out.replay`` rebuilds it; run it with :func:`step_forward_kwargs` (the run's block length) so that the
+    forward is the one the sampler ran, not one under the checkpoint's default block length.
+
     ``step`` in [-n_steps, n_steps) (negatives count from the end); out of range raises ``OutOfRangeError``."""
     s = validate.index(step, out.n_steps, name="step", what="step")
+    if getattr(out, "sampler", None) in BLOCK_SAMPLERS:
+        state = state_at(out, s)
+        end = int(state.extra["query_end"])
+        x = state.x[:, :end].to(out.tokens.device)
+        return x, torch.ones_like(x)  # one unpadded row; the canvas may run past the output (a block's tail)
     x = out.trajectory.x_steps[s].to(out.tokens.device)
     if out.causal:
         x = x[:, : out.prompt_length + s]
     return x, out.attention_mask[:, : x.shape[1]]
+
+
+def step_forward_kwargs(out: Any) -> dict[str, Any]:
+    """Keyword arguments that make ``model(step_canvas(out, s)[0], ...)`` the forward the run's sampler ran: the
+    run's block length on block samplers (the model's default is the checkpoint's, which a run may override);
+    nothing for the others (their forward is the plain one)."""
+    if getattr(out, "sampler", None) in BLOCK_SAMPLERS:
+        return {"block_length": int(out.settings["block_length"])}
+    return {}
 
 
 @torch.no_grad()

@@ -50,7 +50,7 @@ from . import _causal as C
 from ._results import ResultMixin
 from .retrieval import _decode, answer_correct
 from ._runtools import is_block_diffusion
-from .run import is_causal, step_canvas
+from .run import is_causal, step_canvas, step_forward_kwargs
 
 from ._knockout_hooks import (KnockoutHooks, _answer_totals, _exact_match, _GoldScorer, _hooks_for,  # noqa: F401
                               _RandomListHooks, _replay_scores)
@@ -124,6 +124,8 @@ def _teacher_canvas(model: Any, clean: Any, s: int, gold: Tensor) -> tuple[Tenso
     """(canvas with the gold answer placed, attention mask, gold positions predicted at s)."""
     x, am = step_canvas(clean, s)
     g = gold[:, : x.shape[1]].to(x.device)
+    if g.shape[1] < x.shape[1]:  # a block run's canvas tail past the output: no gold there
+        g = torch.cat([g, g.new_full((g.shape[0], x.shape[1] - g.shape[1]), -1)], 1)
     if is_causal(model):
         x = torch.where(g >= 0, g, x)
         predicted = torch.zeros_like(gold, dtype=torch.bool)
@@ -132,16 +134,18 @@ def _teacher_canvas(model: Any, clean: Any, s: int, gold: Tensor) -> tuple[Tenso
     masked = x == model.cfg.mask_token_id
     x = torch.where((g >= 0) & ~masked, g, x)
     predicted = torch.zeros_like(gold, dtype=torch.bool)
-    predicted[:, : x.shape[1]] = masked & (g >= 0)
+    w = min(x.shape[1], gold.shape[1])
+    predicted[:, :w] = (masked & (g >= 0))[:, :w]
     return x, am, predicted
 
 
 @torch.no_grad()
-def _step_forward(model: Any, x: Tensor, am: Tensor, ko: KnockoutHooks | None) -> tuple[Tensor, float]:
+def _step_forward(model: Any, x: Tensor, am: Tensor, ko: KnockoutHooks | None, kw: dict) -> tuple[Tensor, float]:
+    """One step's forward as the run's sampler ran it (``kw``: `step_forward_kwargs`), knocked out by ``ko``."""
     if ko is None:
-        return C.check_logits(model(x, attention_mask=am), "the clean teacher-forced forward"), 0.0
-    ko.tokens, ko.attention_mask, ko.n_knocked = x, am, {}
-    raw = C.check_logits(model.run_with_hooks(x, attention_mask=am, fwd_hooks=ko.hooks()),
+        return C.check_logits(model(x, attention_mask=am, **kw), "the clean teacher-forced forward"), 0.0
+    ko.tokens, ko.attention_mask, ko.forward_kwargs, ko.n_knocked = x, am, kw, {}
+    raw = C.check_logits(model.run_with_hooks(x, attention_mask=am, fwd_hooks=ko.hooks(), **kw),
                          "the knocked-out teacher-forced forward")
     return raw, float(np.mean(list(ko.n_knocked.values()))) if ko.n_knocked else 0.0
 
@@ -242,11 +246,11 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
         rows: dict[str, list] = {"tf_lp": [], "tf_rank": [], "sm": [], "nt": []}
         for s in step_list:
             x, am = step_canvas(clean, s)
-            raw, n = _step_forward(model, x, am, ko)
+            raw, n = _step_forward(model, x, am, ko, step_forward_kwargs(clean))
             rows["sm"].append(_committed_metric(model, clean, s, raw, step_metric))
             rows["nt"].append(n)
             xt, amt, predicted = _teacher_canvas(model, clean, s, gold)
-            raw_t = raw if torch.equal(xt, x) else _step_forward(model, xt, amt, ko)[0]
+            raw_t = raw if torch.equal(xt, x) else _step_forward(model, xt, amt, ko, step_forward_kwargs(clean))[0]
             lp, rk = C.gold_scores(model, raw_t, gold)
             a, r = _answer_totals(lp.cpu(), rk.cpu(), predicted.cpu())
             rows["tf_lp"].append(a)

@@ -46,7 +46,7 @@ from ._causal import anchor_mask_from_scores
 from ._results import ResultMixin
 from .knockout import ANSWER_METRICS, KnockoutHooks, KnockoutResult, knockout
 from ._runtools import require_single_stack
-from .run import is_causal, step_canvas
+from .run import is_causal, step_canvas, step_forward_kwargs
 
 __all__ = ["knockout", "KnockoutResult", "KnockoutHooks", "ANSWER_METRICS", "patch_anchor_activations",
            "PatchingResult", "matched_canvases", "MatchedCanvases", "anchor_mask_from_scores", "COMPONENTS",
@@ -68,7 +68,10 @@ class MatchedCanvases:
     ``clean`` is ``out.trajectory.x_steps[step]`` (the canvas *before* step s commits; an ARM's prefix
     ``prompt + s``); ``corrupted`` is that canvas with the corrupted prompt.  ``committed`` marks the
     positions the clean run committed at s (``[batch, total]``, the run's full length), ``differ`` the
-    positions where the two inputs differ."""
+    positions where the two inputs differ.  ``forward_kwargs`` make ``model(clean, attention_mask=...,
+    **forward_kwargs)`` the forward the sampler ran: on a block sampler's run (``llada2``, ``sdar``) the canvas is
+    the step forward's extent ``[0, query_end)`` and the kwargs carry the run's block length (as ``out.replay``).
+    """
 
     clean: Int[Tensor, "batch pos"]
     corrupted: Int[Tensor, "batch pos"]
@@ -77,6 +80,7 @@ class MatchedCanvases:
     masked: Bool[Tensor, "batch pos"] | None     # still-masked positions (None when no model was given)
     committed: Bool[Tensor, "batch total"]
     differ: Bool[Tensor, "batch pos"]
+    forward_kwargs: dict = field(default_factory=dict)
 
 
 def matched_canvases(out: Any, corrupt: Any, step: int, *, model: Any = None) -> MatchedCanvases:
@@ -114,7 +118,8 @@ def matched_canvases(out: Any, corrupt: Any, step: int, *, model: Any = None) ->
     if model is not None:
         masked = torch.zeros_like(x, dtype=torch.bool) if is_causal(model) else x == model.cfg.mask_token_id
     return MatchedCanvases(clean=x, corrupted=xc, attention_mask=am, step=s, masked=masked,
-                           committed=out.trajectory.commit_step.to(x.device) == s, differ=x != xc)
+                           committed=out.trajectory.commit_step.to(x.device) == s, differ=x != xc,
+                           forward_kwargs=step_forward_kwargs(out))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,9 +233,11 @@ def patch_anchor_activations(model: Any, clean_ids: Any, corrupt_ids: Any, *, st
     g = validate.integer(gen_length if gen_length is not None else model.cfg.extra.get("gen_length", 4),
                          name="gen_length", min=1)
     ns = g if is_causal(model) else validate.integer(n_steps if n_steps is not None else g, name="n_steps", min=1)
-    s = validate.index(step, ns, name="step", what="step")
+    validate.integer(step, name="step")
     ls = validate.indices(layers, model.cfg.n_layers, name="layers", what="layer")
     clean = model.generate(clean_p, steps=ns, gen_length=g, **generate_kwargs)
+    # the run's own step count: a block sampler's `steps` is per block, so its run has more forwards than ns
+    s = validate.index(step, clean.n_steps, name="step", what=f"step of this {clean.n_steps}-step run")
     pair = matched_canvases(clean, corrupt_p, s, model=model)
     if not isinstance(positions, str):
         positions = validate.indices(positions, pair.clean.shape[1], name="positions", what="position")
@@ -240,11 +247,11 @@ def patch_anchor_activations(model: Any, clean_ids: Any, corrupt_ids: Any, *, st
     if not bool(committed.any()):
         raise ArgumentError(f"step={s} is invalid: no position was committed at step {s}; choose another step.",
                             argument="step", value=step, allowed="a step that commits a position")
-    x, xc, am = pair.clean, pair.corrupted, pair.attention_mask
+    x, xc, am, kw = pair.clean, pair.corrupted, pair.attention_mask, pair.forward_kwargs
     names = [COMPONENTS[component].format(l=l) for l in ls]
     scores = [f"blocks.{l}.attn.hook_attn_scores" for l in ls]
-    raw_c, cache_c = model.run_with_cache(x, attention_mask=am, names_filter=scores + names)
-    raw_x, cache_x = model.run_with_cache(xc, attention_mask=am, names_filter=names)
+    raw_c, cache_c = model.run_with_cache(x, attention_mask=am, names_filter=scores + names, **kw)
+    raw_x, cache_x = model.run_with_cache(xc, attention_mask=am, names_filter=names, **kw)
     C.check_logits(raw_c, "the clean forward")
     C.check_logits(raw_x, "the corrupted forward")
     target = clean.tokens[committed] if tokens is None else torch.full_like(clean.tokens[committed], tokens[0])
@@ -259,7 +266,7 @@ def patch_anchor_activations(model: Any, clean_ids: Any, corrupt_ids: Any, *, st
     for l, name, sc in zip(ls, names, scores):
         anchors, kv = anchor_mask_from_scores(cache_c[sc], rule, is_causal(model))
         for cond, mask in _position_sets(positions, anchors, kv, gen, n_random):
-            raw = model.run_with_hooks(run_input, attention_mask=am,
+            raw = model.run_with_hooks(run_input, attention_mask=am, **kw,
                                        fwd_hooks=[(name, _patch_hook(source[name], mask))])
             table.setdefault(cond, []).append((C.metric_value(metric, C.readout(model, raw, committed), target,
                                                               counter), float(mask.sum(-1).float().mean())))

@@ -36,7 +36,8 @@ from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, OutOfRangeError
 
 from ._results import ResultMixin, to_numpy
-from ._runtools import _batch, _nonempty, _optional_length, is_block_diffusion, layer_list, readout_shift, sequence_view
+from ._runtools import (_batch, _nonempty, _optional_length, is_block_diffusion, layer_list, readout_shift,
+                        sequence_view, step_forward_kwargs)
 
 __all__ = ["RetrievalItem", "from_qa_item", "retrieval_scores", "RetrievalScores", "METHODS", "answer_correct",
            "head_mask_hooks", "mask_heads", "answer_accuracy", "ablation_accuracy", "AblationResult"]
@@ -55,7 +56,7 @@ def _answer_positions(model: Any, tokens: Tensor, prompt_length: int) -> list[in
 
 @torch.no_grad()
 def _final_argmax(model: Any, tokens: Tensor, layers: list[int], fwd_hooks: Sequence[Any],
-                  prompt_length: int) -> Tensor:
+                  prompt_length: int, forward_kwargs: dict | None = None) -> Tensor:
     """argmax_j A^{l,h}_{i,j} of one clean forward: ``[layer, head, query]`` (block-diffusion models: the
     encoder over the prompt + the decoder over the answer, query rows at absolute positions)."""
     got: dict[int, Tensor] = {}
@@ -71,7 +72,8 @@ def _final_argmax(model: Any, tokens: Tensor, layers: list[int], fwd_hooks: Sequ
 
     hooks = [(n, fn) for name, fn in _plain(fwd_hooks) for n in expand_names(model, name)]
     hooks += [(f"blocks.{l}.attn.hook_pattern", make(l)) for l in layers]
-    model.run_with_hooks(tokens[None], fwd_hooks=hooks, return_type=None)
+    # a block run's final sequence under the run's block length (step_forward_kwargs), not the checkpoint default
+    model.run_with_hooks(tokens[None], fwd_hooks=hooks, return_type=None, **(forward_kwargs or {}))
     return torch.stack([got[l] for l in layers])
 
 
@@ -91,7 +93,8 @@ def _keys_per_position(method: str, out: Any, positions: list[int], shift: int, 
                        model: Any, fwd_hooks: Sequence[Any]) -> list[Tensor]:
     """For each answer position p, the argmax keys ``[n_events, layer, head]`` of the readout row q(p)."""
     if method == "copy@final":
-        am = _final_argmax(model, out.tokens[0], layers, fwd_hooks, out.prompt_length)  # [layer, head, query]
+        am = _final_argmax(model, out.tokens[0], layers, fwd_hooks, out.prompt_length,
+                           step_forward_kwargs(out))                                # [layer, head, query]
         return [am[:, :, p - shift][None] for p in positions]
     top = out.records["topk_keys"][:, 0, :, :, :, 0]                       # [step, layer, head, query]
     row_of = {s: i for i, s in enumerate(out.record_meta["topk_keys"]["steps"])}

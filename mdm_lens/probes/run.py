@@ -32,13 +32,14 @@ from mdm_lens.errors import ArgumentError, ArgumentTypeError
 from . import _checks as C
 from . import flow as F
 from ._runtools import (_attention_mask, _batch, _nonempty, _optional_length, _tokens, generate_final,  # noqa: F401
-                        is_block_diffusion, is_causal, layer_list, readout_shift, sequence_view, step_canvas)
+                        is_block_diffusion, is_causal, layer_list, readout_shift, sequence_view, step_canvas,
+                        step_forward_kwargs)
 from . import floating, qk
 from ._results import ResultMixin, to_numpy
 
 __all__ = ["final_attention", "absorption_by_layer", "AbsorptionByLayer", "anchors_over_steps", "StepAnchors",
            "drift_from_output", "qk_at_layer", "regions_for_item", "flow_for_items", "ItemFlows",
-           "generate_final", "readout_shift", "step_canvas", "layer_list", "is_causal"]
+           "generate_final", "readout_shift", "step_canvas", "step_forward_kwargs", "layer_list", "is_causal"]
 
 
 from .absorption import (PATTERN_BUDGET_BYTES, AbsorptionByLayer, absorption_by_layer,  # noqa: F401,E402
