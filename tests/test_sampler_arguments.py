@@ -239,7 +239,8 @@ def test_settings_list_every_effective_value():
                      sampler_rule="llada", gamma=None, kv_cache=None, eos_id=EOS, eot_id=EOT, seed=0, mask_id=MASK)
     d = run("dream", gen_length=4).settings
     assert d == dict(steps=4, gen_length=4, temperature=1.0, alg="origin", alg_temp=None, eps=1e-3, top_p=1.0,
-                     top_k=50, kv_cache=None, block_length=None, threshold=None, seed=0, mask_id=MASK)
+                     top_k=50, kv_cache=None, block_length=None, threshold=None, factor=None, seed=0,
+                     mask_id=MASK)
     a = run("arm", gen_length=4).settings
     assert a == dict(steps=4, gen_length=4, temperature=0.0, top_p=None, top_k=None, stop_at_eos=False, seed=0)
 
