@@ -18,8 +18,9 @@ alone): retrieval, knockout.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -83,6 +84,23 @@ def _gen_kwargs(model: Any, s: Settings) -> dict[str, Any]:
     if not causal and not model.cfg.logit_shift and s.block_length is not None:
         kw["block_length"] = s.block_length
     return kw
+
+
+@contextmanager
+def run_block_mask(model: Any, block_length: int | None) -> Iterator[None]:
+    """A block-causal model's plain forwards (``final_attention``, ``qk``, ``flow``, …) take the family default
+    ``cfg.extra["block_length"]``; a sweep run with ``--block-length`` decodes under another mask, so for the
+    sweep's duration that default is the sweep's, and every clean forward sees the mask the sampler used
+    (restored afterwards, also when the sweep raises). Models without a block mask are left alone."""
+    default = model.cfg.extra.get("block_length")
+    if default is None or block_length is None or block_length == default:
+        yield
+        return
+    model.cfg.extra["block_length"] = block_length
+    try:
+        yield
+    finally:
+        model.cfg.extra["block_length"] = default
 
 
 def generate(model: Any, ids: Tensor, am: Tensor, s: Settings, seed: int, record: list | None = None) -> Any:

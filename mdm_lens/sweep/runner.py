@@ -254,7 +254,7 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
         if err is not None:
             raise err
         store.set_batches({k: plan.units[k][1] for k in plan.active})
-        with M.SamplerLog(model) as log:
+        with M.SamplerLog(model) as log, A.run_block_mask(model, kw.get("block_length")):
             info = _work(model, rendered, closed, plan, names, s, seed, store, world, progress, items)
         info.update(wall_s=round(time.perf_counter() - t0, 3), device=M.model_device(model), sampler=log.seen)
         store.write_rank(world.rank, info)

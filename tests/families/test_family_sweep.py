@@ -9,6 +9,7 @@ import string
 
 import pandas as pd
 import pytest
+import torch
 from family_checkpoints import write_llada2, write_lladamoe, write_sdar
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -69,3 +70,35 @@ def test_sweep_runs_on_the_family(tmp_path, family):
 
 def test_every_probe_runs_on_a_block_causal_family():
     assert set(FAMILY_PROBES["llada2"].split(",")) == set(PROBES.split(","))
+
+
+def test_a_sweeps_block_length_is_the_mask_of_its_clean_forwards(tmp_path, monkeypatch):
+    """`--block-length 4` on LLaDA2 (checkpoint default 32): the final-sequence forward behind absorption / flow
+    sees blocks of 4 (a query of block 0 gives keys of block 1 exactly 0), as the sampler's forwards did; the
+    model's default is restored after the sweep."""
+    from mdm_lens import HookedMDM
+    from mdm_lens.probes import run as R
+
+    folder = write_llada2(tmp_path / "ckpt")[0]
+    _char_tokenizer(folder)
+    data = tmp_path / "items.jsonl"
+    data.write_text(json.dumps(ITEMS[0]) + "\n")
+    model = HookedMDM.from_pretrained(str(folder))
+    default = model.cfg.extra["block_length"]
+    assert default > 8
+    seen = []
+    real = R.final_attention
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(R, "final_attention", spy)
+    from mdm_lens.sweep.runner import run
+    run(model, data, "absorption", tmp_path / "sweep", limit=1, gen_length=4, steps=2, block_length=4,
+        template="zoo", progress=False)
+    assert seen and model.cfg.extra["block_length"] == default
+    pattern = seen[0]                                               # [batch, layer, head, query, key]
+    assert pattern.shape[-1] > 8
+    assert torch.equal(pattern[..., :4, 4:], torch.zeros_like(pattern[..., :4, 4:]))
+    assert bool((pattern[..., 4:8, :8].sum(-1) > 0.999).all())        # block 1 sees blocks 0 and 1
