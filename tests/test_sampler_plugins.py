@@ -111,7 +111,7 @@ def test_generate_has_no_sampler_specific_parameters():
                          remasking="low_confidence", logits_eos_inf=False, confidence_eos_eot_inf=False,
                          threshold=None, factor=None, sampler_rule="llada", gamma=None, kv_cache=None)),
     (DreamSettings, dict(steps=None, gen_length=None, temperature=1.0, top_p=1.0, top_k=50, alg=DEFAULT,
-                         alg_temp=None, eps=1e-3, kv_cache=None, block_length=None, threshold=None)),
+                         alg_temp=None, eps=1e-3, kv_cache=None, block_length=None, threshold=None, factor=None)),
     (ARMSettings, dict(steps=None, gen_length=None, temperature=0.0, top_p=None, top_k=None, stop_at_eos=False)),
 ])
 def test_settings_dataclasses_hold_the_reference_defaults(cls, defaults):
