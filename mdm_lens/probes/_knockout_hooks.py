@@ -139,7 +139,10 @@ class KnockoutHooks:
             rows = self._rows
             if rows.shape[-1] != scores.shape[-2]:  # a block run's forward: the query rows it computes
                 state = self.model.state
-                q0 = int(state.extra.get("query_start", 0)) if state is not None else 0
+                # a replay computes rows [0, query_end) (replay_rows), the sampler's forward [query_start, query_end)
+                span = (state.extra.get("replay_rows", (state.extra.get("query_start", 0),))
+                        if state is not None else (0,))
+                q0 = int(span[0])
                 rows = rows[:, q0:q0 + scores.shape[-2]]
             cut = rows[:, None, :, None] & t[:, None, None, :]
             new = scores.masked_fill(cut, -torch.inf)
