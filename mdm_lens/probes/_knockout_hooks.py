@@ -86,7 +86,13 @@ class KnockoutHooks:
             return rows, st.extra["rerun"]
         tokens, am = self._inputs()
         rows = C.readout_rows(self.model, tokens, self.prompt_length, self.queries)
-        if st is not None and "query_end" in st.extra:  # a block sampler's forward (llada2, sdar): see _block_rerun
+        if st is not None and "query_end" in st.extra:  # a block sampler's forward (llada2, sdar, fastdllm_v2)
+            if self.needs_prepass and st.extra.get("block_cache") is not None:
+                # a sub-block forward reads the block's cache, filled at an earlier forward: no prefix forward equals it
+                raise InputError("KnockoutHooks(targets='anchors'/'random') on a fastdllm_v2 use_block_cache=True run "
+                                 "(its sub-block forwards read stale cached keys, so no pre-pass can re-run them).",
+                                 argument="targets", value=self.targets, allowed="a list of positions, or "
+                                 "use_block_cache=False")
             return rows, lambda: self._block_rerun(tokens, st.extra)
         kw = {} if st is not None else self.forward_kwargs
         return rows, lambda: self.model(tokens, attention_mask=am, return_type=None, **kw)
