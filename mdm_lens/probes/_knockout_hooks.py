@@ -36,6 +36,10 @@ class KnockoutHooks:
     ``knocked_by_step[step]`` the same for every pass of a ``generate``.  On a block-diffusion model
     (DiffusionGemma) the rows are the canvas (``"masked"`` = not yet accepted: holding noise in the step's input, ``state.extra["noised"]``) and the pre-pass re-runs the
     sampler's own decoder call (``state.extra["rerun"]``); masked keys may be −inf or the dtype's minimum.
+    Block samplers (llada2, sdar, fastdllm_v2): the pre-pass is the canvas up to the forward's end under its block
+    mask, without a KV cache; in ``out.replay`` the rows are the replay's (``state.extra["replay_rows"]``). A
+    fastdllm_v2 ``use_block_cache=True`` run is refused for "anchors"/"random" (its sub-block forwards read stale
+    cached keys that no pre-pass re-runs).
     """
 
     def __init__(self, model: Any, layers: Sequence[int], targets: Any = "anchors", queries: str = "masked",
