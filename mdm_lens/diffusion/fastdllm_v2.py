@@ -7,9 +7,9 @@ block); per block, forwards over the block's rows (kind "denoise") attend to [ca
 (`cat(raw[:1], raw[:-1])`); per sub-block, every masked position whose probability exceeds `threshold` is committed,
 always the most confident one (`factor=True`: the reference's factor rule). Once the block holds no mask, one more
 forward (kind "ar") stores its keys/values and its last raw logit's argmax is the next block's first token. Every
-forward is a step; hooks see the rows it computes (`state.extra["query_start"/"query_end"]`; `use_block_cache=True`:
-a sub-block forward computes the sub-block's rows, written into the block's cache, `state.extra["block_cache"]`
-"fill"/"window"). `state.block` counts decoded blocks, `state.extra["sub_block"]` the sub-block,
+forward is a step; hooks see the rows it computes (`state.extra["query_start"/"query_end"]`, the forward's block mask
+`["block_length"]`; `use_block_cache=True`: a sub-block forward computes the sub-block's rows, written into the
+block's cache, `state.extra["block_cache"]` "fill"/"window"). `state.block` counts decoded blocks, `state.extra["sub_block"]` the sub-block,
 `state.extra["active_rows"]` the rows the reference still decodes.
 
 A batch of prompts of different lengths runs as the reference does: right-padded with the mask id, decoding from
@@ -314,8 +314,8 @@ class _Loop:
         state = DenoisingState(self.step, self.plan.n_steps, block, self.plan.n_blocks, x.clone(),
                                (x == self.mask_id) & (self.positions < blk.stop), self.prompt,
                                (self.positions < (blk.stop if mode == "block_window" else hi)).expand_as(x), blk)
-        state.extra.update(kind=kind, query_start=lo, query_end=hi, kv_age=self.cache.age.clone(), sub_block=sub,
-                           active_rows=self.active.clone(),
+        state.extra.update(kind=kind, query_start=lo, query_end=hi, block_length=self.s.block_size,
+                           kv_age=self.cache.age.clone(), sub_block=sub, active_rows=self.active.clone(),
                            block_cache={"block_fill": "fill", "block_window": "window"}.get(mode))
         self.runner.model.state = state
         hooks = self.runner._hooks_for(state)

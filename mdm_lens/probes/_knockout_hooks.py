@@ -36,6 +36,10 @@ class KnockoutHooks:
     ``knocked_by_step[step]`` the same for every pass of a ``generate``.  On a block-diffusion model
     (DiffusionGemma) the rows are the canvas (``"masked"`` = not yet accepted: holding noise in the step's input, ``state.extra["noised"]``) and the pre-pass re-runs the
     sampler's own decoder call (``state.extra["rerun"]``); masked keys may be −inf or the dtype's minimum.
+    Block samplers (llada2, sdar, fastdllm_v2): the pre-pass is the canvas up to the forward's end under its block
+    mask, without a KV cache; in ``out.replay`` the rows are the replay's (``state.extra["replay_rows"]``). A
+    fastdllm_v2 ``use_block_cache=True`` run is refused for "anchors"/"random" (its sub-block forwards read stale
+    cached keys that no pre-pass re-runs).
     """
 
     def __init__(self, model: Any, layers: Sequence[int], targets: Any = "anchors", queries: str = "masked",
@@ -86,7 +90,13 @@ class KnockoutHooks:
             return rows, st.extra["rerun"]
         tokens, am = self._inputs()
         rows = C.readout_rows(self.model, tokens, self.prompt_length, self.queries)
-        if st is not None and "query_end" in st.extra:  # a block sampler's forward (llada2, sdar): see _block_rerun
+        if st is not None and "query_end" in st.extra:  # a block sampler's forward (llada2, sdar, fastdllm_v2)
+            if self.needs_prepass and st.extra.get("block_cache") is not None:
+                # a sub-block forward reads the block's cache, filled at an earlier forward: no prefix forward equals it
+                raise InputError("KnockoutHooks(targets='anchors'/'random') on a fastdllm_v2 use_block_cache=True run "
+                                 "(its sub-block forwards read stale cached keys, so no pre-pass can re-run them).",
+                                 argument="targets", value=self.targets, allowed="a list of positions, or "
+                                 "use_block_cache=False")
             return rows, lambda: self._block_rerun(tokens, st.extra)
         kw = {} if st is not None else self.forward_kwargs
         return rows, lambda: self.model(tokens, attention_mask=am, return_type=None, **kw)
@@ -139,7 +149,10 @@ class KnockoutHooks:
             rows = self._rows
             if rows.shape[-1] != scores.shape[-2]:  # a block run's forward: the query rows it computes
                 state = self.model.state
-                q0 = int(state.extra.get("query_start", 0)) if state is not None else 0
+                # a replay computes rows [0, query_end) (replay_rows), the sampler's forward [query_start, query_end)
+                span = (state.extra.get("replay_rows", (state.extra.get("query_start", 0),))
+                        if state is not None else (0,))
+                q0 = int(span[0])
                 rows = rows[:, q0:q0 + scores.shape[-2]]
             cut = rows[:, None, :, None] & t[:, None, None, :]
             new = scores.masked_fill(cut, -torch.inf)
