@@ -1,4 +1,4 @@
-"""Fast-dLLM v2 edges left open by tests/test_fastdllm_v2.py (held-out mutation audit, /work/wt/audit_fdv2_results.md):
+"""Fast-dLLM v2 edges left open by tests/test_fastdllm_v2.py (found by a held-out mutation audit):
 the sampler's defaults, refusals and boundaries (`sample_with_top_p`'s nucleus cut, `get_factor_unmask_idx`'s bars,
 the forward bound, the context check), the batch bookkeeping (prefill AR token, departed rows, the exact-block
 warning) and the loader's edges (bd_size, mask / pad ids, detection). Expected values follow the reference
