@@ -19,23 +19,18 @@ from mdm_lens.diffusion.fastdllm_v2 import (FastDLLMv2Sampler, FastDLLMv2Setting
 from mdm_lens.errors import ConfigError, SamplerConfigError
 from mdm_lens.loading import read_config
 from mdm_lens.loading.fastdllm_v2 import is_fastdllm_v2
-from test_fastdllm_v2 import MASK, confidence, plant, planted_model, write_fastdllm_v2
+from test_fastdllm_v2 import MASK, confidence, ours, plant, planted_model, write_fastdllm_v2
 
 STOP, PAD = 1, 0  # the planted model's stop token (its EOS) and pad id
 OMIT = object()  # a setting left out of the call (its default applies)
 
 
 def run(model, prompts, table, log, **kw):
-    """`prompts` right-aligned (left padding) on the planted model; `table[pos] = (token, logit)` as in `plant`."""
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros((len(prompts), width), dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.tensor(p)
-        am[r, width - len(p):] = 1
-    kw = {k: v for k, v in dict(dict(block_size=4, small_block_size=4, stop_token=STOP, pad_id=PAD), **kw).items()
+    """`prompts` right-aligned (left padding, `ours`) on the planted model; `table[pos] = (token, logit)` as in
+    `plant`."""
+    kw = {k: v for k, v in dict(dict(block_size=4, small_block_size=4, stop_token=STOP), **kw).items()
           if v is not OMIT}
-    return model.generate(ids, attention_mask=am, sampler="fastdllm_v2", fwd_hooks=plant(model, table, log), **kw)
+    return ours(model, prompts, fwd_hooks=plant(model, table, log), **kw)
 
 
 def kinds(log):
