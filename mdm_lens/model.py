@@ -109,8 +109,11 @@ class HookedMDM(CheckedHookSurface):
     # --- construction -------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg: MDMConfig, seed: int | None = 0, init_std: float = 0.02,
-                    tokenizer: Any = None) -> "HookedMDM":
-        """A randomly initialised model (normal(0, init_std) matrices, unit norm weights)."""
+                    tokenizer: Any = None, init: Literal["normal", "realistic"] = "normal") -> "HookedMDM":
+        """A randomly initialised model: normal(0, init_std) matrices and biases, unit norm weights
+        (`init="normal"`), or with norm weights and biases redrawn to look trained (`init="realistic"`,
+        `mdm_lens.init.realistic_`: norm weights log-normal around 1, biases and router biases non-zero)."""
+        init = validate.choice(init, ("normal", "realistic"), name="init")
         model = cls(cfg, tokenizer=tokenizer)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         with torch.no_grad():
@@ -121,6 +124,10 @@ class HookedMDM(CheckedHookSurface):
                     p.normal_(0.0, init_std, generator=gen)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * init_std)
+        if init == "realistic":
+            from mdm_lens.init import realistic_
+
+            realistic_(model, seed=seed or 0, bias_std=max(init_std, 0.1))
         return model.to(cfg.device).eval()
 
     @classmethod

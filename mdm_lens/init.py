@@ -1,0 +1,47 @@
+"""Random weights that look trained.
+
+A random model whose norm weights are 1 and whose biases are 0 hides every bug that drops a norm weight, a bias,
+a router bias or a conditioning term: multiplying by 1 or adding 0 is invisible. `realistic_` redraws those
+parameters the way trained checkpoints have them (norm weights log-normal around 1 and spread by a factor of ~2,
+biases and router biases of the matrices' own order), so a dropped or misplaced one changes the output. It is the
+one fixture every test that builds a random model uses (`HookedMDM.from_config(..., init="realistic")`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mdm_lens import validate
+
+#: log-normal spread of the norm weights: exp(N(0, 0.5²)) lies in [0.37, 2.7] for 95% of entries,
+#: so |w - 1| is ~0.4 on average (trained RMSNorm weights span a wider range still).
+NORM_LOG_STD = 0.5
+
+
+def _is_norm_weight(name: str) -> bool:
+    return name.endswith(".w") or name.endswith("norm.weight")
+
+
+def realistic_(model: nn.Module, seed: int = 0, bias_std: float | None = None) -> nn.Module:
+    """Redraw, in place, every norm weight (log-normal around 1, sign kept positive as in trained models), every
+    bias parameter and every registered router/expert bias buffer (normal, `bias_std`, default 0.1 or the largest
+    matrix std, whichever is larger). Matrices are left as they are. Returns `model`."""
+    validate.integer(seed, name="seed", min=0)
+    gen = torch.Generator().manual_seed(seed + 7919)  # other draws than the matrices' under the same seed
+    with torch.no_grad():
+        if bias_std is None:
+            stds = [float(p.float().std()) for n, p in model.named_parameters()
+                    if p.ndim >= 2 and p.numel() > 1 and not _is_norm_weight(n)]
+            bias_std = max([0.1] + [s for s in stds if s == s])
+        bias_std = validate.number(bias_std, name="bias_std", min=0.0)
+        for name, p in model.named_parameters():
+            if _is_norm_weight(name) and p.ndim == 1:
+                draw = torch.exp(NORM_LOG_STD * torch.randn(p.shape, generator=gen))
+                p.copy_(draw.to(p.dtype))
+            elif "bias" in name.rsplit(".", 1)[-1] and p.ndim == 1:
+                p.copy_((bias_std * torch.randn(p.shape, generator=gen)).to(p.dtype))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias") and b.is_floating_point():
+                b.copy_((bias_std * torch.randn(b.shape, generator=gen)).to(b.dtype))
+    return model
