@@ -4,6 +4,11 @@
     python -m tests.mutants --list          # the catalogue
     python -m tests.mutants --only dream-entropy-sign llada-cfg-direction
     python -m tests.mutants --jobs 1 --timeout 300 --json out.json
+    python -m tests.mutants --from-json blind.json --covering map.json   # a held-out list, covering tests only
+
+`--from-json` reads mutants written by someone who has not read tests/ (a list of {id, file, find, replace,
+note}); `--covering MAP` runs each mutant on the tests that execute a line it changes (per-test coverage, built
+into MAP on first use: tests/mutants/covering.py), then reruns each survivor on the whole suite to confirm it.
 
 A mutant is *caught* when the suite fails on it (pytest exit 1, or a time-out: an infinite loop is a
 failure too) and *survives* when the suite passes. A mutant whose snippet no longer occurs exactly once is
@@ -22,17 +27,25 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from tests.mutants.catalogue import MUTANTS, Mutant
+from tests.mutants.covering import build_map, covering_tests
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def check_catalogue(root: Path = ROOT) -> list[str]:
+def load_mutants(path: Path) -> list[Mutant]:
+    rows = json.loads(path.read_text())
+    return [Mutant(r["id"], r.get("area", "blind"), r["file"], r["find"], r["replace"], r.get("note", ""))
+            for r in rows]
+
+
+def check_catalogue(root: Path = ROOT, mutants: list[Mutant] | None = None) -> list[str]:
     """Problems with the catalogue: unknown files, snippets that are missing or occur more than once, no-ops."""
     problems, seen = [], set()
-    for m in MUTANTS:
+    for m in MUTANTS if mutants is None else mutants:
         if m.id in seen:
             problems.append(f"{m.id}: duplicate id")
         seen.add(m.id)
@@ -58,9 +71,19 @@ def _copy_repo(dest: Path) -> None:
             shutil.copy2(src, dest / name)
 
 
+def _with_covering(m: Mutant, table: dict) -> Mutant:
+    """`m` restricted to the tests that execute a line of its snippet; none: it survives without a run."""
+    text = (ROOT / m.file).read_text()
+    ids = covering_tests(table, m.file, text, m.find)
+    return replace(m, tests=tuple(ids) if ids else ("<uncovered>",))
+
+
 def run_one(m: Mutant | None, workdir: Path, timeout: float, pytest_args: list[str]) -> dict:
     """Run the suite on `workdir` with `m` planted (None: the unmutated baseline)."""
     m = m or Mutant("baseline", "-", "README.md", "", "", "the unmutated tree")
+    if m.tests == ("<uncovered>",):
+        return dict(id=m.id, area=m.area, file=m.file, status="survived", seconds=0.0,
+                    tail=["no test executes the mutated lines"], note=m.note)
     path = workdir / m.file
     original = path.read_text()
     if m.find:
@@ -90,17 +113,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--from-json", type=Path, default=None, help="mutants from this file, not the catalogue")
+    ap.add_argument("--skip-baseline", action="store_true", help="trust that the unmutated suite passes")
+    ap.add_argument("--covering", type=Path, default=None,
+                    help="per-test coverage map (built here if missing): run only the tests reaching each mutant")
     args, pytest_args = ap.parse_known_args(argv)
+    catalogue = load_mutants(args.from_json) if args.from_json else MUTANTS
     if args.list:
-        for m in MUTANTS:
+        for m in catalogue:
             print(f"{m.id:34s} {m.area:10s} {m.file}: {m.note}")
         return 0
-    problems = check_catalogue()
+    problems = check_catalogue(mutants=catalogue)
     if problems:
         print("stale catalogue:\n  " + "\n  ".join(problems))
-        return 2
-    chosen = MUTANTS if not args.only else [m for m in MUTANTS if m.id in set(args.only)]
-    unknown = set(args.only or ()) - {m.id for m in MUTANTS}
+        if not args.from_json:
+            return 2
+        bad = {p.split(":")[0] for p in problems}  # a held-out list: run what applies, report the rest
+        catalogue = [m for m in catalogue if m.id not in bad]
+    if args.covering:
+        table = json.loads(args.covering.read_text()) if args.covering.exists() else build_map(ROOT, args.covering)
+        catalogue = [_with_covering(m, table) for m in catalogue]
+    chosen = catalogue if not args.only else [m for m in catalogue if m.id in set(args.only)]
+    unknown = set(args.only or ()) - {m.id for m in catalogue}
     if unknown:
         print(f"unknown mutant ids: {sorted(unknown)}")
         return 2
@@ -112,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             _copy_repo(d)
             dirs.append(d)
         free = list(dirs)
-        base = run_one(None, dirs[0], args.timeout, pytest_args)
+        base = dict(status="survived", seconds=0.0) if args.skip_baseline else \
+            run_one(None, dirs[0], args.timeout, pytest_args)
         if base["status"] != "survived":  # the suite must pass before a failure can mean "caught"
             print(f"the unmutated suite does not pass: {base['tail']}")
             return 2
@@ -129,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
 
         with ThreadPoolExecutor(max_workers=len(dirs)) as pool:
             results = list(pool.map(task, chosen))
+            if args.covering:  # a survivor of its covering tests must survive the whole suite too
+                again = [replace(m, tests=()) for m, r in zip(chosen, results)
+                         if r["status"] == "survived" and m.tests != ("<uncovered>",)]
+                confirmed = {r["id"]: r for r in pool.map(task, again)}
+                results = [confirmed.get(r["id"], r) for r in results]
     caught = sum(r["status"] == "caught" for r in results)
     survivors = [r for r in results if r["status"] == "survived"]
     errors = [r for r in results if r["status"].startswith("error")]
