@@ -125,6 +125,13 @@ class GenerateOutput:
 
         return replay(self, model, step, fwd_hooks=fwd_hooks, hook_steps=hook_steps, phase=phase)
 
+    def explore(self, model: Any = None, **kwargs: Any) -> Any:
+        """The interactive step explorer of this run (`mdm_lens.views.explore`); shows inline in a notebook,
+        `.save(path)` writes an offline HTML file."""
+        from mdm_lens.views.explore import explore
+
+        return explore(self, model, **kwargs)
+
     def __repr__(self) -> str:
         b, t = self.tokens.shape
         lines = [f"GenerateOutput({self.model_name or 'model'}, sampler={self.sampler}, batch={b}, "
