@@ -57,9 +57,9 @@ def loss_grads(model, x, clean, names, **kw):
     return loss, cache, params
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_sdpa_and_explicit_paths_give_the_same_gradients(fam, name):
-    model = fam(name)
+@pytest.mark.parametrize("name", FAMILIES + ("mdm", "arm"))
+def test_sdpa_and_explicit_paths_give_the_same_gradients(fam, request, name):
+    model = request.getfixturevalue(name) if name in ("mdm", "arm") else fam(name)  # + the trained twins
     x, clean = canvas(model, seed=1)
     kw = {"block_length": BLOCK[name]} if name in BLOCK else {}
     resid = [f"blocks.{layer}.hook_resid_pre" for layer in range(model.cfg.n_layers)]
