@@ -129,7 +129,8 @@ class LossRequest:
         return self._next_token(raw) if self.causal else self._masked(aligned)
 
     def _ce(self, logits: Tensor, targets: Tensor) -> Tensor:
-        log_probs = F.log_softmax(logits.float(), dim=-1)
+        # half-precision logits are scored in fp32 (a bf16 log-softmax loses ~3 digits); float64 stays float64
+        log_probs = F.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
         return -log_probs.gather(-1, targets[..., None])[..., 0]
 
     def _reduce(self, ce: Tensor, scored: Tensor, denominator: Tensor, what: str) -> Tensor:
