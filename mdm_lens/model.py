@@ -14,14 +14,15 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from mdm_lens import inputs, masks, tokenization, validate
+from mdm_lens import inputs, loss, masks, tokenization, validate
 from mdm_lens.components import RMSNorm, rotary_cos_sin
 from mdm_lens.config import MDMConfig
 from mdm_lens.hook_surface import CheckedHookSurface, NamesFilter
 from mdm_lens.qk_attention import make_block
 from mdm_lens.errors import HookNameError, InputError, InputTypeError
 
-ReturnType = Literal["logits", "aligned", "both", None]
+ReturnType = Literal["logits", "aligned", "raw_and_aligned", "loss", "both", None]
+RETURN_TYPES = ("logits", "aligned", "raw_and_aligned", "loss", "both", None)
 
 
 class Embed(nn.Module):
@@ -199,6 +200,10 @@ class HookedMDM(CheckedHookSurface):
         position_ids: Int[Tensor, "batch pos"] | None = None,
         return_type: ReturnType = "logits",
         block_length: int | None = None,
+        targets: Int[Tensor, "batch pos"] | None = None,
+        loss_per_token: bool = False,
+        weighting: loss.Weighting = "none",
+        p_mask: float | Tensor | None = None,
     ) -> Any:
         """Run the model.
 
@@ -213,16 +218,22 @@ class HookedMDM(CheckedHookSurface):
             position_ids: rotary positions `[batch|1, pos]`; default from `cfg.position_policy`.
             return_type: "logits" (raw: logit i from hidden state i, TL convention), "aligned" (logit i
                 predicts token i; differs from raw only for `cfg.logit_shift` models such as Dream),
-                "both" (a tuple raw, aligned) or None.
+                "raw_and_aligned" (a tuple raw, aligned), "loss" (the training objective, `mdm_lens.loss`),
+                "both" (TL's tuple: raw logits, loss) or None.
             block_length: block-causal attention (block diffusion: SDAR, LLaDA2): blocks of this length
                 aligned at position 0, each query sees its own block and every earlier one. None = the
                 family default `cfg.extra["block_length"]` (None for the other families: no block mask); a
                 length ≥ the sequence length is full bidirectional attention.
+            targets, loss_per_token, weighting, p_mask: the loss's arguments (return_type "loss"/"both" only;
+                see `mdm_lens.loss`): an MDM scores the clean `targets` at the input's mask-token positions
+                (`weighting="1/t"`: LLaDA's pre-training weighting by 1/p_mask); an ARM twin gives TL's
+                next-token loss (`targets` default to the tokens). `loss_per_token=True`: `[batch, pos]` (MDM)
+                or `[batch, pos-1]` (ARM), NaN where a position is not scored.
         """
-        return_type = validate.choice(return_type, ("logits", "aligned", "both", None), name="return_type",
-                                      error=InputError)
+        return_type = validate.choice(return_type, RETURN_TYPES, name="return_type", error=InputError)
         tokens = inputs.token_ids(tokens, self.cfg, self.embed.W_E.device)
         attention_mask = inputs.attention_mask(attention_mask, tokens, self.cfg)
+        wanted = loss.request(return_type, self.cfg, tokens, attention_mask, targets, loss_per_token, weighting, p_mask)
         if position_ids is None:
             positions = self.positions(tokens, attention_mask)
             arange = attention_mask is None or self.cfg.position_policy == "arange" or bool(attention_mask.all())
@@ -240,6 +251,9 @@ class HookedMDM(CheckedHookSurface):
         if return_type is None:
             return None
         raw = self.unembed(self.ln_final(resid))
+        if wanted is not None:
+            value = wanted.compute(raw, self.aligned_logits(raw))
+            return value if return_type == "loss" else (raw, value)
         if return_type == "logits":
             return raw
         aligned = shift_logits(raw) if self.cfg.logit_shift else raw

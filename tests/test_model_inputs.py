@@ -343,7 +343,7 @@ def valid_call(draw):
     b, t = draw(st.integers(1, 3)), draw(st.integers(1, 6))
     tokens = torch.tensor(draw(st.lists(st.lists(st.integers(0, V - 1), min_size=t, max_size=t), min_size=b,
                                         max_size=b)))
-    kwargs = {"return_type": draw(st.sampled_from(["logits", "aligned", "both", None]))}
+    kwargs = {"return_type": draw(st.sampled_from(["logits", "aligned", "raw_and_aligned", None]))}
     if draw(st.booleans()):
         lengths = draw(st.lists(st.integers(1, t), min_size=b, max_size=b))
         left = draw(st.booleans())
@@ -370,7 +370,7 @@ BAD = {
     "mask a list": lambda t: (t, {"attention_mask": t.tolist()}),
     "pads are the mask id": lambda t: (t.index_fill(1, torch.tensor([0]), MASK),
                                        {"attention_mask": torch.ones_like(t).index_fill(1, torch.tensor([0]), 0)}),
-    "return_type": lambda t: (t, {"return_type": "loss"}),
+    "return_type": lambda t: (t, {"return_type": "probs"}),
     "attn_mask int": lambda t: (t, {"attn_mask": torch.ones(t.shape[1], t.shape[1], dtype=torch.long)}),
     "position_ids negative": lambda t: (t, {"position_ids": torch.full((t.shape[1],), -1)}),
     "position_ids float": lambda t: (t, {"position_ids": torch.zeros(t.shape[1])}),
@@ -387,7 +387,7 @@ def test_valid_forward_arguments_never_raise(call):
         out = PROP(tokens, **kwargs)
         _, cache = PROP.run_with_cache(tokens, names_filter="blocks.0.attn.hook_pattern", **kwargs)
     if kwargs["return_type"] is not None:
-        logits = out[0] if kwargs["return_type"] == "both" else out
+        logits = out[0] if kwargs["return_type"] == "raw_and_aligned" else out
         assert logits.shape == (*tokens.shape, V) and torch.isfinite(logits).all()
     assert torch.isfinite(cache["blocks.0.attn.hook_pattern"]).all()
 

@@ -116,14 +116,22 @@ class GenerateOutput:
         return state_at(self, step, phase)
 
     def replay(self, model: Any, step: int, *, fwd_hooks: Any = (), hook_steps: Any = None,
-               phase: str = "cond") -> Float[Tensor, "batch pos d_vocab"]:
+               phase: str = "cond", grad: bool = False) -> Float[Tensor, "batch pos d_vocab"]:
         """Re-run step `step`'s forward pass outside `generate`: the same input canvas, the same `model.state`
         and the same step-bound hooks (an `at_steps(fn, [3])` hook fires only when replaying step 3; plain
         `fwd_hooks` follow `hook_steps`, default every step). Returns the position-aligned logits the sampler
-        read at that step. `phase="uncond"` replays LLaDA's classifier-free-guidance pass."""
+        read at that step. `phase="uncond"` replays LLaDA's classifier-free-guidance pass. `grad=True` keeps the
+        autograd graph (the samplers run without it), for gradients at that step."""
         from mdm_lens.diffusion.replay import replay
 
-        return replay(self, model, step, fwd_hooks=fwd_hooks, hook_steps=hook_steps, phase=phase)
+        return replay(self, model, step, fwd_hooks=fwd_hooks, hook_steps=hook_steps, phase=phase, grad=grad)
+
+    def at_step(self, model: Any, step: int, phase: str = "cond") -> Any:
+        """A context manager: `model.state` is step `step`'s state inside, and it yields `(tokens, kwargs)`, the
+        step's forward input, for TL calls with gradients (`mdm_lens.diffusion.replay.at_step`)."""
+        from mdm_lens.diffusion.replay import at_step
+
+        return at_step(self, model, step, phase)
 
     def explore(self, model: Any = None, **kwargs: Any) -> Any:
         """The interactive step explorer of this run (`mdm_lens.views.explore`); shows inline in a notebook,

@@ -18,11 +18,18 @@ block-causal mask, returning position-aligned logits for positions `[0, query_en
   full forward; the replay's rows `[query_start, query_end)` are the logits the sampler read (to float rounding),
   and hooks see every row `[0, query_end)` (`state.extra["replay_rows"]` says so; the run's own hooks saw only the
   block's rows).
+
+Gradients at one step: `out.replay(model, k, grad=True)` returns logits that carry the autograd graph (the
+samplers themselves run under `torch.no_grad`); `with out.at_step(model, k) as (x, kw): ...` sets `model.state`
+to step k's state and hands over the step's forward input, so TL's own `run_with_cache(x, **kw, incl_bwd=True,
+return_type="loss", targets=...)` or `run_with_hooks(..., bwd_hooks=...)` differentiate exactly step k's
+forward (same canvas, padding, block-causal mask and block length). KV-cached runs are refused as by replay.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -98,10 +105,9 @@ def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
                           query_position=query)
 
 
-def replay(out: Any, model: Any, step: int, *, fwd_hooks: Any = (), hook_steps: Any = None,
-           phase: str = "cond") -> Tensor:
-    from mdm_lens.hooks.runner import StepRunner
-
+def step_inputs(out: Any, model: Any, step: int, phase: str = "cond") -> tuple[DenoisingState, Tensor, dict]:
+    """Step `step`'s state (on the model's device) and the forward's input: tokens and keyword arguments
+    (attention_mask; block samplers: position_ids and the run's block_length), as the sampler ran it."""
     out.check_model(model)
     state = state_at(out, step, phase)
     device = model.input_device
@@ -109,14 +115,36 @@ def replay(out: Any, model: Any, step: int, *, fwd_hooks: Any = (), hook_steps: 
         value = getattr(state, name)
         if value is not None:
             setattr(state, name, value.to(device))
-    runner = StepRunner(model, fwd_hooks=fwd_hooks, hook_steps=hook_steps)
-    runner.begin(state.x.shape[0], state.x.shape[1], state.n_steps)
     if out.sampler in BLOCK_SAMPLERS:  # the canvas up to the forward's end, block-causal (module docstring)
         end = int(state.extra["query_end"])
-        positions = torch.arange(end, device=device)[None]
-        with torch.no_grad():
-            return runner.forward(state, state.x[:, :end], position_ids=positions,
-                                  block_length=out.settings["block_length"])
+        kwargs = {"position_ids": torch.arange(end, device=device)[None], "block_length": out.settings["block_length"]}
+        return state, state.x[:, :end], kwargs
     _, am = _canvas(out, state.step)
-    with torch.no_grad():
-        return runner.forward(state, state.x, attention_mask=am.to(device))
+    return state, state.x, {"attention_mask": am.to(device)}
+
+
+def replay(out: Any, model: Any, step: int, *, fwd_hooks: Any = (), hook_steps: Any = None,
+           phase: str = "cond", grad: bool = False) -> Tensor:
+    from mdm_lens.hooks.runner import StepRunner
+
+    grad = validate.boolean(grad, name="grad")
+    state, tokens, kwargs = step_inputs(out, model, step, phase)
+    runner = StepRunner(model, fwd_hooks=fwd_hooks, hook_steps=hook_steps)
+    runner.begin(state.x.shape[0], state.x.shape[1], state.n_steps)
+    # samplers run without autograd; grad=True builds the graph so the returned logits can be differentiated
+    with torch.set_grad_enabled(grad):
+        return runner.forward(state, tokens, **kwargs)
+
+
+@contextmanager
+def at_step(out: Any, model: Any, step: int, phase: str = "cond") -> Iterator[tuple[Tensor, dict]]:
+    """Set `model.state` to step `step`'s `DenoisingState` and yield the step's forward input `(tokens, kwargs)`;
+    inside, any TL call (`run_with_cache(..., incl_bwd=True)`, `run_with_hooks(..., bwd_hooks=...)`) runs step
+    `step`'s forward with gradients. `model.state` is restored on exit, even when the body raises."""
+    state, tokens, kwargs = step_inputs(out, model, step, phase)
+    previous = model.state
+    model.state = state
+    try:
+        yield tokens, kwargs
+    finally:
+        model.state = previous
