@@ -314,9 +314,10 @@ class _Loop:
         state = DenoisingState(self.step, self.plan.n_steps, block, self.plan.n_blocks, x.clone(),
                                (x == self.mask_id) & (self.positions < blk.stop), self.prompt,
                                (self.positions < (blk.stop if mode == "block_window" else hi)).expand_as(x), blk)
-        state.extra.update(kind=kind, query_start=lo, query_end=hi, block_length=self.s.block_size,
-                           kv_age=self.cache.age.clone(), sub_block=sub, active_rows=self.active.clone(),
-                           block_cache={"block_fill": "fill", "block_window": "window"}.get(mode))
+        state.computes(lo, hi, blk.stop if mode == "block_window" else hi).extra.update(
+            kind=kind, query_start=lo, query_end=hi, block_length=self.s.block_size, kv_age=self.cache.age.clone(),
+            sub_block=sub, active_rows=self.active.clone(),
+            block_cache={"block_fill": "fill", "block_window": "window"}.get(mode))
         self.runner.model.state = state
         hooks = self.runner._hooks_for(state)
         try:
