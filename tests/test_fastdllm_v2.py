@@ -308,8 +308,8 @@ def test_observation_limits(tiny):
     assert out.records["received_attention"].shape[-1] == out.tokens.shape[1]
     with pytest.raises(SamplerConfigError, match="KeyValueNorms"):
         ours(model, [P6], record=[KeyValueNorms()], **kw)
-    with pytest.raises(SamplerConfigError, match="replay"):
-        out.replay(model, 1)
+    logits = out.replay(model, 1)  # the block cache is exact: one block-causal forward over [0, query_end)
+    assert logits.shape[1] == out.trajectory.forwards[1]["extra"]["query_end"] == 8
 
 
 def test_defaults_and_missing_ids(tiny):

@@ -93,10 +93,8 @@ class BlockRecorder:
 
     def note(self, state: Any) -> None:
         """What the step's forward read (the whole canvas and its state), kept for `replay`."""
-        extra = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in state.extra.items()
-                 if k in ("kind", "query_start", "query_end", "kv_age", "block_length")}
-        self.forwards.append(dict(x=state.x.detach().cpu().clone(), block=state.block, block_slice=state.block_slice,
-                                  n_steps=state.n_steps, n_blocks=state.n_blocks, extra=extra))
+        self.inner.note(state)
+        self.forwards = self.inner.forwards
 
     def record(self, step: int, block: int, x_in: Tensor, committed: Tensor, confidence: Tensor | None) -> None:
         conf = None if confidence is None else confidence[:, :self.n]

@@ -195,7 +195,8 @@ def window_forward(runner: Any, cache: KVCache, x: Tensor, step: int, budget: in
     masked = x == mask_id
     cache.computed(lo, hi, step)
     state = DenoisingState(step, budget, b, n_blocks, x.clone(), masked, prompt_index, key_visible, slice(start, end))
-    state.extra.update(kv_cache=kv_cache, refresh=i == 0, query_start=lo, query_end=hi, kv_age=cache.age.clone())
+    state.computes(lo, hi, total).extra.update(kv_cache=kv_cache, refresh=i == 0, query_start=lo, query_end=hi,
+                                              kv_age=cache.age.clone())
     with cache.attached("fill" if i == 0 else kv_cache, (lo, hi)):
         logits = runner.forward(state, x[:, lo:hi], position_ids=torch.arange(lo, hi, device=x.device)[None])
     if i == 0 and kv_cache == "prefix":

@@ -265,13 +265,13 @@ class FastDLLMv2Sampler(CanvasSampler):
         tokens = loop.x[:, :end]
         keep = torch.arange(end, device=x.device)[None] < torch.tensor(returned, device=x.device)[:, None]
         trajectory = loop.recorder.finish()
-        trajectory = Trajectory(trajectory.x_steps[:, :, :end], trajectory.commit_step[:, :end],
-                                trajectory.commit_confidence[:, :end], trajectory.n_committed, trajectory.block_of_step)
+        trajectory = dataclasses.replace(trajectory, x_steps=trajectory.x_steps[:, :, :end], commit_step=trajectory
+                                         .commit_step[:, :end], commit_confidence=trajectory.commit_confidence[:, :end])
         texts = None
         if model.tokenizer is not None:
             texts = [tokenization.decode(model.tokenizer, row[n:stop].tolist(), skip_special_tokens=True)
                      for row, n, stop in zip(tokens.cpu(), lengths, returned)]
-        # kv_cache: replay (a fresh full forward over x_steps) refuses such runs; the block-cache forwards read stale rows
+        # kv_cache: the block cache is exact (replayed); use_block_cache's sub-block forwards read stale rows (refused)
         settings = dict(s.as_dict(), seed=obs.seed, mask_id=model.cfg.mask_token_id, prompt_lengths=lengths,
                         kv_cache="block+sub_block" if s.use_block_cache else "block",
                         returned_lengths=returned, n_forwards=len(loop.recorder.x_steps))
@@ -314,9 +314,10 @@ class _Loop:
         state = DenoisingState(self.step, self.plan.n_steps, block, self.plan.n_blocks, x.clone(),
                                (x == self.mask_id) & (self.positions < blk.stop), self.prompt,
                                (self.positions < (blk.stop if mode == "block_window" else hi)).expand_as(x), blk)
-        state.extra.update(kind=kind, query_start=lo, query_end=hi, block_length=self.s.block_size,
-                           kv_age=self.cache.age.clone(), sub_block=sub, active_rows=self.active.clone(),
-                           block_cache={"block_fill": "fill", "block_window": "window"}.get(mode))
+        state.computes(lo, hi, blk.stop if mode == "block_window" else hi).extra.update(
+            kind=kind, query_start=lo, query_end=hi, block_length=self.s.block_size, kv_age=self.cache.age.clone(),
+            sub_block=sub, active_rows=self.active.clone(),
+            block_cache={"block_fill": "fill", "block_window": "window"}.get(mode))
         self.runner.model.state = state
         hooks = self.runner._hooks_for(state)
         try:
@@ -332,7 +333,7 @@ class _Loop:
         state.committed = committed
         state.confidence = None if confidence is None else confidence.float()
         self.runner.end_step(state)
-        self.recorder.record(state.step, state.block, state.x, committed, confidence)
+        self.recorder.record(state.step, state.block, state.x, committed, confidence, state=state)
         if self.bar is not None:
             self.bar.update(1)
         self.step += 1

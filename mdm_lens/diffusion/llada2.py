@@ -156,7 +156,7 @@ class LLaDA2Sampler(AlignedBlockSampler):
                     break
                 state = DenoisingState(step, plan.n_steps, nb - first, plan.n_blocks, x.clone(), x == mask_id,
                                        prompt_index, key_visible, blk)
-                state.extra.update(kind="denoise", query_start=0, query_end=end, block_length=bl)
+                state.computes(0, end).extra.update(kind="denoise", query_start=0, query_end=end, block_length=bl)
                 logits = runner.forward(state, x[:, :end], position_ids=positions[:, :end], block_length=bl)
                 x0, p = sample_tokens(logits[:, -bl:], s.temperature, s.top_k, s.top_p, generator)
                 confidence = torch.where(active, p, torch.tensor(float("-inf"), dtype=p.dtype, device=p.device))
@@ -214,7 +214,7 @@ def llada21_sample(runner: Any, model: Any, x: Tensor, prompt_length: int, s: LL
                                          argument="editing_threshold", value=s.editing_threshold)
             state = DenoisingState(step, plan.n_steps, nb - first, plan.n_blocks, x.clone(), x == mask_id,
                                    prompt_index, key_visible, blk)
-            state.extra.update(kind="denoise", query_start=0, query_end=end, block_length=bl)
+            state.computes(0, end).extra.update(kind="denoise", query_start=0, query_end=end, block_length=bl)
             logits = runner.forward(state, x[:, :end], position_ids=positions[:, :end], block_length=bl)
             x0, p = sample_tokens(logits[:, -bl:], s.temperature, s.top_k, s.top_p, generator)
             fill = torch.zeros_like(active)

@@ -29,9 +29,11 @@ class Trajectory:
     # DiffusionGemma only (None elsewhere, where accepted = committed): the samples each step keeps in the next
     # step's input, re-decided every step (see mdm_lens.diffusion.diffusion_gemma)
     accepted: Bool[Tensor, "step batch pos"] | None = None
-    # block samplers only (llada2, sdar; None elsewhere): per step, what its forward read, for `replay`: the whole
-    # canvas `x` (beyond prompt + gen_length too), `block`, `block_slice`, `n_steps`/`n_blocks` of its state and the
-    # forward-time `extra` (kind, query_start, query_end; SDAR's kv_age)
+    # block samplers only (llada2, sdar, fastdllm_v2; None elsewhere): per step, what its forward read, for `replay`:
+    # the whole canvas `x` (beyond prompt + gen_length too), `block`, `block_slice`, `n_steps`/`n_blocks` of its
+    # state, the forward-time `extra` (kind, query_start, query_end, block_length, kv_age, block_cache), its rows /
+    # key columns (`DenoisingState.query_rows` / `key_cols`) and, where the sampler sets them otherwise than
+    # `replay` would rebuild them (fastdllm_v2), its masked / prompt / key_visible sets
     forwards: list[dict] | None = None
 
     @property
@@ -174,8 +176,26 @@ class TrajectoryRecorder:
         self.commit_step = torch.full((batch, total), -2, dtype=torch.long)
         self.commit_step[:, :prompt_length] = -1
         self.commit_confidence = torch.full((batch, total), float("nan"))
+        self.forwards: list[dict] | None = None
 
-    def record(self, step: int, block: int, x_in: Tensor, committed: Tensor, confidence: Tensor | None) -> None:
+    def note(self, state: Any, sets: bool = False) -> None:
+        """Keep what the step's forward read (its whole canvas, state and rows), for `replay`; `sets`: also its
+        masked / prompt / key_visible sets."""
+        keys = ("kind", "query_start", "query_end", "kv_age", "block_length", "block_cache")
+        extra = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in state.extra.items() if k in keys}
+        f = dict(x=state.x.detach().cpu().clone(), block=state.block, block_slice=state.block_slice,
+                 n_steps=state.n_steps, n_blocks=state.n_blocks, extra=extra, rows=state.rows, keys=state.keys)
+        if sets:
+            f.update({k: getattr(state, k).detach().cpu().clone() for k in ("masked", "prompt", "key_visible")})
+        if self.forwards is None:
+            self.forwards = []
+        self.forwards.append(f)
+
+    def record(self, step: int, block: int, x_in: Tensor, committed: Tensor, confidence: Tensor | None,
+               state: Any = None) -> None:
+        """One step's facts; `state` (block samplers): also note its forward for `replay`."""
+        if state is not None:
+            self.note(state, sets=True)
         pad = self.commit_step.shape[1] - x_in.shape[1]
         x = x_in.detach().cpu()
         if pad:
@@ -195,4 +215,4 @@ class TrajectoryRecorder:
 
     def finish(self) -> Trajectory:
         return Trajectory(torch.stack(self.x_steps), self.commit_step, self.commit_confidence,
-                          torch.stack(self.n_committed), torch.tensor(self.blocks))
+                          torch.stack(self.n_committed), torch.tensor(self.blocks), forwards=self.forwards)

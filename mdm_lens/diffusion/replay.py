@@ -8,16 +8,22 @@ from the run's settings exactly as the sampler built it (step, block, masked/pro
 post-commit fields are None during a forward pass, as inside `generate`). The forward runs through the same
 `StepRunner` as the sampler, so step-bound hooks fire by the same rule.
 
-Block samplers (`llada2`, `sdar`): the step's whole canvas and state come from `out.trajectory.forwards[step]`
-(the sampler's own `DenoisingState`: block, block_slice, masked set over the whole canvas, `extra` kind /
-query_start / query_end, SDAR's kv_age). The replay is one forward over the canvas up to `query_end` with the
-block-causal mask, returning position-aligned logits for positions `[0, query_end)`:
+Block samplers (`llada2`, `sdar`, `fastdllm_v2`): the step's whole canvas and state come from
+`out.trajectory.forwards[step]` (the sampler's own `DenoisingState`: block, block_slice, masked set over the whole
+canvas, `extra` kind / query_start / query_end, kv_age). The replay is one forward over the canvas up to
+`query_end` with the block-causal mask, returning position-aligned logits for positions `[0, query_end)`; its
+state's `query_rows` / `key_cols` are `[0, query_end)` (the rows it computes, not the run's):
 * LLaDA2 forwards exactly that canvas prefix: the replay is its forward;
 * SDAR forwarded only the rows `[query_start, query_end)` against its KV cache of finished blocks. Under a
   block-causal mask a finished block's keys/values depend on no later token, so the cache equals the rows of a
   full forward; the replay's rows `[query_start, query_end)` are the logits the sampler read (to float rounding),
   and hooks see every row `[0, query_end)` (`state.extra["replay_rows"]` says so; the run's own hooks saw only the
   block's rows).
+* Fast-dLLM v2 caches the same way (its "block" cache of finished blocks is exact, as SDAR's), so its block,
+  prefill and AR forwards replay like SDAR's. The replay returns the model's aligned logits (row i reads raw row
+  i - 1); the sampler shifted inside the block (`cat(raw[:1], raw[:-1])`), so at a block's first position it read
+  raw row i itself. With `use_block_cache=True`, a sub-block forward (`extra["block_cache"] == "window"`) read the
+  block's keys/values cached at the block's first forward, stale for the other sub-blocks: its step is refused.
 
 Gradients at one step: `out.replay(model, k, grad=True)` returns logits that carry the autograd graph (the
 samplers themselves run under `torch.no_grad`); `with out.at_step(model, k) as (x, kw): ...` sets `model.state`
@@ -45,7 +51,7 @@ def _canvas(out: Any, s: int) -> tuple[Tensor, Tensor]:
     return x[:, :width], out.attention_mask[:, :width].cpu()
 
 
-BLOCK_SAMPLERS = ("llada2", "sdar")
+BLOCK_SAMPLERS = ("llada2", "sdar", "fastdllm_v2")
 
 
 def _block_state(out: Any, s: int, phase: str) -> DenoisingState:
@@ -59,13 +65,23 @@ def _block_state(out: Any, s: int, phase: str) -> DenoisingState:
         raise SamplerConfigError(f"phase={phase!r}: sampler={out.sampler!r} runs one forward per step (no CFG).",
                                  argument="phase", value=phase, allowed="'cond'")
     f = forwards[s]
+    if f["extra"].get("block_cache") == "window":
+        raise SamplerConfigError(
+            f"step {s} of this fastdllm_v2 use_block_cache=True run is a sub-block forward: it attended to the "
+            "block's keys/values cached at the block's first forward (the other sub-blocks' rows as they were then, "
+            "stale since), which no fresh forward reproduces. Hook the run itself (fwd_hooks / cache=) for what it read, or replay "
+            "a use_block_cache=False run (its block cache is exact).", argument="step", value=s,
+            allowed="a step whose forward is not a sub-block window")
     x = f["x"]
     prompt = torch.zeros_like(x, dtype=torch.bool)
     prompt[:, :out.prompt_length] = True
+    masked, prompt, visible = (f.get("masked", x == out.settings["mask_id"]), f.get("prompt", prompt),
+                               f.get("key_visible", torch.ones_like(prompt)))
     extra = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in f["extra"].items()}
     extra["replay_rows"] = (0, int(extra["query_end"]))
-    return DenoisingState(s, f["n_steps"], f["block"], f["n_blocks"], x.clone(), x == out.settings["mask_id"],
-                          prompt, torch.ones_like(prompt), f["block_slice"], extra=extra)
+    state = DenoisingState(s, f["n_steps"], f["block"], f["n_blocks"], x.clone(), masked.clone(), prompt.clone(),
+                           visible.clone(), f["block_slice"], extra=extra)
+    return state.computes(0, int(extra["query_end"]))
 
 
 def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
@@ -117,7 +133,8 @@ def step_inputs(out: Any, model: Any, step: int, phase: str = "cond") -> tuple[D
             setattr(state, name, value.to(device))
     if out.sampler in BLOCK_SAMPLERS:  # the canvas up to the forward's end, block-causal (module docstring)
         end = int(state.extra["query_end"])
-        kwargs = {"position_ids": torch.arange(end, device=device)[None], "block_length": out.settings["block_length"]}
+        kwargs = {"position_ids": torch.arange(end, device=device)[None],
+                  "block_length": state.extra["block_length"]}
         return state, state.x[:, :end], kwargs
     _, am = _canvas(out, state.step)
     return state, state.x, {"attention_mask": am.to(device)}

@@ -167,7 +167,8 @@ class SDARSampler(AlignedBlockSampler):
             cache.computed(lo, hi, step)
             state = DenoisingState(step, plan.n_steps, block, plan.n_blocks, x.clone(), x == mask_id, prompt_index,
                                    key_visible, blk)
-            state.extra.update(kind=kind, query_start=lo, query_end=hi, kv_age=cache.age.clone(), block_length=bl)
+            state.computes(lo, hi).extra.update(kind=kind, query_start=lo, query_end=hi, kv_age=cache.age.clone(),
+                                              block_length=bl)
             with cache.attached("block" if kind == "denoise" else "append"):
                 logits = runner.forward(state, x[:, lo:hi], position_ids=positions[:, lo:hi], block_length=bl)
             return state, logits

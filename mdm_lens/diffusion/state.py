@@ -1,13 +1,25 @@
 """`DenoisingState`: what a hook can know about the denoising step that is running.
 
 The sampler sets `model.state` before each forward pass and fills the post-commit fields
-(`committed`, `committed_confidence`) after it, before calling the reducers' `end_step`."""
+(`committed`, `committed_confidence`) after it, before calling the reducers' `end_step`.
+
+Rows and keys of a forward (one mechanism for every sampler). A forward may compute only some rows of the canvas
+(SDAR / Fast-dLLM v2 / LLaDA2 blocks, Fast-dLLM `kv_cache` windows, a replay's prefix) and attend to keys some of
+which come from a KV cache. `query_rows` is the slice of canvas positions (columns of `x`) whose rows the forward
+computes, in the order hooks see them (row r of a hooked tensor is position `query_rows.start + r`);
+`key_cols` the slice of canvas positions its attention keys cover, cached keys included (key column c of
+`hook_pattern` is position `key_cols.start + c`; cached keys were computed at `extra["kv_age"]`). None means all
+of `x`. Positions are indices into the state's canvas `x`: the absolute sequence positions for every `HookedMDM`
+sampler (prompt at 0, left pads included); DiffusionGemma's decoder canvas starts at `block_slice.start` of its
+sequence. Pad positions are computed rows like any other: consumers drop them through `key_visible`.
+`query_positions` / `key_positions` give the same facts as `[batch, rows]` / `[batch, keys]` index tensors."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
@@ -31,6 +43,39 @@ class DenoisingState:
     confidence: Float[Tensor, "batch pos"] | None = None  # the sampler's confidence at masked positions
     committed: Bool[Tensor, "batch pos"] | None = None  # positions committed by this step
     extra: dict = field(default_factory=dict)
+    query_rows: slice | None = None  # canvas positions whose rows this forward computes (None: all of x)
+    key_cols: slice | None = None  # canvas positions its attention keys cover, cached ones included (None: all)
+
+    def computes(self, lo: int, hi: int, key_end: int | None = None) -> "DenoisingState":
+        """Set the forward's rows to positions [lo, hi) and its keys to [0, key_end) (default [0, hi));
+        returns the state. Keys always start at 0: every cached forward here attends to a prefix of the canvas."""
+        self.query_rows = slice(int(lo), int(hi))
+        self.key_cols = slice(0, int(hi if key_end is None else key_end))
+        return self
+
+    @property
+    def rows(self) -> slice:
+        """`query_rows` resolved against `x` (a concrete `slice(start, stop)`)."""
+        n = self.x.shape[1]
+        return slice(0, n) if self.query_rows is None else slice(*self.query_rows.indices(n)[:2])
+
+    @property
+    def keys(self) -> slice:
+        """`key_cols` resolved against `x` (a concrete `slice(start, stop)`)."""
+        n = self.x.shape[1]
+        return slice(0, n) if self.key_cols is None else slice(*self.key_cols.indices(n)[:2])
+
+    @property
+    def query_positions(self) -> Int[Tensor, "batch rows"]:
+        """The canvas position of each row the forward computes (the same for every batch row)."""
+        r = self.rows
+        return torch.arange(r.start, r.stop, device=self.x.device).expand(self.x.shape[0], -1)
+
+    @property
+    def key_positions(self) -> Int[Tensor, "batch keys"]:
+        """The canvas position of each key column of the forward's attention (cached keys included)."""
+        k = self.keys
+        return torch.arange(k.start, k.stop, device=self.x.device).expand(self.x.shape[0], -1)
 
     @property
     def is_first(self) -> bool:

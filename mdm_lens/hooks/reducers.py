@@ -87,11 +87,11 @@ class Reducer:
 
 
 def query_window(state: DenoisingState, per_position: Tensor, n_queries: int | None) -> Tensor:
-    """The query rows a forward computed: all positions, or, on a KV-cached forward (`state.extra["query_start"]`),
-    the window `[query_start, query_start + n_queries)` of the per-position tensor."""
-    if n_queries is None or "query_start" not in state.extra:
+    """The query rows a forward computed: all positions, or, on a forward of some rows (`state.query_rows`: a block,
+    a KV-cached window, a replay's prefix), the rows `[start, start + n_queries)` of the per-position tensor."""
+    if n_queries is None or state.query_rows is None:
         return per_position
-    q0 = int(state.extra["query_start"])
+    q0 = state.rows.start
     return per_position[:, q0:q0 + n_queries]
 
 
@@ -249,7 +249,7 @@ class TopKKeys(Reducer):
     (= `TopKKeys.ABSENT`, the most negative int64: indexing with it raises, unlike -1) in `topk_keys` and NaN
     in `topk_attention`. `k` larger than the run's whole sequence is an error (checked before the run).
 
-    On a KV-cached run the query rows are the window's (`state.extra["query_start"]` on: the other rows of that
+    On a KV-cached run the query rows are the window's (`state.query_rows`: the other rows of that
     step are absent) and the keys are the ones the forward attends to (cached outside the window, fresh in it):
     `topk_keys` are absolute key positions."""
 
@@ -282,7 +282,7 @@ class TopKKeys(Reducer):
         # queries that are a suffix of the keys sit at their absolute positions; a cached window (the dual cache's
         # block is not a suffix) starts where the sampler says
         n_keys = tops[0].query_offset + vals.shape[-2]
-        offset = int(state.extra["query_start"]) if "query_start" in state.extra else tops[0].query_offset
+        offset = state.rows.start if state.query_rows is not None else tops[0].query_offset
         # keys a query cannot attend to (pads, a causal query's future) come out of topk with weight 0: absent
         visible = state.key_visible
         if visible is not None and visible.shape[-1] >= n_keys:

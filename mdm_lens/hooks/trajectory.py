@@ -11,6 +11,16 @@ separately; `cache[step]` / `stack(name)` read the "cond" forward when it was re
 requested (give `phase=` / `cache[step, phase]` when several are). A phase the run never makes is refused
 before the run.
 
+Rows and positions: a forward may compute only some canvas positions (SDAR / Fast-dLLM v2 blocks, LLaDA2's growing
+prefix, Fast-dLLM `kv_cache` windows, ARM prefixes; `DenoisingState.query_rows` / `key_cols`). The cache keeps,
+with each cached step, the positions of its rows and keys and the step's non-pad set (`rows_of(step)`,
+`keys_of(step)`, `computed(...)`, `visible(...)`). `stack(name)` never puts different positions under one index:
+when every step's rows start at position 0 it stacks as before (rows of different lengths need `pad_value`, which
+right-pads, i.e. aligns by position); when rows start elsewhere (a block, a window) it refuses, naming each step's
+positions, unless `align=True`: then the result is canvas-shaped, `[step, batch, pos, ...]` (attention patterns
+`[step, batch, head, query pos, key pos]`), holding each step's rows at their positions and NaN where that step
+computed no row (or no key column).
+
 The bytes it will need are estimated before the run and the run is refused (MemoryBudgetError) if
 they exceed `budget_bytes`.
 """
@@ -47,6 +57,8 @@ class TrajectoryCache:
         self.device = None if device is None else validate.device(device, name="device")
         self.names: list[str] = []
         self._phases: dict[str, dict[int, dict[str, Tensor]]] = {}
+        # per phase and step: (query rows, key columns, canvas width, non-pad set [batch, pos]) of its forward
+        self._where: dict[str, dict[int, tuple[slice, slice, int, Tensor]]] = {}
         self.estimated_bytes = 0
         self.model: Any = None
 
@@ -67,12 +79,15 @@ class TrajectoryCache:
         self.estimated_bytes = check_budget(model.cfg, self.names, n_cached, batch, max_pos, dtype_bytes,
                                             self.budget_bytes)
         self._phases = {p: {} for p in self.when.phases}
+        self._where = {p: {} for p in self.when.phases}
 
     def active(self, state: DenoisingState) -> bool:
         return self.when.matches(state.step, state.n_steps, state.block, state.phase)
 
     def hooks(self, model: Any, state: DenoisingState) -> list[tuple[str, Any]]:
         store = self._phases.setdefault(state.phase, {}).setdefault(state.step, {})
+        self._where.setdefault(state.phase, {})[state.step] = (state.rows, state.keys, int(state.x.shape[1]),
+                                                               state.key_visible.detach().bool().cpu())
 
         def save(tensor: Tensor, hook: Any) -> None:
             store[hook.name] = tensor.detach().to(self.device)
@@ -127,28 +142,122 @@ class TrajectoryCache:
                              allowed=f"one of {steps}")
         return ActivationCache(store[step], self.model)
 
-    def stack(self, name: str, pad_value: float | None = None, phase: str | None = None) -> Tensor:
-        """`[step, ...]` over the cached steps (of `phase`). ARM prefixes grow, so give `pad_value` to right-pad."""
+    def stack(self, name: str, pad_value: float | None = None, phase: str | None = None,
+              align: bool = False) -> Tensor:
+        """`[step, ...]` over the cached steps (of `phase`), rows in position order (module docstring).
+
+        Rows that all start at position 0 stack as they are (`pad_value` right-pads prefixes of different lengths,
+        e.g. ARM's); rows that start elsewhere are refused unless `align=True`, which returns the canvas-shaped
+        tensor with NaN where a step computed no row."""
         if name not in self.names:
             raise InputError(f"{name!r} was not cached; cached names: {self.names}.")
+        validate.boolean(align, name="align")
         store = self._store(phase)
         if not store:
             raise InputError(f"no step was cached for phase {self._phase(phase)!r}.", argument="phase", value=phase,
                              allowed="a phase that ran")
-        tensors = [store[s][name] for s in sorted(store)]
+        steps = sorted(store)
+        tensors = [store[s][name] for s in steps]
+        where = self._where.get(self._phase(phase), {})
+        if align:
+            return aligned(name, tensors, [where[s] for s in steps], steps)
+        moved = [(s, where[s][0]) for s in steps if s in where and where[s][0].start != 0]
+        if moved:
+            shown = ", ".join(f"step {s}: [{r.start}, {r.stop})" for s, r in
+                              [(s, where[s][0]) for s in steps][:6]) + (" …" if len(steps) > 6 else "")
+            raise InputError(f"{name}: the cached steps computed rows at different canvas positions ({shown}), so "
+                             "row k is not the same position at every step; pass align=True for a canvas-shaped "
+                             "tensor (NaN where a step computed no row), or read cache[step] with "
+                             "cache.rows_of(step).", argument="align", value=align, allowed="True")
         shapes = {tuple(t.shape) for t in tensors}
         if len(shapes) > 1:
             if pad_value is None:
-                raise InputError(f"{name} has different shapes across steps ({sorted(shapes)}: the ARM prefix grows); "
-                                 "pass pad_value=0.0 to right-pad.")
+                raise InputError(f"{name} has different shapes across steps ({sorted(shapes)}: the rows, all from "
+                                 "position 0, grow); pass pad_value=0.0 to right-pad, or align=True (NaN pads).")
             target = [max(s[i] for s in shapes) for i in range(len(tensors[0].shape))]
             tensors = [torch.nn.functional.pad(t, [p for d in reversed(range(t.ndim))
                                                     for p in (0, target[d] - t.shape[d])], value=pad_value)
                        for t in tensors]
         return torch.stack(tensors)
 
+    # --- positions ----------------------------------------------------------------------------------
+    def _where_of(self, step: int, phase: str | None) -> tuple[slice, slice, int, Tensor]:
+        where = self._where.get(self._phase(phase), {})
+        if step not in where:
+            raise InputError(f"step {step} was not cached; cached steps: {sorted(where)}.", argument="step",
+                             value=step, allowed=f"one of {sorted(where)}")
+        return where[step]
+
+    def rows_of(self, step: int, phase: str | None = None) -> slice:
+        """The canvas positions of the rows cached at `step` (row r of `cache[step][name]` is position
+        `start + r`)."""
+        return self._where_of(step, phase)[0]
+
+    def keys_of(self, step: int, phase: str | None = None) -> slice:
+        """The canvas positions of the key columns of `step`'s attention patterns (cached keys included)."""
+        return self._where_of(step, phase)[1]
+
+    def width(self, phase: str | None = None) -> int:
+        """The canvas width `align=True` uses: the widest cached step's canvas."""
+        return max(w[2] for w in self._where.get(self._phase(phase), {}).values())
+
+    def computed(self, phase: str | None = None) -> Tensor:
+        """`[step, batch, pos]` bool over the cached steps and the canvas: the positions each step computed a row
+        at (the non-NaN rows of `stack(..., align=True)`)."""
+        return self._per_step(phase, lambda r, k, w, vis: _span(r, self.width(phase)).expand(vis.shape[0], -1))
+
+    def visible(self, phase: str | None = None) -> Tensor:
+        """`[step, batch, pos]` bool: the non-pad positions of each cached step's canvas (its `key_visible`;
+        False beyond a step's canvas)."""
+        n = self.width(phase)
+        return self._per_step(phase, lambda r, k, w, vis: torch.nn.functional.pad(vis, (0, n - vis.shape[1])))
+
+    def _per_step(self, phase: str | None, fn: Any) -> Tensor:
+        where = self._where.get(self._phase(phase), {})
+        if not where:
+            raise InputError(f"no step was cached for phase {self._phase(phase)!r}.", argument="phase", value=phase,
+                             allowed="a phase that ran")
+        return torch.stack([fn(*where[s]) for s in sorted(where)])
+
     def __repr__(self) -> str:
         per = {p: sorted(v) for p, v in self._phases.items()}
         shown = f"steps={per.get('cond', [])}" if set(per) <= {"cond"} else f"steps by phase={per}"
         return f"TrajectoryCache({len(self.names)} name(s), {shown}, estimated {human(self.estimated_bytes)})"
 
+
+
+def _span(r: slice, n: int) -> Tensor:
+    out = torch.zeros(1, n, dtype=torch.bool)
+    out[0, r] = True
+    return out
+
+
+def aligned(name: str, tensors: list[Tensor], where: list[tuple[slice, slice, int, Tensor]],
+            steps: list[int]) -> Tensor:
+    """`[step, ...]` canvas-shaped: each step's rows placed at their positions (and, for attention patterns and
+    scores, its key columns at theirs), NaN elsewhere."""
+    width = max(w[2] for w in where)
+    pattern = name.endswith(("hook_pattern", "hook_attn_scores"))
+    row_axis = -2 if pattern else 1
+    first = tensors[0]
+    if not first.is_floating_point():
+        raise InputError(f"{name} is {first.dtype}: align=True marks missing rows with NaN, which needs a float "
+                         "tensor.", argument="align", value=True, allowed="False for this hook")
+    shape = list(first.shape)
+    shape[row_axis] = width
+    if pattern:
+        shape[-1] = width
+    out = torch.full((len(tensors), *shape), float("nan"), dtype=first.dtype, device=first.device)
+    for i, (t, (rows, keys, _, _)) in enumerate(zip(tensors, where)):
+        n_keys = keys.stop - keys.start
+        if t.shape[row_axis] != rows.stop - rows.start or (pattern and t.shape[-1] != n_keys):
+            raise InputError(f"{name} at step {steps[i]} has shape {tuple(t.shape)}, which does not match the "
+                             f"forward's rows [{rows.start}, {rows.stop}) and keys [{keys.start}, {keys.stop}): "
+                             "this hook is not per position, so it cannot be aligned.", argument="align",
+                             value=True, allowed="False for this hook")
+        index: list[Any] = [i] + [slice(None)] * first.ndim
+        index[row_axis if row_axis < 0 else row_axis + 1] = rows
+        if pattern:
+            index[-1] = keys
+        out[tuple(index)] = t.to(out.dtype)
+    return out

@@ -117,9 +117,11 @@ def features_from_cache(cache: Any, *, hook: str = "hook_resid_post", layers: An
                         positions: Tensor | None = None, phase: str | None = None) -> ProbeFeatures:
     """Per-layer, per-step features from a `TrajectoryCache` holding `blocks.{layer}.{hook}` at some steps.
 
-    `positions`: `[item, pos]` or `[step, item, pos]` (aligned with `cache.steps`) bool, the positions to pool or
-    keep (default all); e.g. `out.trajectory.x_steps[cache.steps] == mask_id` for the still-masked ones. "mean"
-    and "last" need at least one chosen position per item and step."""
+    `positions`: `[item, pos]` or `[step, item, pos]` (aligned with `cache.steps`) bool, canvas positions to pool
+    or keep (default all); e.g. `out.trajectory.x_steps[cache.steps] == mask_id` for the still-masked ones. Rows
+    are read by absolute position (`cache.stack(..., align=True)`): a position the step's forward did not compute
+    (SDAR / Fast-dLLM v2 blocks, `kv_cache` windows, ARM prefixes) or a pad is never chosen (`pool="none"` keeps it
+    as NaN, unmarked in `.positions`). "mean" and "last" need at least one chosen position per item and step."""
     if not (hasattr(cache, "stack") and hasattr(cache, "names")):
         raise ArgumentTypeError(f"cache={validate.describe(cache)} is not a TrajectoryCache (out.cache of "
                                 "model.generate(..., cache=...)).", argument="cache", value=cache,
@@ -137,23 +139,28 @@ def features_from_cache(cache: Any, *, hook: str = "hook_resid_post", layers: An
     layers = validate.indices(layers, n_layers, name="layers", what="layer")
     for i, layer in enumerate(layers):
         validate.choice(layer, have, name=f"layers[{i}]", error=InputError)
-    acts = torch.stack([cache.stack(f"blocks.{l}.{hook}", phase=phase) for l in layers]).detach().cpu()
+    # a TrajectoryCache aligns rows by position; a stand-in with `stack` only is taken to hold whole canvases
+    by_pos = {"align": True} if hasattr(cache, "computed") else {}
+    acts = torch.stack([cache.stack(f"blocks.{l}.{hook}", phase=phase, **by_pos) for l in layers]).detach().cpu()
     validate.tensor(acts, name="cached activations", ndim=5, dtype="float")  # [layer, step, item, pos, d]
     steps = cache.steps if phase is None else cache.steps_of(phase)
     shape = tuple(acts.shape[1:4])
     pos = torch.ones(shape, dtype=torch.bool) if positions is None else _per_step(positions, shape, name="positions")
+    if by_pos:
+        pos = pos & cache.computed(phase) & cache.visible(phase)  # rows the step computed, pads excluded
     meta = {"hook": hook, "pool": pool}
     if pool == "none":
         return ProbeFeatures(acts, layers, list(steps), pos, meta)
     n_chosen = pos.sum(-1)
     if bool((n_chosen == 0).any()):
         s, i = (n_chosen == 0).nonzero()[0].tolist()
-        raise InputError(f"positions selects no position of item {i} at step {steps[s]}, so pool={pool!r} is "
-                         "undefined there; choose other positions or pool='none'.", argument="positions",
+        raise InputError(f"positions selects no position of item {i} at step {steps[s]} among the computed, non-pad "
+                         f"ones (that step's rows: {cache.rows_of(steps[s], phase) if by_pos else 'all'}), so pool={pool!r} is undefined there; "
+                         "choose other positions or pool='none'.", argument="positions",
                          value=positions, allowed="at least one position per item and step")
     if pool == "mean":
         w = pos.to(acts.dtype)[None, ..., None]
-        pooled = (acts * w).sum(-2) / w.sum(-2)
+        pooled = torch.where(w > 0, acts, 0.0).sum(-2) / w.sum(-2)  # NaN rows (not computed) get no weight
     else:  # last chosen position
         last = (pos.long() * torch.arange(1, shape[2] + 1)).argmax(-1)          # [step, item]
         idx = last[None, :, :, None, None].expand(acts.shape[0], -1, -1, 1, acts.shape[-1])

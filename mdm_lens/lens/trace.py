@@ -85,10 +85,11 @@ def lens_trace(model: Any, out: Any, *, layers: Any = None, steps: Any = None, p
         cells: dict[int, tuple] = {}
         reduce = lambda resid, l: cells.__setitem__(l, reduce_layer(model, resid, l, lens, src, target))  # noqa: E731
         if source == "cache":
-            act = out.cache[s]
-            with torch.no_grad():
+            act, rows = out.cache[s], out.cache.rows_of(s)
+            width = max(out.trajectory.x_steps.shape[-1], rows.stop)
+            with torch.no_grad():  # a cached block's rows start at its block: placed at their positions
                 for l in layers:
-                    reduce(act[resid_name(l)].to(model.input_device), l)
+                    reduce(_at_positions(act[resid_name(l)].to(model.input_device), rows.start, width), l)
         else:
             _replay_step(model, out, s, layers, reduce)
         per_step.append([cells[l] for l in layers])
@@ -104,13 +105,21 @@ def _replay_step(model: Any, out: Any, step: int, layers: list[int], reduce: Cal
     sampler's forward covers the canvas up to its block's end: positions past it (later blocks, not in that
     forward) get NaN."""
     width = out.trajectory.x_steps.shape[-1]
+    start = out.state_at(step).rows.start  # the replay's first row (0: every replay forwards a prefix)
+
     def hook_for(layer: int) -> Callable:
         def fn(resid: Tensor, hook: Any) -> None:
-            resid = resid.detach()
-            if resid.shape[1] < width:  # a block run's forward stops at its block's end: later positions are NaN
-                resid = torch.cat([resid, resid.new_full((resid.shape[0], width - resid.shape[1], resid.shape[2]),
-                                                         float("nan"))], dim=1)
-            reduce(resid, layer)
+            reduce(_at_positions(resid.detach(), start, max(width, start + resid.shape[1])), layer)
         return fn
 
     out.replay(model, step, fwd_hooks=[(resid_name(l), hook_for(l)) for l in layers])
+
+
+def _at_positions(resid: Tensor, start: int, width: int) -> Tensor:
+    """`[batch, width, d]` with the rows of `resid` at positions `[start, start + rows)` and NaN elsewhere (a
+    position the forward did not compute: earlier / later blocks, positions past a block run's forward)."""
+    if start == 0 and resid.shape[1] == width:
+        return resid
+    out = resid.new_full((resid.shape[0], width, resid.shape[2]), float("nan"))
+    out[:, start:start + resid.shape[1]] = resid
+    return out

@@ -11,7 +11,10 @@ One row per (item, step, position, chosen by ``positions``) with one column per 
 activation is that of the model's forward pass of step s (the "cond" pass), on the canvas *before* step s's
 commits (`Trajectory.x_steps[s]`); ``token_ids`` is that input token, ``final_token_id`` the token the
 position holds at the end, ``block`` the sampler's block of step s, ``position`` the index in the item's own
-sequence (prompt first, no padding). ``positions``:
+sequence (prompt first, no padding). A step exports only the positions its forward computed (its
+`DenoisingState.query_rows`): SDAR / Fast-dLLM v2 forwards compute one block, LLaDA2's the canvas up to the block's
+end, Fast-dLLM `kv_cache` windows their window; the cache's rows are mapped to positions through
+`TrajectoryCache.rows_of`, so ``position`` is always the row's absolute position. ``positions``:
 
 - ``"masked"``: positions still masked in step s's input (the ones the model is predicting at that step);
 - ``"unmasked"``: the others: the prompt and the canvas positions committed at earlier steps;
@@ -81,13 +84,17 @@ def _group_rows(model: Any, out: Any, item_ids: list[str], plan: Plan, positions
     step_t = torch.tensor(cached, dtype=torch.long)
     blocks = out.trajectory.block_of_step
     final = out.tokens.cpu()
-    acts = {h: out.cache.stack(h).flatten(3) for h in plan.hooks}  # [cached step, batch, pos, d_in]
+    width = x.shape[-1]  # a block canvas past prompt + gen_length is not exported
+    # rows by absolute position (NaN where a step's forward computed no row: blocks, kv_cache windows)
+    acts = {h: out.cache.stack(h, align=True)[:, :, :width].flatten(3) for h in plan.hooks}
+    computed = out.cache.computed()[:, :, :width]                  # [cached step, batch, pos]
     np_dtype = np.dtype(store_dtype)
     cols: dict[str, list] = {c: [] for c in (*plan.hooks, *ES.META_COLUMNS)}
     for b, item in enumerate(item_ids):
         xin = x[step_t, b]                                       # [cached step, pos]
         masked = xin == model.cfg.mask_token_id
-        si, pos = _select(positions, masked, out.prompt_length).nonzero(as_tuple=True)  # step-major, then position
+        chosen = _select(positions, masked, out.prompt_length) & computed[:, b]
+        si, pos = chosen.nonzero(as_tuple=True)  # step-major, then position
         for h in plan.hooks:
             cols[h].append(acts[h][si, b, pos].to(torch.float32 if store_dtype == "float32" else torch.float16)
                            .numpy().astype(np_dtype, copy=False)[:, None, :])

@@ -6,8 +6,10 @@ One row per (item, step, layer), ``COLUMNS``:
 
 * ``feature``: ``blocks.{layer}.hook_resid_post`` at step ``step`` of the batch's shared sampler run, averaged
   over the canvas positions still masked in that step's input (``out.trajectory.x_steps[step] == mask``; the
-  prompt is never pooled), float32, a list of ``d_model`` values; ``n_masked`` counts the pooled positions. A
-  step with no masked position gives an all-NaN vector with the reason in ``note`` (a mean over nothing).
+  prompt is never pooled) that the step's forward computes (block runs: up to the block's end), float32, a list of
+  ``d_model`` values; ``n_masked`` counts every masked canvas position of that step (the lens table's
+  ``n_masked``), ``note`` says when fewer were pooled. A step with no masked (computed) position gives an all-NaN
+  vector with the reason in ``note`` (a mean over nothing).
   The residuals come from replaying each step's forward (one extra forward per step, pooled inside the hook:
   nothing ``[step, pos, d]`` is kept), so a row equals the same pooling of
   ``model.generate(..., cache="blocks.*.hook_resid_post" @ steps())`` run on the item alone, to float rounding.
@@ -17,7 +19,8 @@ One row per (item, step, layer), ``COLUMNS``:
   target is NA with the reason in ``target_note``.
 
 Causal (ARM) runs have no masked canvas: one row per item, NaN feature, ``note`` says why. So do sampler runs
-that cannot be replayed (``llada2`` / ``sdar``), with the replay's reason.
+that cannot be replayed (Fast-dLLM ``kv_cache`` runs, Fast-dLLM v2 with ``use_block_cache``), with the replay's
+reason.
 
 Memory: the rows of a sweep are ``items × steps × layers × d_model`` float32 values, merged into one table. A
 sweep whose estimate exceeds the budget (``DEFAULT_BUDGET``, 256 MiB; ``MDM_LENS_FEATURES_BUDGET_MB``
@@ -95,34 +98,46 @@ def check_budget(model: Any, n_items: int, n_steps: int, budget: int | None = No
 
 # --- residuals --------------------------------------------------------------------------------------
 
-def masked_mean_residuals(model: Any, out: Any) -> tuple[Float[Tensor, "step layer batch d_model"], Tensor]:
+def masked_mean_residuals(model: Any, out: Any) -> tuple[Float[Tensor, "step layer batch d_model"], Tensor, Tensor]:
     """``blocks.{l}.hook_resid_post`` of every layer at every step of the run ``out``, averaged over the canvas
-    positions masked in that step's input: (``[step, layer, batch, d_model]`` float32 on CPU, NaN where nothing is
-    masked; ``n_masked [step, batch]``). Each step's forward is replayed with hooks that pool as the layer is
-    computed. A block run's (llada2 / sdar) step covers the positions its forward computed (up to its block's
-    end: ``n_masked`` counts those)."""
+    positions masked in that step's input that the step's forward computes: (``[step, layer, batch, d_model]``
+    float32 on CPU, NaN where none is; ``n_masked [step, batch]``, every canvas position masked in the step's input;
+    ``n_pooled [step, batch]``, the ones averaged). Each step's forward is replayed with hooks that pool as the
+    layer is computed; its rows are mapped to canvas positions through the replayed state's ``rows``
+    (``DenoisingState.query_rows``): a block run's (llada2 / sdar / fastdllm_v2) step covers the canvas up to its
+    block's end, so masked positions of later blocks are counted in ``n_masked`` but not pooled."""
     S, P = out.n_steps, out.prompt_length
-    masked = out.trajectory.x_steps[:, :, P:] == model.cfg.mask_token_id        # [step, batch, gen]
-    ends = [None] * S if out.trajectory.forwards is None else [f["extra"]["query_end"] for f in
-                                                               out.trajectory.forwards]
-    for s, end in enumerate(ends):  # a block run's step forwards the canvas up to its block's end only
-        if end is not None:
-            masked[s, :, max(end - P, 0):] = False
+    x = out.trajectory.x_steps
+    masked = x == model.cfg.mask_token_id                                          # [step, batch, pos]
+    masked[:, :, :P] = False  # the prompt is never pooled (fastdllm_v2 right-pads prompts with the mask id)
     n_masked = masked.sum(-1)
     L, B, d = model.cfg.n_layers, masked.shape[1], model.cfg.d_model
     pooled = torch.full((S, L, B, d), float("nan"), dtype=torch.float32)
+    n_pooled = torch.zeros(S, B, dtype=torch.long)
     for s in range(S):
-        w = masked[s].to(device=model.input_device, dtype=torch.float32)[..., None]   # [batch, gen, 1]
+        rows = out.state_at(s).rows
+        hi = min(rows.stop, x.shape[-1])  # a block canvas may run past prompt + gen_length: not answer
+        w = torch.zeros(B, rows.stop - rows.start)
+        w[:, :max(hi - rows.start, 0)] = masked[s, :, rows.start:hi].float()
+        n_pooled[s] = w.sum(-1).long()
+        w = w.to(device=model.input_device)[..., None]                                # [batch, rows, 1]
 
         def hook_for(layer: int, s: int = s, w: Tensor = w) -> Callable:
             def fn(resid: Tensor, hook: Any) -> None:
-                # 0/0 = NaN where nothing is masked: the mean over no position is undefined, not 0
-                g = max(min(resid.shape[1] - P, w.shape[1]), 0)
-                pooled[s, layer] = ((resid[:, P:P + g].float() * w[:, :g]).sum(1) / w.sum(1)).cpu()
+                # 0/0 = NaN where nothing is pooled: the mean over no position is undefined, not 0
+                pooled[s, layer] = ((resid.float() * w).sum(1) / w.sum(1)).cpu()
             return fn
 
         out.replay(model, s, fwd_hooks=[(f"blocks.{layer}.{HOOK}", hook_for(layer)) for layer in range(L)])
-    return pooled, n_masked
+    return pooled, n_masked, n_pooled
+
+
+def _note(n: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Why a feature is NaN (nothing masked / none of the masked positions computed) or partial."""
+    return np.where(n == 0, "no canvas position is masked at this step",
+                    np.where(k == 0, "the step's forward computes none of the masked positions (later blocks)",
+                             np.where(k < n, np.char.add(np.char.add("pooled over ", k.astype(str)),
+                                                         " masked positions the step's forward computes"), None)))
 
 
 # --- targets ----------------------------------------------------------------------------------------
@@ -187,15 +202,14 @@ def features(model: Any, batch: Any, s: Any, shared: dict, *, score: Callable) -
     else:
         check_budget(model, len(ids), out.n_steps)
         try:
-            pooled, n_masked = masked_mean_residuals(model, out)
+            pooled, n_masked, n_pooled = masked_mean_residuals(model, out)
         except SamplerConfigError as e:
             rows = _nan_rows(model, ids, f"not replayable: {e}")
         else:
             S, L, B, d = pooled.shape
             bi, si, li = np.indices((B, S, L)).reshape(3, -1)        # item-major: an item's rows are contiguous
             flat = pooled.permute(2, 0, 1, 3).reshape(-1, d).numpy()
-            n = n_masked.numpy()[si, bi]
+            n, k = n_masked.numpy()[si, bi], n_pooled.numpy()[si, bi]
             rows = pd.DataFrame({"item_id": np.asarray(ids, object)[bi], "step": si, "layer": li, "n_masked": n,
-                                 "feature": list(flat),
-                                 "note": np.where(n == 0, "no canvas position is masked at this step", None)})
+                                 "feature": list(flat), "note": _note(n, k)})
     return _finish(rows.merge(_targets(model, batch, out, score), on="item_id", how="left", sort=False))

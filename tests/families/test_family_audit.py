@@ -144,11 +144,12 @@ def test_block_run_record_width_and_masked_means(models):
     assert out.tokens.shape[1] == 13 and out.records["received_attention"].shape[-1] == 16  # canvas of 4 blocks
     assert anchors_over_steps(out, layer=0).anchors.shape[-1] == 13
     drift_from_output(out, layer=0)  # commit_step has the output's 13 keys
-    pooled, n = masked_mean_residuals(model, out)
+    pooled, n, k = masked_mean_residuals(model, out)  # n: every masked canvas position; k: the pooled ones
     for s, f in enumerate(out.trajectory.forwards):
         end, x = f["extra"]["query_end"], out.trajectory.x_steps[s]
         pos = [p for p in range(5, min(end, x.shape[-1])) if x[0, p] == model.cfg.mask_token_id]
-        assert int(n[s, 0]) == len(pos), s
+        assert int(k[s, 0]) == len(pos), s
+        assert int(n[s, 0]) == int((x[0, 5:] == model.cfg.mask_token_id).sum()), s
         grab = {}
         out.replay(model, s, fwd_hooks=[("blocks.1.hook_resid_post", lambda t, hook: grab.__setitem__("r", t))])
         if pos:
