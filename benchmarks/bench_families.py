@@ -105,7 +105,7 @@ def forward_rows(s: dict, root: Path, repeats: int) -> list[Row]:
 def trajectory_rows(s: dict, root: Path, repeats: int) -> list[Row]:
     model, _, _ = load_family("llada2", s, root)
     prompt = torch.randint(0, s["vocab"] - 4, (1, s["prompt"]), generator=torch.Generator().manual_seed(1))
-    kw = dict(sampler="llada2", gen_length=s["gen"], block_length=s["block"], steps=s["block"], threshold=1.01,
+    kw = dict(sampler="llada2", gen_length=s["gen"], block_length=s["block"], steps=s["block"], threshold=1.0,
               progress=False)  # threshold above 1: the schedule's count every step, so the step count is fixed
     plain = lambda: model.generate(prompt, **kw)  # noqa: E731
     base = plain()

@@ -17,7 +17,10 @@ import torch
 
 from mdm_lens.errors import ConfigError
 
-AttentionKind = Literal["bidirectional", "causal"]
+# "block_causal": block diffusion (LLaDA2, SDAR, Fast-dLLM v2): the samplers run a block-causal mask whose block
+# length is `extra["block_length"]`; a forward given no `block_length=` attends bidirectionally, as before.
+AttentionKind = Literal["bidirectional", "causal", "block_causal"]
+ATTENTION_KINDS = ("bidirectional", "causal", "block_causal")
 PositionPolicy = Literal["arange", "cumsum"]
 
 
@@ -78,8 +81,8 @@ class MDMConfig:
                 f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
                 "(grouped-query attention shares each key/value head among n_heads/n_kv_heads queries)."
             )
-        if self.attention not in ("bidirectional", "causal"):
-            raise ConfigError(f"attention must be 'bidirectional' or 'causal', got {self.attention!r}.")
+        if self.attention not in ATTENTION_KINDS:
+            raise ConfigError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}.")
         if self.position_policy not in ("arange", "cumsum"):
             raise ConfigError(f"position_policy must be 'arange' or 'cumsum', got {self.position_policy!r}.")
         if self.padding_mask not in ("key", "pair"):
@@ -124,7 +127,14 @@ class MDMConfig:
 
     @property
     def is_mdm(self) -> bool:
-        return self.attention == "bidirectional"
+        return self.attention != "causal"
+
+    @property
+    def attention_label(self) -> str:
+        """`attention` for people: block-causal models name their sampler block length."""
+        if self.attention == "block_causal":
+            return f"block-causal (block_length={self.extra.get('block_length')})"
+        return self.attention
 
     @property
     def n_params(self) -> int:

@@ -363,6 +363,6 @@ class HookedMDM(CheckedHookSurface):
 
     def __repr__(self) -> str:  # nn.Module's repr of 32 blocks is not what anyone wants to read
         c = self.cfg
-        return (f"HookedMDM({c.model_name!r}, family={c.family}, attention={c.attention}, layers={c.n_layers}, "
+        return (f"HookedMDM({c.model_name!r}, family={c.family}, attention={c.attention_label}, layers={c.n_layers}, "
                 f"d_model={c.d_model}, heads={c.n_heads}/{c.n_key_value_heads}, d_mlp={c.d_mlp}, vocab={c.d_vocab}, "
                 f"logit_shift={c.logit_shift}, dtype={str(c.dtype).removeprefix('torch.')})")

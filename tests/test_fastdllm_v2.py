@@ -57,7 +57,7 @@ def test_loader_reads_the_released_layout(tiny):
     model, _, _ = tiny
     c = model.cfg
     assert (c.family, c.mask_token_id, c.extra["block_length"], c.logit_shift, c.attention, c.qkv_bias) == \
-        ("fastdllm_v2", MASK, 4, True, "bidirectional", True)
+        ("fastdllm_v2", MASK, 4, True, "block_causal", True)
     assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.d_vocab, c.rope_theta) == (2, 64, 4, 2, 97, 1e6)
     assert c.pad_token_id is None  # neither config.json nor the tokenizer names one
 

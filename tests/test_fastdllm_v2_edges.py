@@ -151,19 +151,19 @@ def test_factor_bar_is_passed_at_equality():
 
 def test_bound_for_a_prompt_of_exactly_one_block():
     # a prompt of exactly block_size: no prefill (the reference prefills only past one block), decoding starts at
-    # block 1; threshold 1.01 commits one position per forward: 4 denoising forwards and the AR one, all the bound
+    # block 1; threshold 1.0 (no probability exceeds it) commits one position per forward: 4 denoising forwards and the AR one, all the bound
     model, log, bounds = planted_model(), [], []
 
     def bound(x, hook):
         bounds.append(model.state.n_steps)
 
-    settings = FastDLLMv2Settings(block_size=4, small_block_size=4, max_new_tokens=4, threshold=1.01,
+    settings = FastDLLMv2Settings(block_size=4, small_block_size=4, max_new_tokens=4, threshold=1.0,
                                   stop_token=STOP, pad_id=PAD).resolve(model)
     assert FastDLLMv2Sampler().plan(settings, [4]).n_steps == 5
     assert FastDLLMv2Sampler().plan(settings, [5]).n_steps == 6  # a prefill, then block 1 (4 + AR)
     with pytest.warns(UserWarning, match="never reads its first block"):
         out = model.generate([20, 21, 22, 23], sampler="fastdllm_v2", block_size=4, small_block_size=4,
-                             max_new_tokens=4, threshold=1.01, stop_token=STOP, pad_id=PAD,
+                             max_new_tokens=4, threshold=1.0, stop_token=STOP, pad_id=PAD,
                              fwd_hooks=plant(model, {}, log) + [("blocks.0.hook_resid_pre", bound)])
     assert kinds(log) == ["denoise"] * 4 + ["ar"] and bounds == [5] * 5
     assert out.tokens[0].tolist() == [20, 21, 22, 23, 3, 3, 3, 3, 3]

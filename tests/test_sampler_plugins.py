@@ -13,7 +13,7 @@ import torch
 
 from mdm_lens import HookedMDM, MDMConfig, SamplerConfigError
 from mdm_lens import steps as steps_
-from mdm_lens.diffusion import DEFAULT, generate, plan, registry
+from mdm_lens.diffusion import DEFAULT, generate, plan, registry, rules
 from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings, Plan, masked_canvas
 from mdm_lens.diffusion.dream import DreamSettings
 from mdm_lens.diffusion.llada import LLaDASettings
@@ -45,6 +45,10 @@ class OrderSettings(CanvasSettings):
             raise SamplerConfigError("one token per step", argument="steps", value=n["steps"])
         return dataclasses.replace(self, **n, order=validate.choice(self.order, ("left", "right"), name="order",
                                                                     error=SamplerConfigError))
+
+
+# every caller-settable field declares its rule (mdm_lens.diffusion.rules); the registry refuses a sampler without
+OrderSettings.rules = {**CanvasSettings.rules, "order": rules.choice(("left", "right"))}
 
 
 class OrderSampler(CanvasSampler):

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion import rules as R
 from mdm_lens import validate
 from mdm_lens.diffusion.arguments import filters
 from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings, Plan
@@ -80,6 +81,10 @@ class ARMSettings(CanvasSettings):
         return dataclasses.replace(self, **n, temperature=self.temperature_or(0.0), **filters(self.top_p, self.top_k),
                                    stop_at_eos=stop)
 
+
+ARMSettings.rules = {**CanvasSettings.rules, "temperature": R.number(0, none=True),
+                     "top_p": R.number(0, 1, none=True, low_open=True), "top_k": R.integer(1, none=True),
+                     "stop_at_eos": R.boolean()}
 
 class ARMSampler(CanvasSampler):
     name, Settings = "arm", ARMSettings

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion import rules as R
 from mdm_lens import tokenization, validate
 from mdm_lens.diffusion import arguments
 from mdm_lens.diffusion.output import GenerateOutput, model_key
@@ -41,6 +42,8 @@ class CanvasSettings(SamplerSettings):
         t = getattr(self, "temperature")
         return validate.number(default if t is None else t, name="temperature", min=0, error=SamplerConfigError)
 
+
+CanvasSettings.rules = {"steps": R.integer(1, none=True), "gen_length": R.integer(1, none=True)}
 
 @dataclass(frozen=True)
 class Plan:

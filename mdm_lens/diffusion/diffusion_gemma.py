@@ -46,6 +46,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion import rules as R
 from mdm_lens import tokenization
 from mdm_lens.diffusion.arguments import prompt_tokens
 from mdm_lens.diffusion.output import GenerateOutput, Trajectory, model_key
@@ -363,6 +364,10 @@ class DiffusionGemmaSettings(SamplerSettings):
     cache_implementation: str | None = DEFAULT
     generation_config: Any = DEFAULT
 
+
+# passed on to transformers' generate, which checks them by its own rules (the bridge runs its loop unchanged)
+DiffusionGemmaSettings.rules = {f.name: R.anything("what transformers' GenerationConfig accepts")
+                                for f in dataclasses.fields(DiffusionGemmaSettings)}
 
 # transformers' own generation settings: the dataclass's fields less our two conveniences (one list, not two)
 GENERATION_SETTINGS = tuple(f.name for f in dataclasses.fields(DiffusionGemmaSettings)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion import rules as R
 from mdm_lens import validate
 from mdm_lens.diffusion.arguments import filters, optional
 from mdm_lens.diffusion.dream_block import dream_block_sample
@@ -114,6 +115,16 @@ class DreamSettings(CanvasSettings):
         return dataclasses.replace(s, **(_block_settings(s) if s.kv_cache is not None or s.threshold is not None
                                          or s.factor is not None else _plain_settings(s)))
 
+
+DreamSettings.rules = {
+    **CanvasSettings.rules, "temperature": R.number(0, none=True),
+    "top_p": R.number(0, 1, none=True, low_open=True), "top_k": R.integer(1, none=True),
+    "alg": R.anything("an algorithm name (checked by resolve: origin, maskgit_plus, topk_margin, entropy, "
+                      "confidence_threshold with kv_cache)"),
+    "alg_temp": R.number(0, none=True), "eps": R.number(0, 1, low_open=True),
+    "kv_cache": R.choice(("prefix", "dual"), none=True), "block_length": R.integer(1, none=True),
+    "threshold": R.number(0, 1, none=True), "factor": R.number(0, none=True, low_open=True),
+}
 
 def _plain_settings(s: DreamSettings) -> dict[str, Any]:
     """Dream's own loop: one block (a block_length equal to gen_length says the same; any other needs kv_cache)."""

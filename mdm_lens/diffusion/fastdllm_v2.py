@@ -52,64 +52,7 @@ from mdm_lens.hooks.runner import StepRunner, check_logits
 from mdm_lens.kvcache import KVCache, LayerKV
 from mdm_lens.loading.fastdllm_v2 import BD_SIZE, STOP_TOKEN
 
-REFERENCE_MASK_BLOCK = 32  # the `block_size` default of the reference model's forward (denoising forwards)
-
-
-@dataclass
-class FastDLLMv2Settings(SamplerSettings):
-    """`batch_sample`'s settings and defaults (threshold 0.95, top_p 0.95, temperature 0, no block cache, no factor);
-    the ones it takes without default from the eval harness (`max_new_tokens` 2048, `small_block_size` 8,
-    `block_size` = the checkpoint's `bd_size`). `stop_token` None = the reference's 151645 (`<|im_end|>`) when the
-    vocabulary holds it, else the checkpoint's EOS; `pad_id` None = the checkpoint's pad id (the tokenizer's)."""
-
-    block_size: int | None = None
-    small_block_size: int = 8
-    max_new_tokens: int = 2048
-    threshold: float = 0.95
-    top_p: float = 0.95
-    temperature: float = 0.0
-    use_block_cache: bool = False
-    factor: bool = False
-    factor_value: float = 1.0
-    stop_token: int | None = None
-    pad_id: int | None = None
-
-    def resolve(self, model: Any) -> "FastDLLMv2Settings":
-        err = SamplerConfigError
-        bs = validate.integer(model.cfg.extra.get("block_length", BD_SIZE) if self.block_size is None
-                              else self.block_size, name="block_size", min=1, error=err)
-        sbs = validate.integer(self.small_block_size, name="small_block_size", min=1, max=bs, error=err)
-        if bs % sbs:
-            raise err(f"block_size={bs} is not a multiple of small_block_size={sbs}: the reference never decodes the "
-                      "block's tail and loops forever.", argument="small_block_size", value=sbs,
-                      allowed=f"a divisor of {bs}")
-        if REFERENCE_MASK_BLOCK % bs:
-            raise err(f"block_size={bs} does not divide {REFERENCE_MASK_BLOCK}: the reference's denoising forwards "
-                      f"mask over {REFERENCE_MASK_BLOCK}-token blocks (no block_size is passed), which then hides keys "
-                      "inside the block; not reproduced.", argument="block_size", value=bs,
-                      allowed=f"a divisor of {REFERENCE_MASK_BLOCK}")
-        vocab = model.cfg.d_vocab
-        stop = self.stop_token
-        if stop is None:
-            stop = STOP_TOKEN if STOP_TOKEN < vocab else model.cfg.eos_token_id
-        if stop is None:
-            raise err("no stop token: the vocabulary lacks the reference's 151645 and the checkpoint names no EOS; "
-                      "pass stop_token=.", argument="stop_token", value=None, allowed="a token id")
-        pad = model.cfg.pad_token_id if self.pad_id is None else self.pad_id
-        if pad is None:
-            raise err("no pad id (the reference writes tokenizer.pad_token_id after a stop token); pass pad_id=.",
-                      argument="pad_id", value=None, allowed="a token id")
-        return dataclasses.replace(
-            self, block_size=bs, small_block_size=sbs,
-            max_new_tokens=validate.integer(self.max_new_tokens, name="max_new_tokens", min=bs, error=err),
-            threshold=validate.number(self.threshold, name="threshold", error=err),
-            top_p=validate.number(self.top_p, name="top_p", min=0, max=1, min_open=True, error=err),
-            temperature=validate.number(self.temperature, name="temperature", min=0, error=err),
-            use_block_cache=validate.boolean(self.use_block_cache, name="use_block_cache"),
-            factor=validate.boolean(self.factor, name="factor"),
-            factor_value=validate.number(self.factor_value, name="factor_value", error=err),
-            stop_token=validate.integer(stop, name="stop_token", min=0, max=vocab - 1, error=err),
-            pad_id=validate.integer(pad, name="pad_id", min=0, max=vocab - 1, error=err))
+from mdm_lens.diffusion.fastdllm_v2_settings import REFERENCE_MASK_BLOCK, FastDLLMv2Settings  # noqa: F401
 
 
 def sample_with_top_p(logits: Tensor, top_p: float, temperature: float,
@@ -183,6 +126,8 @@ class SubBlockKV(LayerKV):
 class FastDLLMv2Sampler(CanvasSampler):
     name, Settings = "fastdllm_v2", FastDLLMv2Settings
     neutral = dict(use_block_cache=False, factor=False)
+    # the other samplers' names of the same ideas (the reference's names are kept here)
+    renamed = {"gen_length": "max_new_tokens", "block_length": "block_size", "pad_token_id": "pad_id"}
 
     def is_neutral(self, option: str, value: Any, given: dict[str, Any]) -> bool:
         if value is None and option in ("threshold", "factor", "top_p"):  # "off" as the other samplers spell it

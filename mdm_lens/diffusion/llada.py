@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mdm_lens.diffusion import rules as R
 from mdm_lens import validate
 from mdm_lens.diffusion import fastdllm
 from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings, Plan, masked_canvas
@@ -127,6 +128,16 @@ class LLaDASettings(CanvasSettings):
         s = dataclasses.replace(s, **special_ids(model, s), **parallel_rule(s))
         return s
 
+
+LLaDASettings.rules = {
+    **CanvasSettings.rules, "block_length": R.integer(1, none=True), "temperature": R.number(0, none=True),
+    "cfg_scale": R.number(0), "remasking": R.choice(REMASKING), "logits_eos_inf": R.boolean(),
+    "confidence_eos_eot_inf": R.boolean(), "threshold": R.number(0, 1, none=True),
+    "factor": R.number(0, none=True, low_open=True), "sampler_rule": R.choice(RULES),
+    "gamma": R.number(0, none=True, active=lambda s: s.sampler_rule == "eb", when="sampler_rule='eb'",
+                      on={"sampler_rule": "eb"}),
+    "kv_cache": R.choice(KV_CACHES, none=True),
+}
 
 def check_blocks(steps: int, gen_length: int, block_length: int) -> None:
     if gen_length % block_length:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion import rules as R
 from mdm_lens import validate
 from mdm_lens.diffusion.blockwise import (AlignedBlockSampler, BlockRecorder, end_step, layout, sample_tokens,
                                           transfer_schedule)
@@ -114,6 +115,16 @@ class LLaDA2Settings(SamplerSettings):
                                                      name="num_to_transfer", min=1, max=block_length,
                                                      error=SamplerConfigError))
 
+
+_EDITING = dict(active=lambda s: s.editing_threshold is not None, when="editing_threshold is set (LLaDA2.1's loop)",
+                on={"editing_threshold": 0.9})
+LLaDA2Settings.rules = {
+    "steps": R.integer(1, none=True), "gen_length": R.integer(1), "block_length": R.integer(1, none=True),
+    "temperature": R.number(0), "top_p": R.number(0, 1, none=True, low_open=True), "top_k": R.integer(1, none=True),
+    "eos_early_stop": R.boolean(), "minimal_topk": R.integer(1), "threshold": R.number(0, 1),
+    "editing_threshold": R.number(0, 1, none=True), "max_post_steps": R.integer(0, none=True, **_EDITING),
+    "num_to_transfer": R.integer(1, none=True, **_EDITING),
+}
 
 class LLaDA2Sampler(AlignedBlockSampler):
     name, Settings = "llada2", LLaDA2Settings

@@ -28,7 +28,8 @@ from typing import Any, ClassVar, Sequence
 from torch import Tensor
 
 from mdm_lens import validate
-from mdm_lens.errors import SamplerConfigError
+from mdm_lens.diffusion.rules import Rule, check_given, undeclared
+from mdm_lens.errors import ArgumentTypeError, SamplerConfigError
 
 
 class _Default:
@@ -47,7 +48,11 @@ DEFAULT: Any = _Default()
 @dataclass
 class SamplerSettings:
     """Base of every sampler's settings dataclass: its fields are the settings `generate` accepts, their defaults
-    the reference's. `resolve(model)` returns the checked, model-resolved copy the sampler runs with."""
+    the reference's. `rules` declares each caller-settable field's valid values and the option that activates it
+    (mdm_lens.diffusion.rules); the registry applies them before `resolve(model)`, which returns the checked,
+    model-resolved copy the sampler runs with."""
+
+    rules: ClassVar[dict[str, Rule]] = {}
 
     def resolve(self, model: Any) -> "SamplerSettings":
         return self
@@ -102,11 +107,18 @@ class Sampler:
             if option in own:
                 kept[option] = value
                 continue
+            if option in resolved_names(self):
+                raise SamplerConfigError(f"{option}={validate.describe(value)}: sampler {self.name!r} reads {option} "
+                                         "from the checkpoint (model.cfg; shown on out.settings), not from a keyword; "
+                                         "set it on model.cfg to change it.", argument=option, value=value,
+                                         allowed="not a keyword (set on model.cfg)")
             owners = [s for s in _REGISTRY.values() if s is not self and option in settings_names(s)]
             if owners and all(s.is_neutral(option, value, given) for s in owners):
                 continue  # does nothing wherever it exists
             raise _foreign(self, option, value, owners)
-        return self.Settings(**kept).resolve(model)
+        settings = self.Settings(**kept)
+        check_given(self.name, settings, kept)  # ranges and inert options, the same rule for every sampler
+        return settings.resolve(model)
 
     def generate(self, model: Any, prompt: Any, settings: SamplerSettings, obs: Observation) -> Any:
         raise NotImplementedError
@@ -134,11 +146,32 @@ def _foreign(sampler: Sampler, option: str, value: Any, owners: list[Sampler]) -
 _REGISTRY: dict[str, Sampler] = {}
 
 
-def register(sampler: Sampler) -> Sampler:
-    """Make `sampler` available as `generate(..., sampler=sampler.name)`."""
-    if not (dataclasses.is_dataclass(sampler.Settings) and issubclass(sampler.Settings, SamplerSettings)):
-        raise TypeError(f"{type(sampler).__name__}.Settings must be a SamplerSettings dataclass")
-    _REGISTRY[sampler.name] = sampler
+def register(sampler: Sampler, *, replace: bool = False) -> Sampler:
+    """Make `sampler` available as `generate(..., sampler=sampler.name)`. A name already registered (a built-in
+    such as "llada") is refused unless `replace=True`; every caller-settable field needs a rule (`Settings.rules`)."""
+    if not isinstance(sampler, Sampler):
+        raise ArgumentTypeError(f"register({validate.describe(sampler)}): expected a Sampler instance (a subclass "
+                                "with `name`, `Settings` and `generate`).", argument="sampler", value=sampler,
+                                allowed="a mdm_lens.diffusion.registry.Sampler instance")
+    name = getattr(sampler, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ArgumentTypeError(f"{type(sampler).__name__}.name={name!r}: expected a non-empty str.",
+                                argument="sampler.name", value=name, allowed="a non-empty str")
+    settings = getattr(sampler, "Settings", None)
+    if not (isinstance(settings, type) and dataclasses.is_dataclass(settings) and issubclass(settings, SamplerSettings)):
+        raise ArgumentTypeError(f"{type(sampler).__name__}.Settings must be a SamplerSettings dataclass.",
+                                argument="sampler.Settings", value=settings, allowed="a SamplerSettings dataclass")
+    missing = undeclared(settings)
+    if missing:
+        raise SamplerConfigError(f"{settings.__name__} declares no rule for {missing}: add them to its `rules` table "
+                                 "(mdm_lens.diffusion.rules).", argument="sampler.Settings", value=missing,
+                                 allowed="a rule per field")
+    if name in _REGISTRY and _REGISTRY[name] is not sampler and not validate.boolean(replace, name="replace"):
+        raise SamplerConfigError(f"a sampler named {name!r} is already registered "
+                                 f"({type(_REGISTRY[name]).__name__}); pass replace=True to replace it, or pick "
+                                 "another name.", argument="sampler.name", value=name,
+                                 allowed=f"a name not in {sorted(_REGISTRY)}, or replace=True")
+    _REGISTRY[name] = sampler
     return sampler
 
 
@@ -153,6 +186,11 @@ def get(name: Any) -> Sampler:
 def settings_names(sampler: Sampler) -> set[str]:
     """The settings a caller may pass (fields marked `resolved()` are filled by `resolve`, e.g. checkpoint ids)."""
     return {f.name for f in dataclasses.fields(sampler.Settings) if not f.metadata.get("resolved")}
+
+
+def resolved_names(sampler: Sampler) -> set[str]:
+    """Fields `resolve` fills from the model (e.g. `eos_id`): shown on `out.settings`, refused as keywords."""
+    return {f.name for f in dataclasses.fields(sampler.Settings) if f.metadata.get("resolved")}
 
 
 def all_settings() -> set[str]:

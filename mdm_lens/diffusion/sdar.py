@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion import rules as R
 from mdm_lens import validate
 from mdm_lens.diffusion.blockwise import (AlignedBlockSampler, BlockRecorder, end_step, layout, sample_tokens,
                                           transfer_schedule)
@@ -97,6 +98,18 @@ class SDARSettings(SamplerSettings):
             eb_threshold=None if eb is None else validate.number(eb, name="eb_threshold", error=SamplerConfigError),
             stopping_criteria_idx=stop)
 
+
+SDARSettings.rules = {
+    "steps": R.integer(1, none=True), "gen_length": R.integer(1), "block_length": R.integer(1, none=True),
+    "temperature": R.number(0, low_open=True), "top_k": R.integer(0), "top_p": R.number(0, 1, low_open=True),
+    "remasking_strategy": R.choice(STRATEGIES),
+    "confidence_threshold": R.number(0, 1, active=lambda s: s.remasking_strategy == "low_confidence_dynamic",
+                                     when="remasking_strategy='low_confidence_dynamic'",
+                                     off={"remasking_strategy": "low_confidence_static"}),
+    "eb_threshold": R.number(0, none=True, active=lambda s: s.remasking_strategy == "entropy_bounded",
+                             when="remasking_strategy='entropy_bounded'", on={"remasking_strategy": "entropy_bounded"}),
+    "stopping_criteria_idx": R.anything("a token id or a tuple of them (checked against the vocabulary by resolve)"),
+}
 
 def transfer(strategy: str, mask_index: Tensor, x0_p: Tensor, count: int, confidence_threshold: float,
              eb_threshold: float | None) -> Tensor:

@@ -138,7 +138,8 @@ def _is_int(value: Any) -> bool:
 
 
 def as_steps(value: Any, *, name: str = "hook_steps") -> Steps:
-    """None (every step), a `Steps`, a step (int, "first"/"last") or a list / tuple / range of steps."""
+    """None (every step), a `Steps`, a step (int, "first"/"last") or a non-empty list / tuple / range of steps;
+    an empty one (`hook_steps=[]`) is a SamplerConfigError, never "every step"."""
     if value is None:
         return ALL_STEPS
     if isinstance(value, Steps):
@@ -149,6 +150,9 @@ def as_steps(value: Any, *, name: str = "hook_steps") -> Steps:
         raise ArgumentTypeError(f"{name}={validate.describe(value)} must be None, a step, a list of steps "
                                 "or steps(...).", argument=name, value=value,
                                 allowed="None, int, 'first'/'last', a list of them, or steps(...)")
+    if len(value) == 0:  # an empty list would mean "every step" to steps(); refused rather than guessed
+        raise SamplerConfigError(f"{name}={validate.describe(value)} selects no step; pass None for every step, or "
+                                 "the steps to hook.", argument=name, value=value, allowed="None or at least one step")
     return steps(*value)
 
 

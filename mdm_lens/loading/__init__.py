@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from mdm_lens.config import MDMConfig
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, CheckpointError, CheckpointNotFoundError, ConfigError
+from mdm_lens.loading.diagnose import causes, listing, mismatch_report
 from mdm_lens.loading.families import family_config, family_of, family_plan
 from mdm_lens.loading.fastdllm_v2 import config_from_fastdllm_v2, is_fastdllm_v2
 from mdm_lens.loading.hf import config_from_hf, hf_family, hf_plan
@@ -31,7 +32,7 @@ from mdm_lens.loading.resolve import ZOO_DIR, ZOO_ORG, resolve  # noqa: F401
 from mdm_lens.loading.resolve import load_tokenizer as _load_tokenizer
 from mdm_lens.loading.special import apply_special_tokens
 from mdm_lens.qk_attention import FAMILY_ARCHES
-from mdm_lens.loading.values import HF_SCHEMA, LLADA_SCHEMA, check_ids_in_vocab, check_raw
+from mdm_lens.loading.values import SCHEMAS, check_ids_in_vocab, check_raw
 
 
 def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMConfig, str]:
@@ -47,22 +48,11 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
     try:
         if raw.get("model_type") == "mdm_lens":
             cfg, family = MDMConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"}), "mdm_lens"
-        elif family_of(raw) is not None:  # LLaDA2.x, LLaDA-MoE (model_type "llada"!), SDAR, SDAR-MoE
-            family = family_of(raw)
-            cfg = family_config(raw, family, name, folder)
-        elif is_fastdllm_v2(raw):  # Qwen2 weights, block-causal attention (mdm_lens.loading.fastdllm_v2)
-            cfg, family = config_from_fastdllm_v2(raw, name, folder), "fastdllm_v2"
-        elif is_llada(raw):
-            check_raw(raw, LLADA_SCHEMA, path)
-            cfg, family = config_from_llada(raw, name), "llada"
         else:
-            family = hf_family(raw)
-            if family is None:
-                raise ConfigError(f"{path}: architectures={raw.get('architectures')} model_type="
-                                  f"{raw.get('model_type')!r} is not a supported family (LLaDAModelLM, DreamModel, "
-                                  "LlamaForCausalLM, Qwen2ForCausalLM).")
-            check_raw(raw, HF_SCHEMA, path)
-            cfg = config_from_hf(raw, family, name)
+            family = _family(raw, path)
+            # every value a converter reads is type/range-checked first (loading/values.py), whatever the family
+            check_raw(raw, SCHEMAS[family], path)
+            cfg = _convert(raw, family, name, folder)
         check_ids_in_vocab(raw, cfg.d_vocab, path)
     except (TypeError, KeyError) as e:  # a value of the wrong JSON type (e.g. "n_heads": "32")
         raise ConfigError(f"{path} has a setting of the wrong type or form ({type(e).__name__}: {e}).") from e
@@ -73,6 +63,31 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
     _apply_registry_facts(cfg, known, family)
     apply_special_tokens(cfg, folder, raw, family, known)
     return cfg, family
+
+
+def _family(raw: dict[str, Any], path: Path) -> str:
+    family = family_of(raw)  # LLaDA2.x, LLaDA-MoE (model_type "llada"!), SDAR, SDAR-MoE
+    if family is None and is_fastdllm_v2(raw):  # Qwen2 weights, block-causal attention
+        family = "fastdllm_v2"
+    if family is None and is_llada(raw):
+        family = "llada"
+    family = family or hf_family(raw)
+    if family is None:
+        raise ConfigError(f"{path}: architectures={raw.get('architectures')} model_type="
+                          f"{raw.get('model_type')!r} is not a supported family (LLaDAModelLM, DreamModel, "
+                          "LlamaForCausalLM, Qwen2ForCausalLM, LLaDA2MoeModelLM, LLaDAMoEModelLM, SDARForCausalLM, "
+                          "SDARMoeForCausalLM, Fast_dLLM_QwenForCausalLM).")
+    return family
+
+
+def _convert(raw: dict[str, Any], family: str, name: str, folder: Path) -> MDMConfig:
+    if family_of(raw) is not None:
+        return family_config(raw, family, name, folder)
+    if family == "fastdllm_v2":
+        return config_from_fastdllm_v2(raw, name, folder)
+    if family == "llada":
+        return config_from_llada(raw, name)
+    return config_from_hf(raw, family, name)
 
 
 def _apply_registry_facts(cfg: MDMConfig, known: KnownModel | None, family: str) -> None:
@@ -96,24 +111,21 @@ def native_plan(cfg: MDMConfig, names: list[str]) -> Plan:
 
 def build_state_dict(plan: Plan, reader: CheckpointReader, expected: dict[str, tuple[int, ...]],
                      source_shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str | torch.device,
-                     tied_hint: str = "") -> dict[str, torch.Tensor]:
-    """Check every source tensor is present with the right shape, then assemble (cat) and cast."""
+                     tied_hint: str = "", cause: str = "") -> dict[str, torch.Tensor]:
+    """Check every source tensor is present with the right shape, then assemble (cat) and cast. `cause` names
+    the config keys the tensor names contradict (loading/diagnose.py); every wrong name is listed."""
     keys = set(reader.keys())
     wanted = {src for sources in plan.values() for src in sources}
     missing = sorted(wanted - keys)
     extra = sorted(k for k in keys - wanted if not k.endswith("inv_freq"))
     if missing or extra:
-        raise CheckpointError(
-            f"checkpoint at {reader.folder} does not match its config: {len(missing)} missing tensor(s) "
-            f"{missing[:8]}{' …' if len(missing) > 8 else ''}; {len(extra)} unexpected tensor(s) "
-            f"{extra[:8]}{' …' if len(extra) > 8 else ''}. Check that config.json belongs to these weights."
-            + (tied_hint if any(_is_unembed(k) for k in missing + extra) else "")
-        )
+        raise CheckpointError(mismatch_report(reader.folder, missing, extra, cause)
+                              + (tied_hint if any(_is_unembed(k) for k in missing + extra) else ""))
     wrong = {src: (reader.shape(src), want) for src, want in source_shapes.items() if reader.shape(src) != want}
     if wrong:  # checked from the file headers before any tensor is read
-        listed = "; ".join(f"{src} has shape {got}, expected {want}" for src, (got, want) in list(wrong.items())[:8])
+        shown = [f"{src} has shape {got}, expected {want}" for src, (got, want) in wrong.items()]
         raise CheckpointError(
-            f"shape mismatch in {reader.folder}: {listed}{' …' if len(wrong) > 8 else ''}. config.json and the "
+            f"shape mismatch in {reader.folder}: {listing('misshapen', shown, reader.folder)}. config.json and the "
             "weights disagree (d_model, heads, kv heads, head size, d_mlp or vocab size), or the tensor is corrupt."
         )
     out = {}
@@ -202,8 +214,9 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
     else:
         plans = {"llada": llada_plan, **dict.fromkeys(FAMILY_ARCHES, family_plan)}
         plan = plans.get(family, hf_plan)(cfg, reader.keys())
+    raw = {} if family == "mdm_lens" else json.loads((folder / "config.json").read_text())
     state = build_state_dict(plan, reader, expected, source_shapes(cfg, plan, expected), dtype, device,
-                             tied_hint=_tying_hint(cfg, family, folder))
+                             tied_hint=_tying_hint(cfg, family, folder), cause=causes(cfg, family, raw, reader.keys()))
     if cfg.tie_word_embeddings:
         state["unembed.weight"] = state["embed.W_E"]
     model.load_state_dict(state, strict=True, assign=True)

@@ -36,14 +36,14 @@ def config_from_fastdllm_v2(config: dict[str, Any], name: str, folder: Path) -> 
     from mdm_lens.loading.family_parts import mask_token_id
     from mdm_lens.loading.hf import config_from_hf
     from mdm_lens.loading.special import TokenTable, _read_json, _token_name
-    from mdm_lens.loading.values import HF_SCHEMA, check_raw
+    from mdm_lens.loading.values import FASTDLLM_V2_SCHEMA, check_raw
 
-    check_raw(config, HF_SCHEMA, folder / "config.json")
+    check_raw(config, FASTDLLM_V2_SCHEMA, folder / "config.json")  # also checked by read_config; kept for direct calls
     cfg = config_from_hf(config, "qwen2", name)  # Qwen2Config defaults for absent keys, sliding window refused
     bd_size = config.get("bd_size", BD_SIZE)
     if not isinstance(bd_size, int) or isinstance(bd_size, bool) or bd_size <= 0:
         raise ConfigError(f"config.json has bd_size={bd_size!r}; Fast-dLLM v2 needs a positive block size.")
-    cfg.family, cfg.attention, cfg.logit_shift = FAMILY, "bidirectional", True
+    cfg.family, cfg.attention, cfg.logit_shift = FAMILY, "block_causal", True
     cfg.extra["block_length"] = bd_size
     mask = mask_token_id(config, folder, cfg.d_vocab)
     if mask is None:

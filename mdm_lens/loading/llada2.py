@@ -48,10 +48,32 @@ def _positive(config: dict[str, Any], key: str, getter: Any = _get) -> int:
 
 
 def block_length_from(config: dict[str, Any], default: int) -> int:
-    for key in ("block_length", "block_size"):
-        if isinstance(config.get(key), int) and config[key] > 0:
-            return config[key]
-    return default
+    """config.json's `block_length` (or `block_size`), else the sampler's default. The values were range-checked
+    (loading/values.py: a 0, -4 or "8" is a ConfigError, never replaced by the default); two that disagree are
+    refused rather than one picked."""
+    given = {key: config[key] for key in ("block_length", "block_size") if key in config}
+    for key, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"config.json has {key}={value!r}: expected an int > 0 (the sampler's block length).")
+    if len(set(given.values())) > 1:
+        raise ConfigError(f"config.json has block_length={given['block_length']!r} and block_size="
+                          f"{given['block_size']!r}, which disagree; keep one of them.")
+    return next(iter(given.values()), default)
+
+
+def _check_routing(config: dict[str, Any]) -> None:
+    """The group-limited top-k the reference runs must be possible: experts split evenly into `n_group` groups,
+    `topk_group <= n_group`, and enough experts in the chosen groups for `num_experts_per_tok`."""
+    n, groups, chosen, k = (_positive(config, key) for key in ("num_experts", "n_group", "topk_group",
+                                                                "num_experts_per_tok"))
+    if n % groups:
+        raise ConfigError(f"LLaDA2 num_experts={n} is not divisible by n_group={groups} (experts are split into "
+                          "equal groups).")
+    if chosen > groups:
+        raise ConfigError(f"LLaDA2 topk_group={chosen} exceeds n_group={groups}.")
+    if k > chosen * (n // groups):
+        raise ConfigError(f"LLaDA2 num_experts_per_tok={k} exceeds the {chosen * (n // groups)} experts of the "
+                          f"topk_group={chosen} chosen groups (num_experts={n}, n_group={groups}).")
 
 
 def config_from_llada2(config: dict[str, Any], name: str, folder: Path) -> MDMConfig:
@@ -77,6 +99,7 @@ def config_from_llada2(config: dict[str, Any], name: str, folder: Path) -> MDMCo
     if any(moe_layers):
         n_shared = _get(config, "num_shared_experts") or 0
         d_expert = _positive(config, "moe_intermediate_size")
+        _check_routing(config)
         extra["moe"] = {
             "n_experts": n_experts, "top_k": _positive(config, "num_experts_per_tok"), "score": "sigmoid",
             "n_group": _positive(config, "n_group"), "topk_group": _positive(config, "topk_group"),
@@ -89,7 +112,7 @@ def config_from_llada2(config: dict[str, Any], name: str, folder: Path) -> MDMCo
         d_mlp=d_mlp, d_vocab=_positive(config, "vocab_size"),
         n_ctx=_get(config, "max_position_embeddings"), rope_theta=float(_get(config, "rope_theta")),
         norm_eps=float(_get(config, "rms_norm_eps")), qkv_bias=bool(_get(config, "use_qkv_bias")),
-        attention="bidirectional", rope_full_precision=False, tie_word_embeddings=bool(_get(config, "tie_word_embeddings")),
+        attention="block_causal", rope_full_precision=False, tie_word_embeddings=bool(_get(config, "tie_word_embeddings")),
         pad_token_id=in_vocab(_get(config, "pad_token_id"), _positive(config, "vocab_size")),
         bos_token_id=in_vocab(config.get("bos_token_id"), _positive(config, "vocab_size")),
         family="llada2_moe", model_name=name, extra=extra,

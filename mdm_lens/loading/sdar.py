@@ -35,6 +35,17 @@ REFERENCE_DEFAULTS: dict[str, dict[str, Any]] = {
 SAMPLER_BLOCK_LENGTH = 4  # JetAstra/SDAR generate.py --block_length
 
 
+def _n_experts(config: dict[str, Any], get: Any) -> int:
+    """`num_experts`, or its alias `num_local_experts` (Qwen3MoeConfig.attribute_map maps one to the other, so a
+    config.json naming either sets the reference's expert count); both, disagreeing, are refused."""
+    if "num_local_experts" in config:
+        if "num_experts" in config and config["num_experts"] != config["num_local_experts"]:
+            raise ConfigError(f"config.json has num_experts={config['num_experts']} and num_local_experts="
+                              f"{config['num_local_experts']} (an alias of it in Qwen3MoeConfig), which disagree.")
+        return config["num_local_experts"]
+    return get("num_experts")
+
+
 def config_from_sdar(config: dict[str, Any], family: str, name: str, folder: Path) -> MDMConfig:
     from mdm_lens.loading.family_parts import dense_width, in_vocab, mask_token_id
     from mdm_lens.loading.llada2 import block_length_from
@@ -58,8 +69,11 @@ def config_from_sdar(config: dict[str, Any], family: str, name: str, folder: Pat
     if scaling:
         extra["rope_scaling"] = scaling
     if family == "sdar_moe":
-        skip, step, n_experts = get("mlp_only_layers") or [], get("decoder_sparse_step"), get("num_experts")
+        skip, step, n_experts = get("mlp_only_layers") or [], get("decoder_sparse_step"), _n_experts(config, get)
         moe_layers = [i not in skip and n_experts > 0 and (i + 1) % step == 0 for i in range(n_layers)]
+        if any(moe_layers) and get("num_experts_per_tok") > n_experts:
+            raise ConfigError(f"SDAR-MoE num_experts_per_tok={get('num_experts_per_tok')} exceeds num_experts="
+                              f"{n_experts}.")
         if any(moe_layers):
             extra["moe"] = {"n_experts": n_experts, "top_k": get("num_experts_per_tok"), "score": "softmax",
                             "renorm": bool(get("norm_topk_prob")), "renorm_eps": 0.0, "expert_bias": None,
@@ -69,7 +83,7 @@ def config_from_sdar(config: dict[str, Any], family: str, name: str, folder: Pat
         d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, d_head=d_head,
         d_mlp=dense_width(config, "intermediate_size", get("intermediate_size"), moe_layers, extra),
         d_vocab=get("vocab_size"), n_ctx=get("max_position_embeddings"), rope_theta=theta,
-        norm_eps=float(get("rms_norm_eps")), qkv_bias=bool(get("attention_bias")), attention="bidirectional",
+        norm_eps=float(get("rms_norm_eps")), qkv_bias=bool(get("attention_bias")), attention="block_causal",
         rope_full_precision=False, tie_word_embeddings=bool(get("tie_word_embeddings")),
         pad_token_id=in_vocab(config.get("pad_token_id"), get("vocab_size")),
         bos_token_id=in_vocab(config.get("bos_token_id"), get("vocab_size")),

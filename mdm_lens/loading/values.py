@@ -52,25 +52,78 @@ def token_ids(value: Any) -> bool:
     return token_id(value) or (isinstance(value, list) and bool(value) and all(token_id(v) for v in value))
 
 
+def finite_positive(value: Any) -> bool:
+    return nonnegative_number(value) and value > 0
+
+
+def unit_fraction(value: Any) -> bool:
+    """A fraction of the head that is rotated: in (0, 1]."""
+    return finite_positive(value) and value <= 1
+
+
+def nonnegative_int(value: Any) -> bool:
+    return _int(value) and value >= 0
+
+
+def layer_list(value: Any) -> bool:
+    """A list of layer indices (`mlp_only_layers`) or of 0/1 flags (`moe_layer_freq`)."""
+    return isinstance(value, list) and all(nonnegative_int(v) for v in value)
+
+
 _IDS = {"mask_token_id": _or_null(token_id), "bos_token_id": _or_null(token_id), "pad_token_id": _or_null(token_id),
         "eos_token_id": _or_null(token_ids)}
+# the sampler's block length a block-diffusion checkpoint may name (LLaDA2, SDAR): never replaced by a default
+_BLOCK = {"block_length": positive_int, "block_size": positive_int}
+_SIZES = {"hidden_size": positive_int, "num_hidden_layers": positive_int, "num_attention_heads": positive_int,
+          "vocab_size": positive_int, "max_position_embeddings": positive_int,
+          "head_dim": _or_null(positive_int), "rms_norm_eps": nonnegative_number, "tie_word_embeddings": is_bool,
+          "rope_theta": finite_positive}
 HF_SCHEMA: dict[str, Check] = {
-    "hidden_size": positive_int, "intermediate_size": positive_int, "num_hidden_layers": positive_int,
-    "num_attention_heads": positive_int, "vocab_size": positive_int, "max_position_embeddings": positive_int,
-    "num_key_value_heads": _or_null(positive_int), "head_dim": _or_null(positive_int),
-    "rms_norm_eps": nonnegative_number, "tie_word_embeddings": is_bool, "attention_bias": is_bool,
-    "mlp_bias": is_bool, "use_sliding_window": is_bool, **_IDS,
+    **_SIZES, "intermediate_size": positive_int, "num_key_value_heads": _or_null(positive_int),
+    "attention_bias": is_bool, "mlp_bias": is_bool, "use_sliding_window": is_bool, **_IDS,
 }
+FASTDLLM_V2_SCHEMA: dict[str, Check] = {**HF_SCHEMA, "bd_size": positive_int}
 LLADA_SCHEMA: dict[str, Check] = {
     "d_model": positive_int, "n_heads": positive_int, "n_layers": positive_int, "vocab_size": positive_int,
     "max_sequence_length": positive_int, "n_kv_heads": _or_null(positive_int),
     "mlp_hidden_size": _or_null(positive_int), "mlp_ratio": positive_int, "embedding_size": _or_null(positive_int),
-    "rms_norm_eps": nonnegative_number, "rope_theta": lambda v: nonnegative_number(v) and v > 0,
+    "rms_norm_eps": nonnegative_number, "rope_theta": finite_positive,
     "weight_tying": is_bool, "include_qkv_bias": is_bool, "rope_full_precision": is_bool,
     "multi_query_attention": _or_null(is_bool), **_IDS,
 }
+LLADA2_SCHEMA: dict[str, Check] = {
+    **_SIZES, **_BLOCK, "intermediate_size": _or_null(positive_int), "num_key_value_heads": positive_int,
+    "use_qkv_bias": is_bool, "use_qk_norm": is_bool, "use_bias": is_bool, "use_sliding_window": is_bool,
+    "partial_rotary_factor": unit_fraction, "num_experts": _or_null(positive_int),
+    "num_shared_experts": _or_null(nonnegative_int), "num_experts_per_tok": positive_int, "n_group": positive_int,
+    "topk_group": positive_int, "routed_scaling_factor": finite_positive,
+    "moe_intermediate_size": _or_null(positive_int), "first_k_dense_replace": nonnegative_int, **_IDS,
+}
+LLADAMOE_SCHEMA: dict[str, Check] = {
+    **_SIZES, "dense_intermediate_size": positive_int, "expert_intermediate_size": positive_int,
+    "shared_expert_intermediate_size": _or_null(positive_int), "num_key_value_heads": _or_null(positive_int),
+    "partial_rotary_factor": unit_fraction, "attention_bias": is_bool, "clip_qkv": _or_null(finite_positive),
+    "num_experts_per_tok": positive_int, "num_experts": positive_int, "qk_layernorm": _or_null(is_bool),
+    "moe_layer_freq": layer_list, "moe_router_enable_expert_bias": _or_null(is_bool), **_IDS,
+}
+SDAR_SCHEMA: dict[str, Check] = {
+    **_SIZES, **_BLOCK, "intermediate_size": positive_int, "num_key_value_heads": _or_null(positive_int),
+    "attention_bias": is_bool, "use_sliding_window": is_bool, **_IDS,
+}
+SDAR_MOE_SCHEMA: dict[str, Check] = {
+    **SDAR_SCHEMA, "decoder_sparse_step": positive_int, "num_experts": nonnegative_int,
+    "num_local_experts": nonnegative_int, "num_experts_per_tok": positive_int, "moe_intermediate_size": positive_int,
+    "norm_topk_prob": is_bool, "mlp_only_layers": _or_null(layer_list),
+}
+SCHEMAS: dict[str, dict[str, Check]] = {
+    "llama": HF_SCHEMA, "qwen2": HF_SCHEMA, "dream": HF_SCHEMA, "fastdllm_v2": FASTDLLM_V2_SCHEMA,
+    "llada": LLADA_SCHEMA, "llada2_moe": LLADA2_SCHEMA, "lladamoe": LLADAMOE_SCHEMA, "sdar": SDAR_SCHEMA,
+    "sdar_moe": SDAR_MOE_SCHEMA,
+}
 _WHAT = {positive_int: "an int > 0", nonnegative_number: "a finite number >= 0", is_bool: "true or false",
-         token_id: "an int >= 0", token_ids: "an int >= 0 or a list of them"}
+         token_id: "an int >= 0", token_ids: "an int >= 0 or a list of them", finite_positive: "a finite number > 0",
+         unit_fraction: "a number in (0, 1]", nonnegative_int: "an int >= 0",
+         layer_list: "a list of ints >= 0"}
 
 
 def _describe(check: Check) -> str:
@@ -80,7 +133,7 @@ def _describe(check: Check) -> str:
         inner = check.__name__.removesuffix(" or null")
         named = {f.__name__: w for f, w in _WHAT.items()}
         return f"{named.get(inner, inner)} or null"
-    return "a finite number > 0"
+    return check.__doc__ or check.__name__
 
 
 def check_raw(raw: dict[str, Any], schema: dict[str, Check], path: Path) -> None:

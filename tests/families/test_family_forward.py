@@ -48,7 +48,7 @@ def test_llada2_config_facts(tmp_path):
     assert cfg.extra["rotary_dim"] == 8 and cfg.extra["moe"]["scaling"] == 2.5 and cfg.extra["o_bias"] is True
     assert cfg.mask_token_id == MASK_ID and cfg.eos_token_id == 98
     assert cfg.pad_token_id is None  # the reference default 126081 lies outside this vocabulary
-    assert cfg.extra["block_length"] == 32 and cfg.family == "llada2_moe" and cfg.attention == "bidirectional"
+    assert cfg.extra["block_length"] == 32 and cfg.family == "llada2_moe" and cfg.attention == "block_causal"
     assert cfg.extra["moe_layers"] == [False, True, True]
     tokens = _tokens()
     ref = llada2_forward(sd, {**config, "partial_rotary_factor": 0.5, "routed_scaling_factor": 2.5}, tokens,

@@ -1,0 +1,94 @@
+"""Per-setting rules every sampler declares and the registry applies the same way.
+
+Each `SamplerSettings` subclass lists, in its `rules` table, every field a caller may pass: the values it accepts
+(`Rule.check`, with `allowed` in words and `bad` examples the tests feed it) and, for an option that only acts
+under another one, `active(settings)` with `when` naming that option. `check_given` refuses, before any compute,
+an out-of-range value and an option set away from its default while inactive (its message names the option that
+activates it): an inert option is never accepted silently. `Settings.resolve` then fills model-dependent values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mdm_lens import validate
+from mdm_lens.errors import SamplerConfigError
+
+
+@dataclass(frozen=True)
+class Rule:
+    check: Callable[[Any, str], Any] | None = None  # raises the typed error of mdm_lens.validate; None: any value
+    allowed: str = "any value"
+    bad: tuple = ()  # values `check` refuses (the table-driven tests use them)
+    active: Callable[[Any], bool] | None = None  # None: always acts
+    when: str = ""  # the option(s) under which it acts
+    on: dict[str, Any] = dataclasses.field(default_factory=dict)  # other settings under which it acts (for tests)
+    off: dict[str, Any] = dataclasses.field(default_factory=dict)  # other settings under which it is inert
+
+
+def _or_none(none: bool, check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+    return lambda v, name: None if (v is None and none) else check(v, name)
+
+
+def number(low: float | None = None, high: float | None = None, *, none: bool = False, low_open: bool = False,
+           **kw: Any) -> Rule:
+    """A finite number in [low, high] (`low_open`: low excluded); `none`: None allowed too."""
+    check = _or_none(none, lambda v, name: validate.number(v, name=name, min=low, max=high, min_open=low_open,
+                                                           error=SamplerConfigError))
+    span = f"{'(' if low_open else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+    bad: list[Any] = [float("nan"), float("inf"), "0.5"] + ([] if none else [None])
+    bad += ([] if high is None else [high + 0.5]) + ([] if low is None else [low if low_open else low - 1])
+    return Rule(check, f"a finite number in {span}" + (" or None" if none else ""), tuple(bad), **kw)
+
+
+def integer(low: int | None = None, high: int | None = None, *, none: bool = False, **kw: Any) -> Rule:
+    check = _or_none(none, lambda v, name: validate.integer(v, name=name, min=low, max=high,
+                                                            error=SamplerConfigError))
+    bad: Any = [2.5, "8", True] + ([] if none else [None]) + ([] if low is None else [low - 1])
+    bad = tuple(bad + ([] if high is None else [high + 1]))
+    return Rule(check, f"an int >= {low}" + (f" and <= {high}" if high is not None else "") + (" or None" if none else ""),
+                bad, **kw)
+
+
+def boolean(**kw: Any) -> Rule:
+    return Rule(lambda v, name: validate.boolean(v, name=name), "True or False", (1, "yes", None), **kw)
+
+
+def choice(options: tuple, *, none: bool = False, **kw: Any) -> Rule:
+    check = _or_none(none, lambda v, name: validate.choice(v, options, name=name, error=SamplerConfigError))
+    return Rule(check, f"one of {options}" + (" or None" if none else ""), ("nope", 3), **kw)
+
+
+def anything(allowed: str = "any value (checked against the model by resolve)", **kw: Any) -> Rule:
+    return Rule(None, allowed, (), **kw)
+
+
+def check_given(sampler_name: str, settings: Any, given: dict[str, Any]) -> None:
+    """Every option the caller gave: in range (validate's typed errors), and active (or left at its default)."""
+    rules: dict[str, Rule] = type(settings).rules
+    defaults = {f.name: f.default for f in dataclasses.fields(settings)}
+    for name, value in given.items():
+        if rules[name].check is not None:
+            rules[name].check(value, name)
+    for name, value in given.items():
+        rule = rules[name]
+        if rule.active is not None and not rule.active(settings) and not _same(value, defaults[name]):
+            raise SamplerConfigError(f"{name}={validate.describe(value)} has no effect on sampler {sampler_name!r} "
+                                     f"unless {rule.when}; set that too, or leave {name} at its default "
+                                     f"{defaults[name]!r}.", argument=name, value=value,
+                                     allowed=f"{defaults[name]!r} unless {rule.when}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def undeclared(settings_cls: type) -> list[str]:
+    """Caller-settable fields with no rule (a registry refusal names them)."""
+    return [f.name for f in dataclasses.fields(settings_cls)
+            if not f.metadata.get("resolved") and f.name not in getattr(settings_cls, "rules", {})]
