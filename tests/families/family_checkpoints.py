@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from mdm_lens.init import bias_draw, norm_weight_draw
+
 VOCAB = 101
 MASK_ID = 100
 
@@ -18,7 +20,11 @@ def _rand(g: torch.Generator, *shape: int, scale: float = 0.08) -> torch.Tensor:
 
 
 def _norm(g: torch.Generator, n: int) -> torch.Tensor:
-    return 1.0 + 0.1 * torch.randn(n, generator=g)  # non-trivial norm weights catch a skipped norm
+    return norm_weight_draw((n,), g)  # the library's fixture: log-normal, far from 1, so a skipped norm shows
+
+
+def _bias(g: torch.Generator, n: int) -> torch.Tensor:
+    return bias_draw((n,), 0.1, g)  # the library's fixture: biases and router biases far from 0
 
 
 def _mlp(sd: dict, g: torch.Generator, prefix: str, d: int, f: int) -> None:
@@ -69,10 +75,10 @@ def write_llada2(folder: Path, seed: int = 0, drop: tuple[str, ...] = (), **over
         sd[p + "post_attention_layernorm.weight"] = _norm(g, d)
         sd[p + "attention.query_key_value.weight"] = _rand(g, (h + 2 * kv) * e, d)
         if full["use_qkv_bias"]:
-            sd[p + "attention.query_key_value.bias"] = _rand(g, (h + 2 * kv) * e)
+            sd[p + "attention.query_key_value.bias"] = _bias(g, (h + 2 * kv) * e)
         sd[p + "attention.dense.weight"] = _rand(g, d, h * e)
         if full["use_bias"]:
-            sd[p + "attention.dense.bias"] = _rand(g, d)
+            sd[p + "attention.dense.bias"] = _bias(g, d)
         if full["use_qk_norm"]:
             sd[p + "attention.query_layernorm.weight"] = _norm(g, e)
             sd[p + "attention.key_layernorm.weight"] = _norm(g, e)
@@ -81,7 +87,7 @@ def write_llada2(folder: Path, seed: int = 0, drop: tuple[str, ...] = (), **over
             continue
         n, f = full["num_experts"], full["moe_intermediate_size"]
         sd[p + "mlp.gate.weight"] = _rand(g, n, d, scale=0.3)
-        sd[p + "mlp.gate.expert_bias"] = _rand(g, n, scale=0.1)
+        sd[p + "mlp.gate.expert_bias"] = _bias(g, n)
         for x in range(n):
             _mlp(sd, g, f"{p}mlp.experts.{x}.", d, f)
         if full["num_shared_experts"]:
@@ -123,10 +129,10 @@ def write_lladamoe(folder: Path, seed: int = 0, drop: tuple[str, ...] = (), **ov
         for name, rows in (("q", h * e), ("k", kv * e), ("v", kv * e)):
             sd[f"{p}self_attn.{name}_proj.weight"] = _rand(g, rows, d, scale=0.3)
             if full["attention_bias"]:
-                sd[f"{p}self_attn.{name}_proj.bias"] = _rand(g, rows)
+                sd[f"{p}self_attn.{name}_proj.bias"] = _bias(g, rows)
         sd[p + "self_attn.o_proj.weight"] = _rand(g, d, h * e)
         if full["attention_bias"]:
-            sd[p + "self_attn.o_proj.bias"] = _rand(g, d)
+            sd[p + "self_attn.o_proj.bias"] = _bias(g, d)
         if full["qk_layernorm"]:
             sd[p + "self_attn.q_norm.weight"] = _norm(g, e)
             sd[p + "self_attn.k_norm.weight"] = _norm(g, e)
@@ -136,7 +142,7 @@ def write_lladamoe(folder: Path, seed: int = 0, drop: tuple[str, ...] = (), **ov
         n = full["num_experts"]
         sd[p + "mlp.gate.weight"] = _rand(g, n, d, scale=0.3)
         if full["moe_router_enable_expert_bias"]:
-            sd[p + "mlp.expert_bias"] = _rand(g, n, scale=0.1)
+            sd[p + "mlp.expert_bias"] = _bias(g, n)
         for x in range(n):
             _mlp(sd, g, f"{p}mlp.experts.{x}.", d, full["expert_intermediate_size"])
         if full["shared_expert_intermediate_size"] is not None:
@@ -173,10 +179,10 @@ def write_sdar(folder: Path, moe: bool = False, seed: int = 0, **overrides) -> t
         for name, rows in (("q", h * e), ("k", kv * e), ("v", kv * e)):
             sd[f"{p}self_attn.{name}_proj.weight"] = _rand(g, rows, d, scale=0.2)
             if config["attention_bias"]:
-                sd[f"{p}self_attn.{name}_proj.bias"] = _rand(g, rows)
+                sd[f"{p}self_attn.{name}_proj.bias"] = _bias(g, rows)
         sd[p + "self_attn.o_proj.weight"] = _rand(g, d, h * e)
         if config["attention_bias"]:
-            sd[p + "self_attn.o_proj.bias"] = _rand(g, d)
+            sd[p + "self_attn.o_proj.bias"] = _bias(g, d)
         sd[p + "self_attn.q_norm.weight"] = _norm(g, e)
         sd[p + "self_attn.k_norm.weight"] = _norm(g, e)
         if not moe or i in config["mlp_only_layers"]:
