@@ -19,6 +19,17 @@ from mdm_lens import validate
 NORM_LOG_STD = 0.5
 
 
+def norm_weight_draw(shape: tuple[int, ...] | torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """Norm (or scale) weights the way trained models have them: exp(N(0, NORM_LOG_STD²)), positive, far from 1.
+    The one definition the test builders share (hub-layout state dicts, transformers references, the bridge)."""
+    return torch.exp(NORM_LOG_STD * torch.randn(tuple(shape), generator=generator))
+
+
+def bias_draw(shape: tuple[int, ...] | torch.Size, std: float, generator: torch.Generator) -> torch.Tensor:
+    """Biases and router/expert biases: normal(0, std), std >= 0.1 in the fixtures so a dropped one shows."""
+    return std * torch.randn(tuple(shape), generator=generator)
+
+
 def _is_norm_weight(name: str) -> bool:
     return name.endswith(".w") or name.endswith("norm.weight")
 
@@ -37,11 +48,10 @@ def realistic_(model: nn.Module, seed: int = 0, bias_std: float | None = None) -
         bias_std = validate.number(bias_std, name="bias_std", min=0.0)
         for name, p in model.named_parameters():
             if _is_norm_weight(name) and p.ndim == 1:
-                draw = torch.exp(NORM_LOG_STD * torch.randn(p.shape, generator=gen))
-                p.copy_(draw.to(p.dtype))
+                p.copy_(norm_weight_draw(p.shape, gen).to(p.dtype))
             elif "bias" in name.rsplit(".", 1)[-1] and p.ndim == 1:
-                p.copy_((bias_std * torch.randn(p.shape, generator=gen)).to(p.dtype))
+                p.copy_(bias_draw(p.shape, bias_std, gen).to(p.dtype))
         for name, b in model.named_buffers():
             if name.endswith("expert_bias") and b.is_floating_point():
-                b.copy_((bias_std * torch.randn(b.shape, generator=gen)).to(b.dtype))
+                b.copy_(bias_draw(b.shape, bias_std, gen).to(b.dtype))
     return model

@@ -110,10 +110,11 @@ class HookedMDM(CheckedHookSurface):
     # --- construction -------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg: MDMConfig, seed: int | None = 0, init_std: float = 0.02,
-                    tokenizer: Any = None, init: Literal["normal", "realistic"] = "normal") -> "HookedMDM":
-        """A randomly initialised model: normal(0, init_std) matrices and biases, unit norm weights
-        (`init="normal"`), or with norm weights and biases redrawn to look trained (`init="realistic"`,
-        `mdm_lens.init.realistic_`: norm weights log-normal around 1, biases and router biases non-zero)."""
+                    tokenizer: Any = None, init: Literal["normal", "realistic"] = "realistic") -> "HookedMDM":
+        """A randomly initialised model: normal(0, init_std) matrices, with norm weights and biases drawn to look
+        trained (`init="realistic"`, the default, `mdm_lens.init.realistic_`: norm weights log-normal around 1,
+        biases and router biases non-zero, so a dropped norm weight or bias changes the output), or unit norm
+        weights and normal(0, init_std) biases (`init="normal"`, for planted cases that need unit norms)."""
         init = validate.choice(init, ("normal", "realistic"), name="init")
         model = cls(cfg, tokenizer=tokenizer)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None

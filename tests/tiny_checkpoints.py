@@ -10,17 +10,19 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from mdm_lens.init import realistic_
+
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=97)
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Matrices normal(0, 0.08); norm weights and biases then redrawn by the library's own fixture
+    (`mdm_lens.init.realistic_`: log-normal norms, biases std 0.1) so a skipped or misplaced one shows."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:  # non-trivial norm weights catch a skipped or misplaced norm
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.08 * torch.randn(p.shape, generator=g))
+        for p in model.parameters():
+            p.copy_(0.08 * torch.randn(p.shape, generator=g))
+    realistic_(model, seed=seed, bias_std=0.1)
 
 
 def hf_reference(family: str, n_kv_heads: int = 2, seed: int = 0, **overrides) -> torch.nn.Module:

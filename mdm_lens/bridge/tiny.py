@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mdm_lens.init import norm_weight_draw
+
 _TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                     num_attention_heads=2, num_key_value_heads=2, head_dim=8)
 
@@ -36,20 +38,22 @@ def tiny_config(*, vocab_size: int = 128, hidden_size: int = 32, n_layers: int =
 
 
 def randomize(model: nn.Module, seed: int = 0, scale: float = 0.08) -> nn.Module:
-    """Every parameter and the layer scalars random: norm/scale weights near 1 (so a skipped or misplaced
-    norm changes the output), matrices normal(0, scale)."""
+    """Every parameter and the layer scalars random: norm/scale weights and layer scalars log-normal around 1
+    (`mdm_lens.init.norm_weight_draw`, the fixture every test model shares: far enough from 1 that a skipped or
+    misplaced norm, router scale or layer scalar changes the output), matrices normal(0, scale). DiffusionGemma's
+    RMSNorm multiplies by `weight` itself (not 1 + weight), so the stored value is the effective one."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("scale"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+                p.copy_(norm_weight_draw(p.shape, g))
             else:
                 p.copy_(scale * torch.randn(p.shape, generator=g))
         scalars: dict[str, torch.Tensor] = {}  # encoder and decoder layer i share one value, as weights do
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 index = name.split("layers.")[1].split(".")[0]
-                b.copy_(scalars.setdefault(index, 1.0 + 0.1 * torch.randn(b.shape, generator=g)))
+                b.copy_(scalars.setdefault(index, norm_weight_draw(b.shape, g)))
     return model
 
 

@@ -79,7 +79,9 @@ def test_left_padding_equals_transformers():
         ids2[0, :3] = 5  # pads are hidden: changing them moves nothing
         ours2 = bridge(ids2, attention_mask=am, decoder_input_ids=canvas, decoder_attention_mask=dam)
     assert (ours - expected).abs().max().item() <= TOL
-    assert (ours2 - ours).abs().max().item() <= 1e-5
+    # fp32 rounding of hidden rows scales with the logits (log-normal norm weights and layer scalars): relative
+    scale = max(1.0, ours.abs().max().item())
+    assert (ours2 - ours).abs().max().item() <= 1e-5 * scale
 
 
 def test_patterns_equal_eager_output_attentions():

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from mdm_lens.init import bias_draw, norm_weight_draw
+
 VOCAB = 101
 MASK_ID = 100
 
@@ -17,8 +19,14 @@ def _rand(g: torch.Generator, *shape: int, scale: float = 0.08) -> torch.Tensor:
     return scale * torch.randn(*shape, generator=g)
 
 
-def _norm(g: torch.Generator, n: int) -> torch.Tensor:
-    return 1.0 + 0.1 * torch.randn(n, generator=g)  # non-trivial norm weights catch a skipped norm
+def _norm(g: torch.Generator, n: int, near_one: bool = False) -> torch.Tensor:
+    """The library's fixture (log-normal, far from 1, so a skipped norm shows); `near_one`: see `write_llada2`."""
+    return 1.0 + 0.1 * torch.randn(n, generator=g) if near_one else norm_weight_draw((n,), g)
+
+
+def _bias(g: torch.Generator, n: int, near_one: bool = False, scale: float = 0.08) -> torch.Tensor:
+    """The library's fixture (biases and router biases std 0.1); `near_one`: the old normal(0, scale) draw."""
+    return _rand(g, n, scale=scale) if near_one else bias_draw((n,), 0.1, g)
 
 
 def _mlp(sd: dict, g: torch.Generator, prefix: str, d: int, f: int) -> None:
@@ -52,36 +60,42 @@ LLADA2_CONFIG = dict(
 )
 
 
-def write_llada2(folder: Path, seed: int = 0, drop: tuple[str, ...] = (), **overrides) -> tuple[Path, dict, dict]:
-    """(folder, config as written, hub state dict)."""
+def write_llada2(folder: Path, seed: int = 0, drop: tuple[str, ...] = (), init: str = "realistic",
+                 **overrides) -> tuple[Path, dict, dict]:
+    """(folder, config as written, hub state dict).
+
+    `init="near_one"` redraws the weights the pre-fixture way (norms 1 + 0.1·N, biases 0.08·N; the generator is
+    consumed identically, so matrices are the same): only for the LLaDA2 sampler tests whose planted EOS tokens and
+    control-flow scenarios were picked from those weights' outputs. Never for a forward-exactness test."""
+    near_one = {"realistic": False, "near_one": True}[init]
     config = {**LLADA2_CONFIG, **overrides}
     for key in drop:
         config.pop(key)
     full = {**LLADA2_CONFIG, **overrides}
     g = torch.Generator().manual_seed(seed)
     d, h, kv, e = full["hidden_size"], full["num_attention_heads"], full["num_key_value_heads"], full["head_dim"]
-    sd = {"model.word_embeddings.weight": _rand(g, VOCAB, d, scale=1.0), "model.norm.weight": _norm(g, d)}
+    sd = {"model.word_embeddings.weight": _rand(g, VOCAB, d, scale=1.0), "model.norm.weight": _norm(g, d, near_one)}
     if not full["tie_word_embeddings"]:
         sd["lm_head.weight"] = _rand(g, VOCAB, d, scale=0.3)
     for i in range(full["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        sd[p + "input_layernorm.weight"] = _norm(g, d)
-        sd[p + "post_attention_layernorm.weight"] = _norm(g, d)
+        sd[p + "input_layernorm.weight"] = _norm(g, d, near_one)
+        sd[p + "post_attention_layernorm.weight"] = _norm(g, d, near_one)
         sd[p + "attention.query_key_value.weight"] = _rand(g, (h + 2 * kv) * e, d)
         if full["use_qkv_bias"]:
-            sd[p + "attention.query_key_value.bias"] = _rand(g, (h + 2 * kv) * e)
+            sd[p + "attention.query_key_value.bias"] = _bias(g, (h + 2 * kv) * e, near_one)
         sd[p + "attention.dense.weight"] = _rand(g, d, h * e)
         if full["use_bias"]:
-            sd[p + "attention.dense.bias"] = _rand(g, d)
+            sd[p + "attention.dense.bias"] = _bias(g, d, near_one)
         if full["use_qk_norm"]:
-            sd[p + "attention.query_layernorm.weight"] = _norm(g, e)
-            sd[p + "attention.key_layernorm.weight"] = _norm(g, e)
+            sd[p + "attention.query_layernorm.weight"] = _norm(g, e, near_one)
+            sd[p + "attention.key_layernorm.weight"] = _norm(g, e, near_one)
         if i < full["first_k_dense_replace"]:
             _mlp(sd, g, p + "mlp.", d, full["intermediate_size"])
             continue
         n, f = full["num_experts"], full["moe_intermediate_size"]
         sd[p + "mlp.gate.weight"] = _rand(g, n, d, scale=0.3)
-        sd[p + "mlp.gate.expert_bias"] = _rand(g, n, scale=0.1)
+        sd[p + "mlp.gate.expert_bias"] = _bias(g, n, near_one, scale=0.1)
         for x in range(n):
             _mlp(sd, g, f"{p}mlp.experts.{x}.", d, f)
         if full["num_shared_experts"]:
@@ -123,10 +137,10 @@ def write_lladamoe(folder: Path, seed: int = 0, drop: tuple[str, ...] = (), **ov
         for name, rows in (("q", h * e), ("k", kv * e), ("v", kv * e)):
             sd[f"{p}self_attn.{name}_proj.weight"] = _rand(g, rows, d, scale=0.3)
             if full["attention_bias"]:
-                sd[f"{p}self_attn.{name}_proj.bias"] = _rand(g, rows)
+                sd[f"{p}self_attn.{name}_proj.bias"] = _bias(g, rows)
         sd[p + "self_attn.o_proj.weight"] = _rand(g, d, h * e)
         if full["attention_bias"]:
-            sd[p + "self_attn.o_proj.bias"] = _rand(g, d)
+            sd[p + "self_attn.o_proj.bias"] = _bias(g, d)
         if full["qk_layernorm"]:
             sd[p + "self_attn.q_norm.weight"] = _norm(g, e)
             sd[p + "self_attn.k_norm.weight"] = _norm(g, e)
@@ -136,7 +150,7 @@ def write_lladamoe(folder: Path, seed: int = 0, drop: tuple[str, ...] = (), **ov
         n = full["num_experts"]
         sd[p + "mlp.gate.weight"] = _rand(g, n, d, scale=0.3)
         if full["moe_router_enable_expert_bias"]:
-            sd[p + "mlp.expert_bias"] = _rand(g, n, scale=0.1)
+            sd[p + "mlp.expert_bias"] = _bias(g, n)
         for x in range(n):
             _mlp(sd, g, f"{p}mlp.experts.{x}.", d, full["expert_intermediate_size"])
         if full["shared_expert_intermediate_size"] is not None:
@@ -173,10 +187,10 @@ def write_sdar(folder: Path, moe: bool = False, seed: int = 0, **overrides) -> t
         for name, rows in (("q", h * e), ("k", kv * e), ("v", kv * e)):
             sd[f"{p}self_attn.{name}_proj.weight"] = _rand(g, rows, d, scale=0.2)
             if config["attention_bias"]:
-                sd[f"{p}self_attn.{name}_proj.bias"] = _rand(g, rows)
+                sd[f"{p}self_attn.{name}_proj.bias"] = _bias(g, rows)
         sd[p + "self_attn.o_proj.weight"] = _rand(g, d, h * e)
         if config["attention_bias"]:
-            sd[p + "self_attn.o_proj.bias"] = _rand(g, d)
+            sd[p + "self_attn.o_proj.bias"] = _bias(g, d)
         sd[p + "self_attn.q_norm.weight"] = _norm(g, e)
         sd[p + "self_attn.k_norm.weight"] = _norm(g, e)
         if not moe or i in config["mlp_only_layers"]:

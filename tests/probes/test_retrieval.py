@@ -21,11 +21,11 @@ P = 10                         # prompt length
 NEEDLE, OTHER = 4, 7           # needle position, a distractor position
 
 
-def tiny(causal=False, shift=False, seed=0):
+def tiny(causal=False, shift=False, seed=0, init="realistic"):
     cfg = MDMConfig(d_model=32, n_layers=2, n_heads=4, d_mlp=64, d_vocab=40, n_ctx=64, mask_token_id=3,
                     bos_token_id=1, eos_token_id=2, pad_token_id=0, logit_shift=shift,
                     attention="causal" if causal else "bidirectional")
-    return HookedMDM.from_config(cfg, seed=seed, init_std=0.2)
+    return HookedMDM.from_config(cfg, seed=seed, init_std=0.2, init=init)
 
 
 def prompt(seed=0):
@@ -187,7 +187,7 @@ def test_mask_heads_zero_and_uniform_are_removed_afterwards():
 
 def test_ablation_of_the_planted_head_hurts_and_random_heads_do_not():
     """Planted causal dependency: the answer is emitted only while head (1, 2) writes to the residual."""
-    model = tiny()
+    model = tiny(init="normal")  # the answer is planted at ln_final.hook_normalized, before ln_final.w: unit norms
     model.set_use_attn_result(True)
     flag = {}
 
