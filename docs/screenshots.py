@@ -26,7 +26,8 @@ def main() -> int:
         root = page.dom.find_all("div", class_="mdx-root")[0]
         print(f"report {index.stat().st_size / 2**20:.2f} MB, explorer rendered in {root.attrs['data-render-ms']} ms, "
               f"{len(page.console_errors)} console errors, {len(page.resources)} requests")
-        browser.screenshot(index, HERE / "report.png", size=(1200, 1400))
+        section = next(e.attrs["id"] for e in page.dom.find_all("section") if "step-explorer" in e.attrs.get("id", ""))
+        browser.screenshot(index, HERE / "report.png", fragment=section, size=(1200, 900))
         mdm = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
         arm = HookedMDM.from_pretrained("mdm-lens/tiny-arm")
         prompt = mdm.to_tokens("[1] the owl lives in elvasta. question: where does the owl live? answer:")

@@ -23,7 +23,9 @@ def rigged(kind: str = "llada", vocab: int = V, mask: int = MASK, **extra) -> Ho
     cfg = MDMConfig(d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, d_mlp=32, d_vocab=vocab, mask_token_id=mask,
                     attention="causal" if kind == "arm" else "bidirectional", logit_shift=kind == "dream",
                     n_ctx=32, eos_token_id=EOS, extra=dict(extra))
-    model = HookedMDM.from_config(cfg, seed=0, init_std=0.1)
+    # planted: the rig replaces ln_final.hook_normalized, which comes before ln_final.w (unit norms keep the
+    # designed logits as designed)
+    model = HookedMDM.from_config(cfg, seed=0, init_std=0.1, init="normal")
     with torch.no_grad():
         model.unembed.weight.zero_()
         model.unembed.weight[:, :vocab].copy_(torch.eye(vocab))

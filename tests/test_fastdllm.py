@@ -29,7 +29,8 @@ PROMPT = torch.tensor([[3, 4, 5, 6]])
 def model():
     cfg = MDMConfig(d_model=24, n_layers=2, n_heads=2, n_kv_heads=1, d_mlp=16, d_vocab=20, mask_token_id=MASK,
                     n_ctx=40, eos_token_id=1)
-    m = HookedMDM.from_config(cfg, seed=3, init_std=0.6)
+    # planted: identity_unembed reads logits off the normalized residual, so ln_final.w must be 1
+    m = HookedMDM.from_config(cfg, seed=3, init_std=0.6, init="normal")
     return identity_unembed(m)
 
 

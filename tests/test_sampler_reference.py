@@ -16,7 +16,8 @@ MASK, EOS, EOT, PAD = 49, 1, 2, 0
 def model_for(seed=1):
     cfg = MDMConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=48, d_vocab=50, mask_token_id=MASK,
                     n_ctx=64, eos_token_id=EOS, pad_token_id=PAD, extra={"eot_token_id": EOT})
-    model = HookedMDM.from_config(cfg, seed=seed, init_std=0.3)
+    # planted: the EOS/EoT boost below was tuned on unit-norm weights so that the options change this run
+    model = HookedMDM.from_config(cfg, seed=seed, init_std=0.3, init="normal")
     with torch.no_grad():  # make EOS and EoT frequent picks, so that their options matter
         model.unembed.weight[EOS] = 2 * (model.unembed.weight[EOS] + 0.6 * model.unembed.weight[5])
         model.unembed.weight[EOT] = 2 * (model.unembed.weight[EOT] + 0.6 * model.unembed.weight[5])
