@@ -327,3 +327,11 @@ def test_samplers_are_token_exact_processed_vs_not(sampler):
     a = model.generate(prompt, sampler=sampler, **kw)
     b = _process(model).generate(prompt, sampler=sampler, **kw)
     assert torch.equal(a.tokens, b.tokens)
+
+
+def test_the_bridge_refuses_weight_processing():
+    """The transformers-native bridge runs transformers' own modules: processing is refused, not half-done."""
+    from mdm_lens.bridge.model import TransformersBridge
+
+    with pytest.raises(ConfigError, match="bridge"):
+        TransformersBridge.process_weights_(object(), fold_ln=True)
