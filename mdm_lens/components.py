@@ -19,24 +19,32 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from mdm_lens.config import MDMConfig
+from mdm_lens.readonly import read_only
 from mdm_lens.pattern_rows import PatternRows, RowConsumer, chunk_rows, masked_scores, softmax_rows
 
 
 class RMSNorm(nn.Module):
-    """`w * x / sqrt(mean(x²) + eps)`, normalised in fp32 and cast back (HF Llama order)."""
+    """`w * x / sqrt(mean(x²) + eps)`, normalised in fp32 and cast back (HF Llama order).
+
+    After `fold_ln` (`mdm_lens.processing`) the weight lives in the matrices that read this norm's output and
+    `w` is None (TL's "RMSPre"): the forward returns `hook_normalized` itself. In both modes `hook_scale` is
+    the root-mean-square and `hook_normalized` is `x / scale`, before any weight (TL's meaning)."""
 
     def __init__(self, cfg: MDMConfig):
         super().__init__()
         self.eps = cfg.norm_eps
-        self.w = nn.Parameter(torch.ones(cfg.d_model, dtype=cfg.dtype))
+        self.w: nn.Parameter | None = nn.Parameter(torch.ones(cfg.d_model, dtype=cfg.dtype))
         self.hook_scale = HookPoint()  # [batch, pos, 1]
         self.hook_normalized = HookPoint()  # [batch, pos, d_model], before the weight (TL convention)
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         x32 = x.float()
         scale = self.hook_scale((x32.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
-        normalized = self.hook_normalized((x32 / scale).to(x.dtype))
-        return normalized * self.w
+        return self.apply_weight(self.hook_normalized((x32 / scale).to(x.dtype)))
+
+    def apply_weight(self, normalized: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
+        """`normalized * w`, or `normalized` itself once the weight is folded away."""
+        return normalized if self.w is None else normalized * self.w
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -86,6 +94,8 @@ class Attention(nn.Module):
         self.qkv_weight = nn.Parameter(torch.empty((h + 2 * g) * e, d, dtype=cfg.dtype))
         self.qkv_bias = nn.Parameter(torch.zeros((h + 2 * g) * e, dtype=cfg.dtype)) if cfg.qkv_bias else None
         self.o_weight = nn.Parameter(torch.empty(d, h * e, dtype=cfg.dtype))
+        # an output bias: LLaDA2 / LLaDA-MoE checkpoints (`o_bias`), or made by fold_value_biases
+        self.register_parameter("o_bias", None)
         self.force_explicit = False  # set True to always take the explicit path (tests, benchmarks)
         self.query_chunk: int | None = None  # rows per chunk for row consumers; None = from ROW_CHUNK_BYTES
         self.row_mode = "explicit"  # z on the chunked path: "explicit" (from the chunks) or "sdpa"
@@ -112,13 +122,22 @@ class Attention(nn.Module):
     def _W_V(self) -> Float[Tensor, "kv_head d_model d_head"]:
         return einops.rearrange(self._split(self.qkv_weight)[2], "(g e) d -> g d e", g=self.n_kv_heads)
 
+    def _per_query_head(self, kv: Tensor, name: str) -> Tensor:
+        """Key/value views per query head: the parameter's own view under MHA; under GQA each kv head is repeated
+        (HF `repeat_kv` order), a copy, so it is read-only and the error points at the kv-head view."""
+        if self.repeat_kv_heads == 1:
+            return kv
+        return read_only(kv.repeat_interleave(self.repeat_kv_heads, dim=0),
+                         f"attn.{name} repeats each of the {self.n_kv_heads} key/value heads for "
+                         f"{self.repeat_kv_heads} query heads (a copy); edit attn._{name} [kv_head, ...] instead.")
+
     @property
     def W_K(self) -> Float[Tensor, "head d_model d_head"]:
-        return self._W_K.repeat_interleave(self.repeat_kv_heads, dim=0)
+        return self._per_query_head(self._W_K, "W_K")
 
     @property
     def W_V(self) -> Float[Tensor, "head d_model d_head"]:
-        return self._W_V.repeat_interleave(self.repeat_kv_heads, dim=0)
+        return self._per_query_head(self._W_V, "W_V")
 
     @property
     def W_O(self) -> Float[Tensor, "head d_head d_model"]:
@@ -126,7 +145,8 @@ class Attention(nn.Module):
 
     def _bias(self, i: int, heads: int) -> Tensor:
         if self.qkv_bias is None:
-            return torch.zeros(heads, self.d_head, dtype=self.o_weight.dtype, device=self.o_weight.device)
+            return read_only(torch.zeros(heads, self.d_head, dtype=self.o_weight.dtype, device=self.o_weight.device),
+                             "this checkpoint has no q/k/v bias (cfg.qkv_bias=False); the zeros are not a parameter.")
         return self._split(self.qkv_bias)[i].view(heads, self.d_head)
 
     @property
@@ -143,15 +163,18 @@ class Attention(nn.Module):
 
     @property
     def b_K(self) -> Float[Tensor, "head d_head"]:
-        return self._b_K.repeat_interleave(self.repeat_kv_heads, dim=0)
+        return self._per_query_head(self._b_K, "b_K")
 
     @property
     def b_V(self) -> Float[Tensor, "head d_head"]:
-        return self._b_V.repeat_interleave(self.repeat_kv_heads, dim=0)
+        return self._per_query_head(self._b_V, "b_V")
 
     @property
     def b_O(self) -> Float[Tensor, "d_model"]:
-        return torch.zeros(self.cfg.d_model, dtype=self.o_weight.dtype, device=self.o_weight.device)
+        if self.o_bias is not None:
+            return self.o_bias
+        return read_only(torch.zeros(self.cfg.d_model, dtype=self.o_weight.dtype, device=self.o_weight.device),
+                         "this attention has no output bias (fold_value_biases or an o_bias checkpoint makes one).")
 
     # --- forward ------------------------------------------------------------------------------------
     def needs_explicit(self) -> bool:
@@ -195,8 +218,10 @@ class Attention(nn.Module):
         z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head, d_head]
         if self.cfg.use_attn_result:  # TL: per-head results only when asked (memory: batch·pos·head·d_model)
             result = self.hook_result(torch.einsum("bphe,hed->bphd", z, self.W_O))
-            return result.sum(dim=2)
-        return F.linear(z.reshape(b, p, h * e), self.o_weight)
+            out = result.sum(dim=2)
+        else:
+            out = F.linear(z.reshape(b, p, h * e), self.o_weight)
+        return out if self.o_bias is None else out + self.o_bias
 
     def rotate(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q/k/v `[batch, pos, head, d_head]` after their hooks → rotated q and k (`hook_rot_q/k`) and v; families
@@ -276,11 +301,14 @@ class GatedMLP(nn.Module):
 
     @property
     def b_in(self) -> Tensor:
-        return torch.zeros(self.d_mlp, dtype=self.down_weight.dtype, device=self.down_weight.device)
+        return read_only(torch.zeros(self.d_mlp, dtype=self.down_weight.dtype, device=self.down_weight.device),
+                         "the gated MLPs of these families have no bias; the zeros are not a parameter.")
 
     @property
     def b_out(self) -> Tensor:
-        return torch.zeros(self.down_weight.shape[0], dtype=self.down_weight.dtype, device=self.down_weight.device)
+        return read_only(torch.zeros(self.down_weight.shape[0], dtype=self.down_weight.dtype,
+                                     device=self.down_weight.device),
+                         "the gated MLPs of these families have no bias; the zeros are not a parameter.")
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         # Two GEMMs on row slices of the fused weight (contiguous views) rather than one fused GEMM + chunk: the

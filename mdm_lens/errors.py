@@ -69,3 +69,8 @@ class MemoryBudgetError(MDMLensError, MemoryError):
 
 class InputTypeError(InputError, ArgumentTypeError):
     """Model input of the wrong type (text where token ids are expected, float token ids, a non-tensor mask)."""
+
+
+class ReadOnlyViewError(MDMLensError, RuntimeError):
+    """An in-place write into a weight view that is a copy (a stack over layers, a repeated GQA head, a zero
+    bias the checkpoint does not have): the write would be silently lost, so it is refused."""

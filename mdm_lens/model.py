@@ -19,7 +19,8 @@ from mdm_lens.components import RMSNorm, rotary_cos_sin
 from mdm_lens.config import MDMConfig
 from mdm_lens.hook_surface import CheckedHookSurface, NamesFilter
 from mdm_lens.qk_attention import make_block
-from mdm_lens.errors import HookNameError, InputError, InputTypeError
+from mdm_lens.errors import HookNameError, InputError, InputTypeError, OutOfRangeError
+from mdm_lens.readonly import read_only
 
 ReturnType = Literal["logits", "aligned", "raw_and_aligned", "loss", "both", None]
 RETURN_TYPES = ("logits", "aligned", "raw_and_aligned", "loss", "both", None)
@@ -47,7 +48,8 @@ class Unembed(nn.Module):
 
     @property
     def b_U(self) -> Float[Tensor, "d_vocab"]:
-        return torch.zeros(self.weight.shape[0], dtype=self.weight.dtype, device=self.weight.device)
+        return read_only(torch.zeros(self.weight.shape[0], dtype=self.weight.dtype, device=self.weight.device),
+                         "these families have no unembedding bias; the zeros are not a parameter.")
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
         return F.linear(x, self.weight)
@@ -78,6 +80,12 @@ def scaled_rotary_cos_sin(positions: Int[Tensor, "batch pos"], d_head: int, thet
 def shift_logits(raw: Float[Tensor, "batch pos d_vocab"]) -> Float[Tensor, "batch pos d_vocab"]:
     """Dream's alignment: the prediction for position i is read from hidden state i-1 (i ≥ 1)."""
     return torch.cat([raw[:, :1], raw[:, :-1]], dim=1)
+
+
+def _circuits() -> Any:
+    from mdm_lens import circuits_tl  # imported on use: it pulls TL's FactoredMatrix utilities
+
+    return circuits_tl
 
 
 class HookedMDM(CheckedHookSurface):
@@ -134,11 +142,40 @@ class HookedMDM(CheckedHookSurface):
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype: torch.dtype | str = torch.float32,
-                        device: str | torch.device = "cpu", **kwargs: Any) -> "HookedMDM":
-        """Load a real checkpoint (local folder, HF cache, or a shipped zoo model). See `mdm_lens.loading`."""
+                        device: str | torch.device = "cpu", fold_ln: bool = False, center_unembed: bool = False,
+                        fold_value_biases: bool = False, **kwargs: Any) -> "HookedMDM":
+        """Load a real checkpoint (local folder, HF cache, or a shipped zoo model). See `mdm_lens.loading`.
+
+        Unprocessed by default (exact to the checkpoint, unlike TL's default); `fold_ln`, `center_unembed`,
+        `fold_value_biases` apply TL's weight processing after loading (`process_weights_`)."""
         from mdm_lens.loading import load_pretrained
 
-        return load_pretrained(cls, name_or_path, dtype=dtype, device=device, **kwargs)
+        model = load_pretrained(cls, name_or_path, dtype=dtype, device=device, **kwargs)
+        if fold_ln or center_unembed or fold_value_biases:
+            model.process_weights_(fold_ln=fold_ln, center_unembed=center_unembed,
+                                   fold_value_biases=fold_value_biases)
+        return model
+
+    @classmethod
+    def from_pretrained_no_processing(cls, name_or_path: str, **kwargs: Any) -> "HookedMDM":
+        """TL's name for loading without weight processing (here the same as `from_pretrained`'s default)."""
+        for key in ("fold_ln", "center_unembed", "fold_value_biases"):
+            kwargs[key] = validate.boolean(kwargs.get(key, False), name=key)
+        return cls.from_pretrained(name_or_path, **kwargs)
+
+    def process_weights_(self, fold_ln: bool = True, center_unembed: bool = True,
+                         fold_value_biases: bool = True) -> "HookedMDM":
+        """TL's weight processing in place, logits kept (see `mdm_lens.processing` for what each step changes,
+        which hook values change meaning, and what is refused)."""
+        from mdm_lens.processing import process_weights_
+
+        return process_weights_(self, fold_ln, center_unembed, fold_value_biases)
+
+    def untie_embeddings_(self) -> "HookedMDM":
+        """Give a tied unembedding its own copy, so it can be folded or centred without changing `W_E`."""
+        from mdm_lens.processing import untie_embeddings_
+
+        return untie_embeddings_(self)
 
     def set_use_attn_result(self, use_attn_result: bool) -> None:
         """TL's switch for `blocks.{l}.attn.hook_result` ([batch, pos, head, d_model]); hooking that name while
@@ -307,7 +344,11 @@ class HookedMDM(CheckedHookSurface):
         return self.unembed.b_U
 
     def _stack(self, attr: str, sub: str = "attn") -> Tensor:
-        return torch.stack([getattr(getattr(b, sub), attr) for b in self.blocks], dim=0)
+        """`[n_layers, ...]` stack of a per-layer view. The layers are separate parameters, so the stack is a copy:
+        it is read-only (a write raises `ReadOnlyViewError`); `blocks[l].{sub}.{attr}` writes through."""
+        stacked = torch.stack([getattr(getattr(b, sub), attr) for b in self.blocks], dim=0)
+        return read_only(stacked, f"model.{attr} stacks the layers into a new tensor; edit "
+                                  f"model.blocks[layer].{sub}.{attr} (a view of the parameter) instead.")
 
     W_Q = property(lambda self: self._stack("W_Q"))
     W_K = property(lambda self: self._stack("W_K"))
@@ -321,17 +362,39 @@ class HookedMDM(CheckedHookSurface):
     W_gate = property(lambda self: self._stack("W_gate", "mlp"))
     W_out = property(lambda self: self._stack("W_out", "mlp"))
 
-    def tokens_to_residual_directions(self, tokens: Any) -> Tensor:
-        """Unembedding directions `[..., d_model]` of the given tokens (TL's helper for `logit_attrs`)."""
+    OV = property(lambda self: _circuits().ov_circuit(self), doc="TL FactoredMatrix W_V W_O [layer, head, d, d]")
+    QK = property(lambda self: _circuits().qk_circuit(self), doc="TL FactoredMatrix W_Q W_Kᵀ, before rotary")
+
+    def all_composition_scores(self, mode: Literal["Q", "K", "V"]) -> Tensor:
+        """TL's composition scores `[layer, head, layer, head]` (NaN where the left head is not earlier); see
+        `mdm_lens.circuits_tl` for where they are meaningful (rotary, norm folding)."""
+        return _circuits().all_composition_scores(self, mode)
+
+    def tokens_to_residual_directions(self, tokens: Any) -> Float[Tensor, "... d_model"]:
+        """The residual directions `[..., d_model]` whose dot product with `resid / ln_final.scale` is each token's
+        logit (TL's helper for `cache.logit_attrs`): the unembedding column times the final norm's weight while it
+        is not folded (TL folds it by default; without it, attributions would not sum to the logits)."""
         if isinstance(tokens, str):
             tokens = self.to_single_token(tokens)
         t = torch.as_tensor(tokens, device=self.W_U.device)
-        return self.W_U[:, t].movedim(0, -1)
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise InputTypeError(f"tokens has dtype {t.dtype}: expected integer token ids.", argument="tokens",
+                                 value=tokens, allowed="int, str, or an integer tensor / list of ids")
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.cfg.d_vocab):
+            raise OutOfRangeError(f"tokens holds ids outside [0, d_vocab={self.cfg.d_vocab}).", argument="tokens",
+                                  value=tokens, allowed=f"ids in [0, {self.cfg.d_vocab})")
+        directions = self.W_U[:, t].movedim(0, -1)
+        return self.ln_final.apply_weight(directions)
 
     def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
-        """Sum of the output biases up to `layer`: the attention output biases `b_O` (zero except LLaDA2 /
-        LLaDA-MoE with `use_bias`/`attention_bias`); there are no MLP output biases (Qwen2's value bias
-        reaches the residual through `hook_z`, hence through the heads' results)."""
+        """TL's sum of the biases written to the residual stream before `layer` (`mlp_input`: also the attention
+        output bias of `layer` itself): the attention output biases `b_O` (LLaDA2 / LLaDA-MoE `o_bias`, or made by
+        `fold_value_biases`). The gated MLPs have no output bias, so `include_mlp_biases` changes nothing; an
+        unfolded value bias reaches the residual through `hook_z`, hence through the heads' results."""
+        layer = validate.integer(layer, name="layer", min=0, max=self.cfg.n_layers)
+        if mlp_input and layer == self.cfg.n_layers:
+            raise OutOfRangeError(f"mlp_input=True needs a layer < n_layers={self.cfg.n_layers}, got {layer}.",
+                                  argument="layer", value=layer, allowed=f"0..{self.cfg.n_layers - 1}")
         out = torch.zeros(self.cfg.d_model, dtype=self.W_E.dtype, device=self.W_E.device)
         for block in self.blocks[: layer + (1 if mlp_input else 0)]:
             out = out + block.attn.b_O

@@ -40,7 +40,8 @@ class HeadRMSNorm(nn.Module):
 
 
 class FamilyAttention(Attention):
-    """`Attention` plus the options above; the TL weight views (`W_Q`, …, `b_O`) are the base class's."""
+    """`Attention` plus the options above; the TL weight views (`W_Q`, …, `b_O`) and the output bias's addition
+    are the base class's."""
 
     def __init__(self, cfg: MDMConfig):
         super().__init__(cfg)
@@ -57,12 +58,6 @@ class FamilyAttention(Attention):
             self.hook_q_normed = HookPoint()  # [batch, pos, head, d_head], after the q norm
             self.hook_k_normed = HookPoint()  # [batch, pos, kv_head, d_head]
 
-    @property
-    def b_O(self) -> Float[Tensor, "d_model"]:
-        if self.o_bias is None:
-            return super().b_O
-        return self.o_bias
-
     def _rotate_part(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         full = self.cfg.rope_full_precision
         if self.rotary_dim == x.shape[-1]:
@@ -78,10 +73,6 @@ class FamilyAttention(Attention):
             c = float(self.clip_qkv)
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         return self.hook_rot_q(self._rotate_part(q, cos, sin)), self.hook_rot_k(self._rotate_part(k, cos, sin)), v
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-        out = super().forward(x, cos, sin, mask, is_causal)
-        return out if self.o_bias is None else out + self.o_bias
 
 
 class FamilyBlock(Block):

@@ -126,3 +126,148 @@ def test_views_that_are_views_write_through():
             get(m).mul_(0.0)
             assert get(m).abs().sum() == 0
             assert (m(tokens) - base).abs().max() > 1e-3
+
+
+# --- issue #32: views that are copies refuse writes; views that are views write through -----------------------
+from mdm_lens.errors import ArgumentError, ReadOnlyViewError  # noqa: E402
+
+
+def realistic(n_kv: int = 2, qkv_bias: bool = True):
+    cfg = MDMConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=n_kv, d_mlp=40, d_vocab=50, qkv_bias=qkv_bias,
+                    rope_theta=500.0, mask_token_id=49)
+    return HookedMDM.from_config(cfg, seed=7, init_std=0.3, init="realistic")
+
+
+WRITE_THROUGH = {  # view -> the parameter slice it must equal after the write
+    "blocks[0].attn.W_Q": (lambda m: m.blocks[0].attn.W_Q[1], lambda m: m.blocks[0].attn.qkv_weight[8:16].T),
+    "blocks[0].attn.W_O": (lambda m: m.blocks[0].attn.W_O[2], lambda m: m.blocks[0].attn.o_weight[:, 16:24].T),
+    "blocks[0].attn._W_K": (lambda m: m.blocks[0].attn._W_K[1], lambda m: m.blocks[0].attn.qkv_weight[40:48].T),
+    "blocks[0].attn._W_V": (lambda m: m.blocks[0].attn._W_V[0], lambda m: m.blocks[0].attn.qkv_weight[48:56].T),
+    "blocks[1].attn.b_Q": (lambda m: m.blocks[1].attn.b_Q[3], lambda m: m.blocks[1].attn.qkv_bias[24:32]),
+    "blocks[1].mlp.W_in": (lambda m: m.blocks[1].mlp.W_in, lambda m: m.blocks[1].mlp.gate_up_weight[40:].T),
+    "blocks[1].mlp.W_gate": (lambda m: m.blocks[1].mlp.W_gate, lambda m: m.blocks[1].mlp.gate_up_weight[:40].T),
+    "blocks[0].mlp.W_out": (lambda m: m.blocks[0].mlp.W_out, lambda m: m.blocks[0].mlp.down_weight.T),
+    "W_E": (lambda m: m.W_E[3], lambda m: m.embed.W_E[3]),
+    "W_U": (lambda m: m.W_U[:, 5], lambda m: m.unembed.weight[5]),
+}
+
+
+@pytest.mark.parametrize("name", list(WRITE_THROUGH))
+def test_write_through_edits_the_parameter_and_the_forward(name):
+    view, param = WRITE_THROUGH[name]
+    m, ref = realistic(), realistic()
+    tokens = torch.tensor([[3, 5, 10, 20, 30, 40]])  # holds the edited embedding row 3
+    with torch.no_grad():
+        view(m).add_(0.5)
+        param(ref).add_(0.5)  # the same edit made on the parameter itself
+        torch.testing.assert_close(param(m), param(ref))
+        torch.testing.assert_close(m(tokens), ref(tokens))
+        assert (m(tokens) - realistic()(tokens)).abs().max() > 1e-3
+
+
+def test_mha_key_value_views_write_through():
+    m, ref = realistic(n_kv=4), realistic(n_kv=4)
+    with torch.no_grad():
+        m.blocks[0].attn.W_K[2] += 1.0
+        m.blocks[0].attn.b_V[1] += 1.0
+        ref.blocks[0].attn.qkv_weight[32 + 16:32 + 24] += 1.0
+        ref.blocks[0].attn.qkv_bias[64 + 8:64 + 16] += 1.0
+    torch.testing.assert_close(m.blocks[0].attn.qkv_weight, ref.blocks[0].attn.qkv_weight)
+    torch.testing.assert_close(m.blocks[0].attn.qkv_bias, ref.blocks[0].attn.qkv_bias)
+
+
+READ_ONLY = {
+    "stacked W_Q": lambda m: m.W_Q, "stacked W_K": lambda m: m.W_K, "stacked W_V": lambda m: m.W_V,
+    "stacked W_O": lambda m: m.W_O, "stacked W_in": lambda m: m.W_in, "stacked W_gate": lambda m: m.W_gate,
+    "stacked W_out": lambda m: m.W_out, "stacked b_Q": lambda m: m.b_Q, "stacked b_K": lambda m: m.b_K,
+    "stacked b_V": lambda m: m.b_V, "stacked b_O": lambda m: m.b_O,
+    "GQA W_K": lambda m: m.blocks[0].attn.W_K, "GQA W_V": lambda m: m.blocks[0].attn.W_V,
+    "GQA b_K": lambda m: m.blocks[0].attn.b_K, "GQA b_V": lambda m: m.blocks[0].attn.b_V,
+    "zero b_O": lambda m: m.blocks[0].attn.b_O, "zero b_in": lambda m: m.blocks[0].mlp.b_in,
+    "zero b_out": lambda m: m.blocks[0].mlp.b_out, "zero b_U": lambda m: m.b_U,
+}
+
+
+@pytest.mark.parametrize("name", list(READ_ONLY))
+@pytest.mark.parametrize("write", ["index_iadd", "setitem", "method", "out"])
+def test_copies_refuse_writes_and_leave_the_model_unchanged(name, write):
+    m = realistic()
+    before = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    t = READ_ONLY[name](m)
+    with torch.no_grad(), pytest.raises(ReadOnlyViewError, match="edit|not a parameter|no "):
+        if write == "index_iadd":
+            t[0] += 1.0
+        elif write == "setitem":
+            t[0] = 1.0
+        elif write == "method":
+            t.mul_(0.0)
+        else:
+            torch.add(t, 1.0, out=t)
+    after = m.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_zero_q_bias_view_refuses_writes_without_a_bias():
+    m = realistic(qkv_bias=False)
+    with pytest.raises(ReadOnlyViewError, match="no q/k/v bias"):
+        m.blocks[0].attn.b_Q.add_(1.0)
+
+
+def test_read_only_views_read_like_tensors():
+    """Arithmetic and indexing still work; results that do not alias the view are ordinary (writable) tensors."""
+    m = realistic()
+    W = m.W_Q
+    torch.testing.assert_close(W[1], m.blocks[1].attn.W_Q)
+    x = W.sum(0)
+    x += 1.0  # a fresh tensor: no error
+    assert type(x) is torch.Tensor
+    assert isinstance(W[1, 2], type(W))  # an alias stays read-only
+
+
+def test_processed_output_bias_is_a_parameter_that_writes_through():
+    m = realistic().process_weights_(fold_ln=False, center_unembed=False, fold_value_biases=True)
+    ref = realistic().process_weights_(fold_ln=False, center_unembed=False, fold_value_biases=True)
+    tokens = torch.randint(0, 49, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        m.blocks[0].attn.b_O[3] += 1.0
+    assert (m(tokens) - ref(tokens)).abs().max() > 1e-3
+    assert m.blocks[0].attn.o_bias[3] == ref.blocks[0].attn.o_bias[3] + 1.0
+
+
+# --- circuit views -------------------------------------------------------------------------------------------
+def test_ov_and_qk_are_factored_per_query_head():
+    m = realistic(n_kv=2)
+    ov, qk = m.OV, m.QK
+    assert ov.shape == (2, 4, 32, 32) and qk.shape == (2, 4, 32, 32)
+    attn = m.blocks[1].attn
+    torch.testing.assert_close(ov.AB[1, 3], attn._W_V[1] @ attn.W_O[3])  # query head 3 reads kv head 3 // 2
+    torch.testing.assert_close(qk.AB[1, 2], attn.W_Q[2] @ attn._W_K[1].T)
+    torch.testing.assert_close(qk.AB[1, 1], attn.W_Q[1] @ attn._W_K[0].T)
+
+
+def test_qk_is_the_zero_offset_score_form():
+    """x_i QK x_jᵀ / √d_head equals the pre-softmax score of query i on key j when i = j (rotary is the identity
+    at offset 0 only), on a one-token input; QK leaves out the norm weight while it is not folded."""
+    m = realistic(n_kv=2, qkv_bias=False)
+    _, cache = m.run_with_cache(torch.tensor([[7]]), names_filter=lambda n: n in (
+        "blocks.0.ln1.hook_normalized", "blocks.0.attn.hook_attn_scores"))
+    n = cache["blocks.0.ln1.hook_normalized"][0, 0] * m.blocks[0].ln1.w
+    want = cache["blocks.0.attn.hook_attn_scores"][0, :, 0, 0]
+    got = torch.einsum("d,hde,e->h", n, m.QK.AB[0], n) / m.cfg.d_head ** 0.5
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_composition_scores_match_tl_definition():
+    m = realistic(n_kv=2).process_weights_(center_unembed=False)
+    for mode in ("Q", "K", "V"):
+        s = m.all_composition_scores(mode)
+        assert s.shape == (2, 4, 2, 4)
+        assert torch.isnan(s[1, :, 0]).all() and torch.isnan(s[0, :, 0]).all()  # no composition backwards
+        left = (m.W_V[0, 2] @ m.W_O[0, 2])
+        right = {"Q": m.W_Q[1, 1] @ m.W_K[1, 1].T, "K": (m.W_Q[1, 1] @ m.W_K[1, 1].T).T,
+                 "V": m.W_V[1, 1] @ m.W_O[1, 1]}[mode]
+        want = (left @ right).norm() / left.norm() / right.norm()
+        torch.testing.assert_close(s[0, 2, 1, 1], want, atol=1e-5, rtol=1e-4)
+        assert 0 < float(s[0, 2, 1, 1]) < 1
+    with pytest.raises(ArgumentError, match="mode"):
+        m.all_composition_scores("X")

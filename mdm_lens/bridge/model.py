@@ -39,7 +39,7 @@ from mdm_lens.bridge.attention import AttnHooks, register
 from mdm_lens.bridge.layers import BlockHooks, NormHooks, tap, unwrap_layer, wrap_layer
 from mdm_lens.bridge.taps import TapPoint
 from mdm_lens.bridge.spec import describe
-from mdm_lens.errors import InputError
+from mdm_lens.errors import ConfigError, InputError
 from mdm_lens.hook_surface import CheckedHookSurface
 
 ReturnType = Literal["logits", "aligned", None]
@@ -286,6 +286,14 @@ class TransformersBridge(CheckedHookSurface):
     @property
     def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
         return self.hf.lm_head.weight.T
+
+    def process_weights_(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: the bridge runs transformers' own modules (norms with offsets such as Gemma's `1 + w`,
+        softcapping), so TL's weight processing is not implemented here; use `HookedMDM` for folded analyses."""
+        raise ConfigError("process_weights_ (fold_ln, center_unembed, fold_value_biases) is not available on the "
+                          "transformers-native bridge: its norms and heads are transformers' own modules. Analyse "
+                          "the unprocessed model (include the final norm's weight in logit directions), or use a "
+                          "family HookedMDM implements.")
 
     def to_tokens(self, text: str | Sequence[str], prepend_bos: bool | None = None,
                   padding_side: Literal["left", "right"] = "left", return_attention_mask: bool = False) -> Any:

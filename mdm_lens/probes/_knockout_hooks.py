@@ -196,7 +196,7 @@ class _GoldScorer:
         st = self.model.state
         if st is None or st.phase != "cond":
             return
-        raw = C.check_logits(self.model.unembed(act * self.model.ln_final.w), f"denoising step {st.step}")
+        raw = C.check_logits(self.model.unembed(self.model.ln_final.apply_weight(act)), f"denoising step {st.step}")
         self.lp[st.step], self.rank[st.step] = (t.cpu() for t in C.gold_scores(self.model, raw, self.gold))
 
     def at_commit(self, commit_step: Tensor) -> tuple[Tensor, Tensor]:
