@@ -149,7 +149,6 @@ def test_weight_views_are_tl_shaped_and_write_through():
     assert a.qkv_weight[:32].abs().sum() == 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue #27: ln_final weight not in tokens_to_residual_directions")
 def test_activation_cache_helpers_run():
     model = tiny(use_attn_result=True)
     tokens = torch.randint(0, 49, (2, 6))
