@@ -69,3 +69,8 @@ class MemoryBudgetError(MDMLensError, MemoryError):
 
 class InputTypeError(InputError, ArgumentTypeError):
     """Model input of the wrong type (text where token ids are expected, float token ids, a non-tensor mask)."""
+
+
+class UnknownLengthError(MDMLensError, RuntimeError):
+    """A fact about a run that is decided only after the step asking for it: `DenoisingState.is_last` during a
+    run whose length is known only at its end (adaptive commits or stopping)."""
