@@ -327,3 +327,32 @@ def test_eos_early_stop_refuses_a_prompt_holding_eos(models):
     with pytest.raises(MDMLensError, match="the prompt contains the EOS id 98"):
         model.generate(torch.tensor([[11, 98, 12]]), sampler="llada2", gen_length=4, block_length=2, steps=2,
                        eos_early_stop=True)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_diffusion_gemma_is_last(adaptive):
+    """DiffusionGemma (a bridge model): with stopping off every forward of the last step says so and no other; with
+    adaptive stopping on, every forward (encoder passes included) refuses to guess."""
+    from mdm_lens.bridge import TransformersBridge
+    from mdm_lens.bridge.tiny import tiny_diffusion_gemma
+
+    bridge = TransformersBridge(tiny_diffusion_gemma(seed=0))
+    kw = dict(max_new_tokens=16, max_denoising_steps=3, eos_token_id=None, entropy_bound=0.5, t_min=0.3, t_max=0.9)
+    kw.update(dict(stability_threshold=0, confidence_threshold=1e-6) if adaptive else
+              dict(stability_threshold=None, confidence_threshold=None))
+    seen = []
+
+    def spy(x, hook):
+        try:
+            seen.append((bridge.state.step, bridge.state.is_last))
+        except UnknownLengthError:
+            seen.append((bridge.state.step, "unknown"))
+
+    names = [n for n in bridge.hook_dict if n.endswith("hook_resid_post")][:1]
+    out = bridge.generate(torch.randint(2, 128, (1, 5), generator=torch.Generator().manual_seed(0)), seed=0,
+                          fwd_hooks=[(names[0], spy)], **kw)
+    if adaptive:
+        assert {v for _, v in seen} == {"unknown"}
+    else:
+        assert {s for s, v in seen if v is True} == {out.n_steps - 1}
+        assert all(v is False for s, v in seen if s != out.n_steps - 1)
