@@ -74,3 +74,8 @@ class InputTypeError(InputError, ArgumentTypeError):
 class ReadOnlyViewError(MDMLensError, RuntimeError):
     """An in-place write into a weight view that is a copy (a stack over layers, a repeated GQA head, a zero
     bias the checkpoint does not have): the write would be silently lost, so it is refused."""
+
+
+class UnknownLengthError(MDMLensError, RuntimeError):
+    """A fact about a run that is decided only after the step asking for it: `DenoisingState.is_last` during a
+    run whose length is known only at its end (adaptive commits or stopping)."""

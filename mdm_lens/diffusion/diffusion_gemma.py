@@ -100,6 +100,8 @@ def _check_vocab(ids: Tensor, d_vocab: int) -> None:
 def _run(runner: StepRunner, state: DenoisingState, fn: Any) -> Any:
     """One pass with exactly this state's hooks (the runner's selection), for the encoder pass."""
     model = runner.model
+    if runner.unknown_length:  # as runner.forward: is_last is unknown while adaptive stopping is on
+        state.extra.setdefault("unknown_length", runner.unknown_length)
     model.state = state
     try:
         with model.hooks(fwd_hooks=runner._hooks_for(state)):

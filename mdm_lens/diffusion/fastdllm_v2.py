@@ -261,7 +261,7 @@ class _Loop:
                                (self.positions < (blk.stop if mode == "block_window" else hi)).expand_as(x), blk)
         state.computes(lo, hi, blk.stop if mode == "block_window" else hi).extra.update(
             kind=kind, query_start=lo, query_end=hi, block_length=self.s.block_size, kv_age=self.cache.age.clone(),
-            sub_block=sub, active_rows=self.active.clone(),
+            sub_block=sub, active_rows=self.active.clone(), unknown_length=self.runner.unknown_length,
             block_cache={"block_fill": "fill", "block_window": "window"}.get(mode))
         self.runner.model.state = state
         hooks = self.runner._hooks_for(state)

@@ -79,6 +79,8 @@ def _block_state(out: Any, s: int, phase: str) -> DenoisingState:
                                f.get("key_visible", torch.ones_like(prompt)))
     extra = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in f["extra"].items()}
     extra["replay_rows"] = (0, int(extra["query_end"]))
+    extra.pop("unknown_length", None)  # after the run its length is known: is_last answers from n_run
+    extra["n_run"] = out.trajectory.n_steps
     state = DenoisingState(s, f["n_steps"], f["block"], f["n_blocks"], x.clone(), masked.clone(), prompt.clone(),
                            visible.clone(), f["block_slice"], extra=extra)
     return state.computes(0, int(extra["query_end"]))
@@ -118,7 +120,7 @@ def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
     else:
         masked, query = x == out.settings["mask_id"], None
     return DenoisingState(s, n, block, n_blocks, x.clone(), masked, prompt, key_visible, block_slice, phase=phase,
-                          query_position=query)
+                          query_position=query, extra=dict(n_run=n))
 
 
 def step_inputs(out: Any, model: Any, step: int, phase: str = "cond") -> tuple[DenoisingState, Tensor, dict]:

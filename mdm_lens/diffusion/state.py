@@ -83,7 +83,18 @@ class DenoisingState:
 
     @property
     def is_last(self) -> bool:
-        return self.step == self.n_steps - 1
+        """True at the run's last step (both phases of it under CFG). Runs of unknown length (threshold / factor /
+        EB commits, block samplers, stop tokens: `extra["unknown_length"]`, set by the step runner) decide that
+        only after the step's commits, so asking during their forwards raises `UnknownLengthError` rather than
+        answer False at the real last step. A replay knows the run's length (`extra["n_run"]`) and answers."""
+        why = self.extra.get("unknown_length")
+        if why:
+            from mdm_lens.errors import UnknownLengthError
+
+            raise UnknownLengthError(f"state.is_last is unknown at step {self.step}: {why}, so whether this forward is "
+                                     f"the last is decided only after it (n_steps={self.n_steps} is a bound). Use "
+                                     "out.n_steps after the run, or out.state_at(step).is_last.")
+        return self.step == int(self.extra.get("n_run", self.n_steps)) - 1
 
     def __repr__(self) -> str:
         n_masked = int(self.masked[0].sum())

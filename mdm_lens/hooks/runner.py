@@ -30,6 +30,7 @@ class StepRunner:
     def __init__(self, model: Any, fwd_hooks: Sequence[Any] = (), hook_steps: Any = None,
                  record: Sequence[Reducer] = (), cache: Any = None):
         self.model = model
+        self.unknown_length: str | None = None  # why the run's length is known only at its end (None: fixed)
         default = self.default_steps = _as_steps(hook_steps)
         self.user_hooks: list[StepHook] = []
         for h in fwd_hooks:
@@ -74,7 +75,9 @@ class StepRunner:
 
     def refuse_end_relative(self, why: str) -> None:
         """For runs whose length is known only at their end (adaptive stopping, confidence-driven commits):
-        a step selector counted from the end ('last', -1) cannot be resolved before the run, so it is refused."""
+        a step selector counted from the end ('last', -1) cannot be resolved before the run, so it is refused, and
+        the states it runs say so (`DenoisingState.is_last` raises rather than answer False at the last step)."""
+        self.unknown_length = why or "the sampler decides its number of forwards as it runs"
         specs = [self.default_steps] + [h.when for h in self.user_hooks] + [r.when for r in self.reducers]
         if self.cache is not None:
             specs.append(self.cache.when)
@@ -113,6 +116,8 @@ class StepRunner:
     def forward(self, state: DenoisingState, tokens: Tensor, **kwargs: Any) -> Tensor:
         """One hooked forward pass for `state`; returns position-aligned logits, checked finite (see
         `check_logits`) so that a hook that breaks the model stops the run at that step."""
+        if self.unknown_length:
+            state.extra.setdefault("unknown_length", self.unknown_length)
         self.model.state = state
         hooks = self._hooks_for(state)
         try:

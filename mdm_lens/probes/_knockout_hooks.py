@@ -32,7 +32,9 @@ class KnockoutHooks:
     ``queries``: "masked" (the readout rows of still-masked positions), "all", or "answer" (the readout
     rows of the canvas).  In ``generate`` the input comes from ``model.state``; for a plain forward set
     ``.tokens`` and ``.attention_mask`` first.  Rows whose every visible key would be removed are left
-    unchanged.  ``n_knocked[layer]`` is the mean number of keys removed per row at the last forward;
+    unchanged (counted in ``rows_kept[layer]``; ``knockout`` notes them).  A random control with fewer other
+    visible keys than targets cuts fewer (counted in ``unmatched``; ``knockout`` flags the row).
+    ``n_knocked[layer]`` is the mean number of keys removed per row at the last forward;
     ``knocked_by_step[step]`` the same for every pass of a ``generate``.  On a block-diffusion model
     (DiffusionGemma) the rows are the canvas (``"masked"`` = not yet accepted: holding noise in the step's input, ``state.extra["noised"]``) and the pre-pass re-runs the
     sampler's own decoder call (``state.extra["rerun"]``); masked keys may be −inf or the dtype's minimum.
@@ -49,7 +51,7 @@ class KnockoutHooks:
         if isinstance(targets, str):
             validate.choice(targets, ("anchors", "random"), name="targets")
         else:
-            targets = validate.indices(targets, model.cfg.n_ctx, name="targets")
+            targets = validate.indices(targets, model.cfg.n_ctx, name="targets", allow_empty=True)  # []: a no-op
         self.targets, self.rule, self.detect_kwargs = targets, rule, detect_kwargs
         self.prompt_length = validate.integer(prompt_length, name="prompt_length", min=0)
         self.gen = torch.Generator().manual_seed(validate.integer(seed, name="seed"))
@@ -61,6 +63,9 @@ class KnockoutHooks:
         self._anchors: dict[int, Tensor] = {}
         self.n_knocked: dict[int, float] = {}
         self.knocked_by_step: dict[int, list[float]] = {}   # in generate: step → keys removed per (row, layer)
+        self.unmatched = 0  # random controls: (forward, layer) cuts smaller than the targets' count
+        self.rows_kept: dict[int, int] = {}   # query rows (batch × head × row) left uncut: every visible key a target
+        self._wanted: Tensor | None = None
 
     @property
     def needs_prepass(self) -> bool:
@@ -134,7 +139,10 @@ class KnockoutHooks:
         # under the block-causal mask a block run's forward holds the first keys of the pre-pass over the whole
         # canvas, with the same values (later blocks never reach earlier ones): the anchors are cut to its keys
         anchors = self._anchors[layer][..., :kv.shape[-1]]
-        return anchors if self.targets == "anchors" else C.random_like(anchors, kv, self.gen)
+        if self.targets == "anchors":
+            return anchors
+        self._wanted = anchors  # the random control's count to match (n_wanted vs n_knocked)
+        return C.random_like(anchors, kv, self.gen)
 
     def _score_hook(self, layer: int):
         def hook(scores: Tensor, hook: Any) -> Tensor | None:
@@ -144,6 +152,8 @@ class KnockoutHooks:
                 return None
             t = self._target_mask(layer, scores)
             self.n_knocked[layer] = float(t.sum(-1).float().mean())
+            if self._wanted is not None and int(self._wanted.sum()) > int(t.sum()):
+                self.unmatched += 1  # fewer other visible keys than targets: a smaller cut than the one it controls
             if self.model.state is not None:
                 self.knocked_by_step.setdefault(self.model.state.step, []).append(self.n_knocked[layer])
             rows = self._rows
@@ -156,7 +166,10 @@ class KnockoutHooks:
                 rows = rows[:, q0:q0 + scores.shape[-2]]
             cut = rows[:, None, :, None] & t[:, None, None, :]
             new = scores.masked_fill(cut, -torch.inf)
-            dead = ~(new > torch.finfo(new.dtype).min).any(-1, keepdim=True)   # no visible key left
+            # the documented fallback: a row whose every visible key is a target keeps its scores (a softmax over
+            # no key is undefined, NaN in every later layer); counted, so the probe can say where it happened
+            dead = ~(new > torch.finfo(new.dtype).min).any(-1, keepdim=True)
+            self.rows_kept[layer] = self.rows_kept.get(layer, 0) + int((dead[..., 0] & cut.any(-1)).sum())
             return torch.where(dead, scores, new)
         return hook
 
@@ -175,7 +188,7 @@ class _RandomListHooks(KnockoutHooks):
     """Random control of a fixed target list: as many random visible positions outside the list."""
 
     def _target_mask(self, layer: int, scores: Tensor) -> Tensor:
-        fixed = super()._target_mask(layer, scores)
+        fixed = self._wanted = super()._target_mask(layer, scores)
         return C.random_like(fixed, C.visible_keys(scores), self.gen)
 
 
@@ -197,7 +210,13 @@ class _GoldScorer:
         if st is None or st.phase != "cond":
             return
         raw = C.check_logits(self.model.unembed(self.model.ln_final.apply_weight(act)), f"denoising step {st.step}")
-        self.lp[st.step], self.rank[st.step] = (t.cpu() for t in C.gold_scores(self.model, raw, self.gold))
+        # a forward that computes only some rows (SDAR / Fast-dLLM v2 blocks) has them at canvas positions
+        # st.rows (reading them as rows 0.. scored nothing, so every value was NaN)
+        q0 = st.rows.start if raw.shape[1] < self.gold.shape[1] else 0
+        lp, rank = (torch.full(self.gold.shape, torch.nan, dtype=torch.float64) for _ in range(2))
+        got = C.gold_scores(self.model, raw, self.gold[:, q0:].to(raw.device))
+        lp[:, q0:], rank[:, q0:] = (t.cpu() for t in got)
+        self.lp[st.step], self.rank[st.step] = lp, rank
 
     def at_commit(self, commit_step: Tensor) -> tuple[Tensor, Tensor]:
         """(log-prob, rank) ``[batch, pos]`` read at the step that committed each position (NaN if none)."""

@@ -15,6 +15,7 @@ from mdm_lens import validate
 from mdm_lens.errors import ArgumentError
 
 from . import floating
+from ._ignored import refuse_ignored
 from ._results import ResultMixin
 from ._runtools import _attention_mask, _tokens, is_block_diffusion, is_causal, layer_list, sequence_view
 
@@ -140,7 +141,8 @@ def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_
     ``paper``: MDM S = AF Rule A (``paper_absorption`` ⇒ top-1), ARM S = {column 0} (the first real
     token).  ``default``: the three variants pos0 / top1 / anchors (``rule``, zscore by default), each
     with its uniform null (bidirectional 100/n; causal pos0/top1 100·H_n/n) and excess = value − null.
-    ``head="each"`` (default mode only) computes per head and averages the percentages over heads.
+    ``head="each"`` (default mode only; refused with ``mode="paper"``, as is a ``rule`` other than zscore, which
+    paper mode would ignore) computes per head and averages the percentages over heads.
     Block-diffusion models (DiffusionGemma, ``prompt_length`` required): Q = the answer rows, i.e. the decoder's
     queries, over the keys each decoder layer lets them see (prompt + answer; a sliding layer only the last
     window − 1 prompt keys), which also set the nulls.
@@ -152,6 +154,7 @@ def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_
     mode = validate.choice(mode, ("default", "paper"), name="mode")
     rule = validate.choice(rule, floating.RULES, name="rule")
     head = validate.choice(head, ("mean", "each"), name="head")
+    check_paper_arguments(mode, rule, head)
     layer_ids = layer_list(model, layers)
     if chunked is not None:
         validate.boolean(chunked, name="chunked")
@@ -175,6 +178,16 @@ def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_
     return absorption_from_attention(model, attn, toks, attention_mask, mode, rule, head, layer_ids)
 
 
+def check_paper_arguments(mode: str, rule: str, head: str) -> None:
+    """Paper mode has one anchor set (AF Rule A, or column 0 on an ARM) and the head-mean attention: a `rule` or
+    `head="each"` there would be silently ignored, so it is refused."""
+    if mode == "paper":
+        refuse_ignored("head", head, "mean", by="mode", by_value="paper", why="the paper's absorption reads the "
+                       "head-mean attention (per head is default-mode only)")
+        refuse_ignored("rule", rule, "zscore", by="mode", by_value="paper", why="the paper's anchor set is AF Rule "
+                       "A (top-1; column 0 on an ARM), whatever the rule")
+
+
 PATTERN_BUDGET_BYTES = 256 * 2 ** 20  # above this, whole-pattern statistics reduce over query chunks instead
 
 
@@ -190,10 +203,11 @@ def absorption_chunked(model: Any, tokens: Tensor, am: Tensor | None, mode: str,
     inside the attention (``hooks.reducers.received_by_layer``; pass ``received`` to reuse one)."""
     from mdm_lens.hooks.reducers import received_by_layer
 
+    check_paper_arguments(mode, rule, head)  # before the forward
     if received is None:
         received = received_by_layer(model, tokens, am, layers=layer_ids)           # [b, l, h, T] float64
     received = validate.finite(received, name="received attention")
-    per_head = head == "each" and mode == "default"
+    per_head = head == "each"
     return absorption_from_received(model, received if per_head else received.mean(2),
                                     None if am is None else am.bool(), mode, rule, per_head, layer_ids)
 
@@ -206,6 +220,7 @@ def absorption_from_attention(model: Any, attn: Float[Tensor, "batch layer head 
     (arguments already checked), so one forward can serve both modes (the sweep does). ``query_rows``
     ``[batch, query]`` / ``key_visible`` ``[batch, layer, key]``: the query set and per-layer key sets where
     they are not "every non-pad row / key" (block-diffusion models)."""
+    check_paper_arguments(mode, rule, head)
     attn = attn.to(torch.float64)                                                        # [b, l, h, q, k]
     if key_visible is None:
         kv = _attention_mask(attention_mask, _tokens(tokens, device=attn.device))

@@ -27,6 +27,7 @@ from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, ArgumentTypeError
 
 from . import _checks as C
+from ._ignored import refuse_ignored
 from ._results import ResultMixin
 
 __all__ = ["Region", "CharSpan", "REGION_KINDS", "AF_KINDS", "complete_regions", "regions_from_char_spans",
@@ -348,6 +349,9 @@ def flow(attn: Float[Tensor, "... layer query key"], regions: Sequence[Region], 
     causal = validate.boolean(causal, name="causal")
     mode = validate.choice(mode, ("default", "paper"), name="mode")
     residual = validate.number(residual, name="residual", min=0, max=1)
+    if mode == "paper":
+        refuse_ignored("residual", residual, 0.5, by="mode", by_value="paper", why="the AF rollout is "
+                       "rownorm(P + I), i.e. residual 0.5")
     collapse_tol = validate.number(collapse_tol, name="collapse_tol", min=0)
     bos_tol = validate.number(bos_tol, name="bos_tol", min=0, max=1)
     warn = validate.boolean(warn, name="warn")

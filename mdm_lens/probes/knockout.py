@@ -88,6 +88,7 @@ class KnockoutResult(ResultMixin):
     gold: list[list[int]] = field(default_factory=list)   # gold answer ids per batch row
     gold_source: str = "answer"     # "answer" or "clean generation"
     notes: list[str] = field(default_factory=list)
+    condition_notes: list[str] = field(default_factory=list)  # per condition: NaN reason, unmatched control, …
 
     _dims: ClassVar = {"value": ("condition",), "effect": ("condition",), "answer_logprob": ("condition",),
                        "answer_rank": ("condition",), "exact_match": ("condition",),
@@ -105,7 +106,9 @@ class KnockoutResult(ResultMixin):
         cols = ["value", "effect", "answer_logprob", "answer_rank", "exact_match", "tf_answer_logprob_mean",
                 "tf_answer_rank_mean", "metric_mean", "agreement", "accuracy"]
         wide = self.to_frame(metrics=cols).pivot(index="condition", columns="metric", values="value")
-        return wide.loc[self.conditions, cols]
+        wide = wide.loc[self.conditions, cols]
+        wide["note"] = self.condition_notes or [""] * len(self.conditions)  # why a value is NaN or not comparable
+        return wide
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,7 +218,8 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
     if isinstance(targets, str):
         validate.choice(targets, ("anchors", "random"), name="targets")
     else:
-        targets = validate.indices(targets, P + g, name="targets", what="position")
+        # [] cuts nothing: a no-op control whose values equal clean exactly (the scoring path is the same)
+        targets = validate.indices(targets, P + g, name="targets", what="position", allow_empty=True)
     validate.choice(queries, C.QUERIES, name="queries")
     n_random = validate.integer(n_random, name="n_random", min=0)
     seed = validate.integer(seed, name="seed")
@@ -239,7 +243,7 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
         gold_ids, source = C.gold_answer(model, answer, prompt.shape[0], g, off), "answer"
     gold = C.gold_grid(gold_ids, P, clean.tokens.shape[1], off, dev)
     have = (gold >= 0).cpu()
-    clean_scores = _replay_scores(model, clean, gold)
+    clean_scores = _clean_scores(gen, clean, model, gold)
 
     def one_draw(spec: Any, d: int) -> dict:
         ko = None if spec is None else _hooks_for(model, spec, ls, queries, rule, P, seed + d)
@@ -265,6 +269,7 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
         acc = (float(np.mean([answer_correct(model, r.cpu(), answer, decode) for r in out.generated]))
                if answer is not None else math.nan)
         return dict(tf_lp=rows["tf_lp"], tf_rank=rows["tf_rank"], sm=rows["sm"], nt=rows["nt"],
+                    unmatched=0 if ko is None else ko.unmatched, kept=0 if ko is None else sum(ko.rows_kept.values()),
                     answer_logprob=a_lp, answer_rank=a_rank, exact_match=_exact_match(model, out, gold_ids, answer,
                                                                                        off, decode),
                     agreement=float((out.generated == clean.generated).float().mean()), accuracy=acc)
@@ -288,7 +293,36 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
         tf_answer_logprob=tf_lp, tf_answer_rank=tf_rank, tf_answer_logprob_mean=tf_lp.nanmean(-1),
         tf_answer_rank_mean=tf_rank.nanmean(-1), step_metric_name=C.metric_name(step_metric), step_metric=sm,
         metric_mean=sm.nanmean(-1), n_targets=t("nt"), agreement=t("agreement"), accuracy=t("accuracy"),
-        gold=gold_ids, gold_source=source, notes=notes)
+        gold=gold_ids, gold_source=source, notes=notes, condition_notes=_condition_notes(names, per, value))
+
+
+def _clean_scores(gen: Any, clean: Any, model: Any, gold: Tensor) -> tuple[Tensor, Tensor]:
+    """The clean run's gold scores from a second clean run with the scorer on (same seed, same path): the forwards
+    the knocked runs are scored on, so a knockout that cuts nothing equals clean exactly, block samplers' cached
+    forwards included. A run that does not repeat (seed=None) falls back to replaying its canvases."""
+    scorer = _GoldScorer(model, gold)
+    again = gen([("ln_final.hook_normalized", scorer)])
+    if torch.equal(again.tokens, clean.tokens) and torch.equal(again.trajectory.commit_step, clean.trajectory.commit_step):
+        return scorer.at_commit(clean.trajectory.commit_step)
+    return _replay_scores(model, clean, gold)
+
+
+def _condition_notes(names: list[str], per: list[dict], value: Tensor) -> list[str]:
+    """Per condition: why its value is NaN, whether its random control was smaller than the cut it controls, and
+    how many query rows kept their scores because every visible key was a target."""
+    notes = []
+    for name, p, v in zip(names, per, value.tolist()):
+        why = []
+        if math.isnan(v):
+            why.append("NaN: no gold answer position was scored (none committed at a scored forward, or no gold)")
+        if p.get("unmatched", 0) > 0:
+            why.append(f"unmatched control: at {p['unmatched']:g} (forward, layer) cuts fewer other keys were visible "
+                       "than there are targets, so it cut fewer keys (compare n_targets)")
+        if p.get("kept", 0) > 0:
+            why.append(f"{p['kept']:g} query rows kept their scores: every visible key was a target (softmax "
+                       "over no key is undefined)")
+        notes.append("; ".join(why))
+    return notes
 
 
 def _block_diffusion(model: Any, prompt: Tensor, step_list: list[int], chosen: list[int] | None, ls: list[int],
@@ -311,4 +345,5 @@ def _block_diffusion(model: Any, prompt: Tensor, step_list: list[int], chosen: l
         exact_match=t("exact_match"), tf_answer_logprob=nan_steps, tf_answer_rank=nan_steps.clone(),
         tf_answer_logprob_mean=nan_cond, tf_answer_rank_mean=nan_cond.clone(), step_metric_name="not applicable",
         step_metric=nan_steps.clone(), metric_mean=nan_cond.clone(), n_targets=t("nt"), agreement=t("agreement"),
-        accuracy=t("accuracy"), gold=r["gold_ids"], gold_source=r["source"], notes=r["notes"])
+        accuracy=t("accuracy"), gold=r["gold_ids"], gold_source=r["source"], notes=r["notes"],
+        condition_notes=_condition_notes(r["names"], r["per"], value))

@@ -108,7 +108,8 @@ def knockout_block_diffusion(model: Any, prompt: Tensor, *, step_list: list[int]
                   for s in step_list]
             draws.append(dict(answer_logprob=a_lp, answer_rank=a_rank, agreement=_agreement(out, clean),
                               exact_match=_exact_match(model, out, gold_ids, answer, offset, decode), accuracy=acc,
-                              nt=nt))
+                              nt=nt, unmatched=0 if ko is None else ko.unmatched,
+                              kept=0 if ko is None else sum(ko.rows_kept.values())))
         names.append(name)
         per.append({k: np.mean([dr[k] for dr in draws], 0) for k in draws[0]})
     return dict(names=names, per=per, gold_ids=gold_ids, source=source, notes=[NOT_APPLICABLE])

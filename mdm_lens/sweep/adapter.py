@@ -342,6 +342,8 @@ def knockout(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFram
                                 **kw)
         df = res.to_frame()
         df.insert(0, "item_id", batch.item_ids[b])
+        # why a condition's value is NaN or not comparable (an unmatched random control): KnockoutResult.condition_notes
+        df["note"] = df["condition"].map(dict(zip(res.conditions, res.condition_notes))).fillna("")
         frames.append(df)
     out = pd.concat(frames, ignore_index=True)
     return out.drop(columns=[c for c in ("label",) if c in out and out[c].isna().all()])

@@ -208,17 +208,32 @@ def parse_item(obj: Any, line: int) -> SweepItem:
                      answers=_all_answers(obj), gold_indices=gold)
 
 
+def _decode_line(raw: bytes, n: int) -> str:
+    """One line as text: UTF-8 (a BOM opening the file is dropped; CRLF endings are json whitespace). Each line is
+    decoded on its own so that a Latin-1 byte names its line and `--skip-bad` can skip just that line."""
+    if n == 1 and raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _Bad(f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line; re-save the file as "
+                   "UTF-8)") from None
+
+
 def read_items(path: str | Path, skip_bad: bool = False) -> ReadResult:
-    """Read every line of a jsonl file (blank lines ignored); ids must be unique."""
+    """Read every line of a UTF-8 jsonl file (blank lines ignored; a leading BOM and CRLF endings accepted); ids
+    must be unique. A bad line (not UTF-8, not json, not an item, a duplicate id) raises `InputError` naming the
+    file and line, or with `skip_bad` is recorded in `skipped` with its reason."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"--data {str(path)!r}: no such file.", argument="data", value=str(path))
     items, skipped, seen = [], [], {}
-    with path.open(encoding="utf-8") as f:
-        for n, text in enumerate(f, 1):
-            if not text.strip():
-                continue
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
             try:
+                text = _decode_line(raw, n)
+                if not text.strip():
+                    continue
                 try:
                     obj = json.loads(text)
                 except json.JSONDecodeError as e:

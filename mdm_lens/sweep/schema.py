@@ -103,7 +103,7 @@ TABLES: dict[str, tuple[str, list[str]]] = {
     "flow": ("answer-row attention-rollout flow per prompt region, and per-item ratios (region `<NA>`)",
              _KEY + ["gold_index", "gold_indices", "region", "kind", "metric", "value"]),
     "knockout": ("answer log-prob etc. with the anchors or as many random keys knocked out",
-                 _KEY + ["metric", "condition", "step", "value", "label"]),
+                 _KEY + ["metric", "condition", "step", "value", "label", "note"]),
     "lens": ("logit lens over the denoising steps: per (step, layer) accuracies, per answer position emergence",
              _KEY + ["step", "layer", "answer_position", "answer", "metric", "value", "note"]),
     "features": ("pooled residual stream per (item, step, layer) with the item's targets, for linear probes",
