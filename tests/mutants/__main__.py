@@ -8,7 +8,8 @@
 
 `--from-json` reads mutants written by someone who has not read tests/ (a list of {id, file, find, replace,
 note}); `--covering MAP` runs each mutant on the tests that execute a line it changes (per-test coverage, built
-into MAP on first use: tests/mutants/covering.py), then reruns each survivor on the whole suite to confirm it.
+into MAP on first use: tests/mutants/covering.py; a test that never executes a line cannot catch its mutant);
+`--confirm` reruns each survivor on the whole suite.
 
 A mutant is *caught* when the suite fails on it (pytest exit 1, or a time-out: an infinite loop is a
 failure too) and *survives* when the suite passes. A mutant whose snippet no longer occurs exactly once is
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--from-json", type=Path, default=None, help="mutants from this file, not the catalogue")
+    ap.add_argument("--confirm", action="store_true",
+                    help="with --covering: rerun each survivor on the whole suite (a fresh map makes this redundant)")
     ap.add_argument("--skip-baseline", action="store_true", help="trust that the unmutated suite passes")
     ap.add_argument("--covering", type=Path, default=None,
                     help="per-test coverage map (built here if missing): run only the tests reaching each mutant")
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with ThreadPoolExecutor(max_workers=len(dirs)) as pool:
             results = list(pool.map(task, chosen))
-            if args.covering:  # a survivor of its covering tests must survive the whole suite too
+            if args.covering and args.confirm:  # a survivor of its covering tests must survive the whole suite too
                 again = [replace(m, tests=()) for m, r in zip(chosen, results)
                          if r["status"] == "survived" and m.tests != ("<uncovered>",)]
                 confirmed = {r["id"]: r for r in pool.map(task, again)}
