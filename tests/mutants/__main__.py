@@ -75,6 +75,10 @@ def _copy_repo(dest: Path) -> None:
 def _with_covering(m: Mutant, table: dict) -> Mutant:
     """`m` restricted to the tests that execute a line of its snippet; none: it survives without a run."""
     text = (ROOT / m.file).read_text()
+    if not m.file.endswith(".py"):  # coverage sees Python only: an asset's tests are those that name its stem
+        stem = Path(m.file).stem
+        ids = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if stem in p.read_text())
+        return replace(m, tests=tuple(ids) if ids else ("<uncovered>",))
     ids = covering_tests(table, m.file, text, m.find)
     return replace(m, tests=tuple(ids) if ids else ("<uncovered>",))
 
