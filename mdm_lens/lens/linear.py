@@ -144,10 +144,12 @@ def features_from_cache(cache: Any, *, hook: str = "hook_resid_post", layers: An
     acts = torch.stack([cache.stack(f"blocks.{l}.{hook}", phase=phase, **by_pos) for l in layers]).detach().cpu()
     validate.tensor(acts, name="cached activations", ndim=5, dtype="float")  # [layer, step, item, pos, d]
     steps = cache.steps if phase is None else cache.steps_of(phase)
-    shape = tuple(acts.shape[1:4])
+    # block canvases are rounded up to whole blocks; `x_steps` (the documented positions) stop at prompt + gen_length
+    w = min(acts.shape[3], getattr(positions, "shape", (acts.shape[3],))[-1] or acts.shape[3]) if by_pos else None
+    acts, shape = acts[:, :, :, :w], (acts.shape[1], acts.shape[2], w or acts.shape[3])
     pos = torch.ones(shape, dtype=torch.bool) if positions is None else _per_step(positions, shape, name="positions")
     if by_pos:
-        pos = pos & cache.computed(phase) & cache.visible(phase)  # rows the step computed, pads excluded
+        pos = pos & (cache.computed(phase) & cache.visible(phase))[:, :, :w]  # computed rows, pads excluded
     meta = {"hook": hook, "pool": pool}
     if pool == "none":
         return ProbeFeatures(acts, layers, list(steps), pos, meta)

@@ -22,8 +22,8 @@ def _check_run(model: Any, out: Any) -> None:
                                 value=out, allowed="a GenerateOutput")
     if out.causal or out.sampler not in ("llada", "dream", "llada2", "sdar"):
         raise InputError(f"out is a {out.sampler!r} run; the lens over denoising steps reads masked diffusion runs "
-                         "(sampler 'llada' or 'dream'): an autoregressive step has no masked canvas.",
-                         argument="out", value=out.sampler, allowed="a 'llada' or 'dream' run")
+                         "(sampler 'llada', 'dream', 'llada2' or 'sdar'): an autoregressive step has no masked canvas.",
+                         argument="out", value=out.sampler, allowed="a 'llada', 'dream', 'llada2' or 'sdar' run")
     out.check_model(model)
     if out.settings.get("kv_cache") is not None:  # window forwards: neither a replay nor the cache rows cover them
         raise InputError(f"out is a kv_cache={out.settings['kv_cache']!r} run: its window forwards attended to stale "
