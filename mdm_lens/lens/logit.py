@@ -57,6 +57,11 @@ def lens_logits(model: Any, resid: Float[Tensor, "batch pos d_model"], layer: in
     check_model(model)
     layer = validate.index(layer, model.cfg.n_layers, name="layer", what="layer")
     validate.tensor(resid, name="resid", ndim=3, shape=(None, None, model.cfg.d_model), dtype="float")
+    if lens is not None:  # a TunedLens (not imported here: tuned.py imports this module)
+        if not callable(getattr(lens, "check_model", None)) or not callable(getattr(lens, "translate", None)):
+            raise ArgumentTypeError(f"lens={validate.describe(lens)} is not a TunedLens.", argument="lens",
+                                    value=lens, allowed="None (logit lens) or a TunedLens")
+        lens.check_model(model)
     return model.aligned_logits(_readout(model, resid, layer, lens))
 
 
