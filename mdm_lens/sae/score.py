@@ -21,6 +21,13 @@ def _masked_ce(logits: Tensor, tokens: Tensor, masked: Tensor) -> float:
     return F.cross_entropy(logits[masked].double(), tokens[masked], reduction="mean").item()
 
 
+def _maskable(model: Any, tokens: Tensor) -> Tensor:
+    """The positions the forward process may mask (MaskedCanvas' rule: not pad, not a leading <bos>)."""
+    keep = tokens != model.cfg.pad_token_id
+    keep[:, 0] &= tokens[:, 0] != model.cfg.bos_token_id
+    return keep
+
+
 @torch.no_grad()
 def diffusion_ce_score(model: Any, sae: Any, hook_name: str, tokens: Tensor, *,
                        mask_rates: Sequence[float] = (0.15, 0.5, 0.85), seeds: Sequence[int] = (0,),
@@ -32,6 +39,10 @@ def diffusion_ce_score(model: Any, sae: Any, hook_name: str, tokens: Tensor, *,
     (mean active latents per position). The same masks (the seed's) are used for all three runs.
 
     `tokens`: clean ids `[batch, pos]` (right-padded with the pad id, if at all); `<bos>` and pads are never masked.
+    A mask id in `tokens` is refused (it would be a CE target the model never predicts). A canvas with every
+    maskable token masked (rate 1, or by chance) is scored -- it is the t = 1 end of the training loss -- but its
+    activations carry no token of the input, only positions (and <bos>), so its `note` says so: the score there
+    measures the SAE off the distribution of the activations it will be used on.
     """
     _check_sae(sae)
     tokens = validate.tensor(torch.as_tensor(tokens), name="tokens", ndim=(1, 2), dtype="int")
@@ -79,6 +90,9 @@ def diffusion_ce_score(model: Any, sae: Any, hook_name: str, tokens: Tensor, *,
                 note = "no token was masked at this rate and seed"
             else:
                 ce_c, ce_s, ce_z = (_masked_ce(lg, tokens, masked) for lg in (clean, spliced, zero))
+                if n == int(_maskable(model, tokens).sum()):
+                    note = "every maskable token is masked: the canvas holds no input token (position-only " \
+                           "activations)"
             den = ce_z - ce_c
             if n and den == 0:
                 recovered = math.nan
