@@ -15,6 +15,7 @@ from torch import Tensor
 from transformer_lens import ActivationCache, HookedRootModule
 
 from mdm_lens import validate
+from mdm_lens.cache import MDMActivationCache
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, HookNameError, InputError
 
 NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
@@ -175,7 +176,8 @@ class CheckedHookSurface(HookedRootModule):
 
     def run_with_cache(self, *model_args: Any, names_filter: NamesFilter = None, remove_batch_dim: bool = False,
                        return_cache_object: bool = True, **kwargs: Any) -> tuple[Any, ActivationCache]:
-        """TL's `run_with_cache`, returning TL's `ActivationCache` (hook names are checked first)."""
+        """TL's `run_with_cache`, returning an `ActivationCache` (`MDMActivationCache`: a missing name or an
+        out-of-range layer is a typed error naming what exists) (hook names are checked first)."""
         names_filter = self._check_names_filter(names_filter)
         validate.boolean(remove_batch_dim, name="remove_batch_dim")
         validate.boolean(return_cache_object, name="return_cache_object")
@@ -186,5 +188,5 @@ class CheckedHookSurface(HookedRootModule):
         out, cache_dict = super().run_with_cache(*model_args, names_filter=names_filter,
                                                  remove_batch_dim=remove_batch_dim, **kwargs)
         if return_cache_object:
-            return out, ActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+            return out, MDMActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
         return out, cache_dict
