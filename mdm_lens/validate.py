@@ -190,12 +190,15 @@ def tensor(value: Any, *, name: str, ndim: int | Sequence[int] | None = None,
         if not ok:
             pretty = "[" + ", ".join("*" if w is None else str(w) for w in want) + "]"
             raise _fail(ArgumentError, name, value, f"expected shape {pretty}")
+    if nonempty and value.numel() == 0:  # before the dtype: torch.tensor([]) is float, "empty" is the real news
+        raise _fail(ArgumentError, name, value, "expected a non-empty tensor", "it is empty")
     if dtype is not None:
         kinds = (dtype,) if isinstance(dtype, str) else tuple(dtype)
         if not any(value.dtype in _DTYPE_KINDS[k] for k in kinds):
+            if value.numel() == 0:
+                raise _fail(ArgumentError, name, value, f"expected a non-empty {' or '.join(kinds)} tensor",
+                            "it is empty (torch.tensor([]) is float32 by default)")
             raise _fail(ArgumentTypeError, name, value, f"expected a {' or '.join(kinds)} tensor")
-    if nonempty and value.numel() == 0:
-        raise _fail(ArgumentError, name, value, "expected a non-empty tensor")
     if finite:
         _finite(value, name=name)
     return value
