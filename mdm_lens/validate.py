@@ -180,6 +180,8 @@ def tensor(value: Any, *, name: str, ndim: int | Sequence[int] | None = None,
     ("float", "int", "bool"); `finite` refuses NaN/inf; `nonempty` refuses a tensor with no elements."""
     if not isinstance(value, Tensor):
         raise _fail(ArgumentTypeError, name, value, "expected a torch.Tensor")
+    if nonempty and value.numel() == 0:  # first: torch.tensor([]) is 1-d float, but "empty" is the real news
+        raise _fail(ArgumentError, name, value, "expected a non-empty tensor", "it is empty")
     if ndim is not None:
         ranks = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if value.ndim not in ranks:
@@ -190,8 +192,6 @@ def tensor(value: Any, *, name: str, ndim: int | Sequence[int] | None = None,
         if not ok:
             pretty = "[" + ", ".join("*" if w is None else str(w) for w in want) + "]"
             raise _fail(ArgumentError, name, value, f"expected shape {pretty}")
-    if nonempty and value.numel() == 0:  # before the dtype: torch.tensor([]) is float, "empty" is the real news
-        raise _fail(ArgumentError, name, value, "expected a non-empty tensor", "it is empty")
     if dtype is not None:
         kinds = (dtype,) if isinstance(dtype, str) else tuple(dtype)
         if not any(value.dtype in _DTYPE_KINDS[k] for k in kinds):

@@ -124,6 +124,10 @@ class TunedLens(nn.Module):
 
     def translate(self, resid: Float[Tensor, "... d_model"], layer: int) -> Float[Tensor, "... d_model"]:
         i = self._slot(layer)
+        validate.tensor(resid, name="resid", dtype="float")
+        if resid.shape[-1] != self.d_model:
+            raise InputError(f"resid has width {resid.shape[-1]}; this lens translates d_model={self.d_model}.",
+                             argument="resid", value=validate.describe(resid), allowed=f"[..., {self.d_model}]")
         if not bool(torch.isfinite(self.delta[i].detach()).all() & torch.isfinite(self.bias[i].detach()).all()):
             self.check_finite()
         x = resid.float()

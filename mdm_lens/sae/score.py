@@ -12,13 +12,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mdm_lens import validate
-from mdm_lens.errors import InputError
+from mdm_lens.errors import ArgumentError, InputError
 from mdm_lens.sae.canvas import MaskedCanvas
 from mdm_lens.sae.splice import _check_sae, _splice
 
 
 def _masked_ce(logits: Tensor, tokens: Tensor, masked: Tensor) -> float:
     return F.cross_entropy(logits[masked].double(), tokens[masked], reduction="mean").item()
+
+
+def _nonempty(values: Any, name: str, types: Any) -> list:
+    """A non-empty list/tuple of numbers (a bare string would be split into characters by list())."""
+    out = validate.instances(values, types, name=name)
+    if not out:
+        raise ArgumentError(f"{name}=[] is empty: the score needs at least one.", argument=name, value=values,
+                            allowed="a non-empty list")
+    return out
 
 
 def _maskable(model: Any, tokens: Tensor) -> Tensor:
@@ -44,6 +53,9 @@ def diffusion_ce_score(model: Any, sae: Any, hook_name: str, tokens: Tensor, *,
     activations carry no token of the input, only positions (and <bos>), so its `note` says so: the score there
     measures the SAE off the distribution of the activations it will be used on.
     """
+    from mdm_lens.lens.logit import check_model
+
+    check_model(model)
     _check_sae(sae)
     tokens = validate.tensor(torch.as_tensor(tokens), name="tokens", ndim=(1, 2), dtype="int")
     if tokens.ndim == 1:
@@ -53,8 +65,8 @@ def diffusion_ce_score(model: Any, sae: Any, hook_name: str, tokens: Tensor, *,
         raise InputError(f"hook_name={hook_name!r} is not a hook point of this model.", argument="hook_name",
                          value=hook_name, allowed="a name in model.hook_dict")
     rates = [validate.number(r, name=f"mask_rates[{j}]", min=0.0, max=1.0, min_open=True)
-             for j, r in enumerate(validate.instances(list(mask_rates), (int, float), name="mask_rates"))]
-    seeds = [validate.integer(s, name=f"seeds[{j}]") for j, s in enumerate(seeds)]
+             for j, r in enumerate(_nonempty(mask_rates, "mask_rates", (int, float)))]
+    seeds = [validate.integer(s, name=f"seeds[{j}]") for j, s in enumerate(_nonempty(seeds, "seeds", int))]
     use_error_term = validate.boolean(use_error_term, name="use_error_term")
     tokens = tokens.to(model.input_device)
     real = tokens != model.cfg.pad_token_id

@@ -39,6 +39,7 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
+from mdm_lens import validate
 from mdm_lens.errors import InputError
 
 __all__ = ["to_html", "offline", "OfflineView", "bundle_available", "bundle_script", "parse_view", "BUNDLE_MARKER"]
@@ -275,6 +276,7 @@ def to_html(view: Any, *, full_document: bool = True, renderer: Renderer = "auto
         include_bundle: a fragment from the circuitsvis path carries the 1.3 MB bundle unless this is
             False; the page must then include `bundle_script()` once, before the fragment.
     """
+    validate.choice(renderer, ("auto", "circuitsvis", "fallback"), name="renderer")
     parsed = parse_view(view)
     if parsed is None:
         if isinstance(view, str):

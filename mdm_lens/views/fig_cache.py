@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from mdm_lens import validate
 from mdm_lens.errors import ArgumentError
 from mdm_lens.views import stats
 from mdm_lens.views.figstyle import MDM_COLORS, _new, _styled, _tick_step, save
@@ -79,6 +80,9 @@ def staleness_grid(table: pd.DataFrame, metric: str, mode: str) -> pd.DataFrame:
     """`[layer, age]`: the mean over items of one metric (each item's mean over its steps of that age first; NaN
     values skipped, a cell with none is NaN)."""
     t = with_age(table)
+    validate.choice(mode, MODES, name="mode")
+    known = sorted(set(MAP_METRICS) | set(t["metric"].dropna().astype(str)))
+    validate.choice(metric, known, name="metric")  # an unknown one would give an empty grid, not an error
     t = t[(t.metric == metric) & (t.kv_cache == mode) & _per_layer(t)]
     per_item = t.groupby(["layer", "age", "item_id"])["value"].mean()
     return per_item.groupby(["layer", "age"]).mean().unstack("age").sort_index()

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentTypeError
 from mdm_lens.views import circuits
 
 __all__ = ["Section", "write_report", "markdown_lite"]
@@ -115,6 +117,9 @@ def markdown_lite(text: str) -> str:
     Text that starts with an HTML tag is returned unchanged."""
     if not text:
         return ""
+    if not isinstance(text, str):
+        raise ArgumentTypeError(f"text={type(text).__name__} is not a str (markdown).", argument="text",
+                                value=type(text).__name__, allowed="a str")
     if re.match(r"\s*<[a-zA-Z!/]", text):
         return text
     lines = text.replace("\r\n", "\n").split("\n")
@@ -247,7 +252,7 @@ def _html_item(item: Any) -> tuple[str, bool]:
         if hasattr(item, "_repr_html_"):
             item = item._repr_html_()
         else:
-            raise TypeError(f"Section.html entries must be HTML strings or circuitsvis views, got {type(item).__name__}.")
+            raise ArgumentTypeError(f"Section.html entries must be HTML strings or circuitsvis views, got {type(item).__name__}.")
     stripped, n = _BUNDLE_RE.subn("", item)
     if re.match(r"\s*(<!doctype|<html)", stripped, re.I):
         if n:  # a full page from circuits.to_html: keep it whole, in an iframe
@@ -284,6 +289,12 @@ def write_report(folder: str | Path, title: str, sections: Sequence[Section], me
     at natural size."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if not isinstance(title, str):
+        raise ArgumentTypeError(f"title={validate.describe(title)} is not a str.", argument="title", value=title,
+                                allowed="a str")
+    sections = validate.instances(sections, Section, name="sections")
+    if image_dpi is not None:
+        image_dpi = validate.number(image_dpi, name="image_dpi", min=0.0, min_open=True)
     images_dir = folder / "images"
     used: set[str] = set()
     placed: list[str] = []
