@@ -45,9 +45,11 @@ _PROBE = 16  # values read from each parameter for the fingerprint
 
 def model_identity(model: Any) -> dict[str, Any]:
     """What a tuned lens is bound to: cfg name, family and shapes, and a SHA-256 fingerprint of the first
-    `_PROBE` values and `_PROBE` evenly strided values of every parameter (names included), rounded through bfloat16 so one checkpoint loaded in
-    float32 or bfloat16 gives the same fingerprint while another checkpoint (or TL-style weight processing, which
-    changes the residual stream the lens reads) does not."""
+    `_PROBE` values and `_PROBE` evenly strided values of every parameter (names included), rounded through
+    bfloat16 so one checkpoint loaded in float32 or bfloat16 gives the same fingerprint while another checkpoint
+    (or TL-style weight processing, which changes the residual stream the lens reads) does not. A change that
+    touches none of the sampled values (e.g. a fine-tune of a few rows) can go unnoticed: the check is a guard
+    against the wrong checkpoint, not a proof of the right one."""
     c = model.cfg
     digest = hashlib.sha256()
     for name, p in model.named_parameters():
