@@ -15,7 +15,8 @@ from torch import Tensor
 from transformer_lens import ActivationCache, HookedRootModule
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentTypeError, HookNameError, InputError
+from mdm_lens.cache import MDMActivationCache
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, HookNameError, InputError
 
 NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 
@@ -30,6 +31,7 @@ def hook_list(hooks: Any, name: str) -> list[tuple[Any, Callable]]:
                                 f"{name}=[(name, fn)].", argument=name, value=hooks, allowed="a list of pairs")
     out = []
     for i, pair in enumerate(hooks):
+        pair = _step_hook_pair(pair, f"{name}[{i}]")
         ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and (isinstance(pair[0], str) or callable(pair[0])) \
             and callable(pair[1])
         if not ok:
@@ -38,6 +40,21 @@ def hook_list(hooks: Any, name: str) -> list[tuple[Any, Callable]]:
                                     allowed="a (str | callable, callable) pair")
         out.append((pair[0], pair[1]))
     return out
+
+
+def _step_hook_pair(pair: Any, name: str) -> Any:
+    """A `StepHook` (``sae_hook(...)``, ``at_steps(fn, name=...)``; duck-typed: hooks/ imports this module's users)
+    outside `generate`: a plain forward has no denoising step, so an all-steps hook fires on every forward and a
+    step-bound one is refused (it would otherwise fire at no step or at every one, both silently wrong)."""
+    when = getattr(pair, "when", None)
+    if isinstance(pair, (list, tuple)) or when is None or not hasattr(pair, "fn") or not hasattr(pair, "name"):
+        return pair
+    if when != type(when)():  # Steps() is every step
+        raise ArgumentError(f"{name}={validate.describe(pair)} is bound to denoising steps ({when}); a plain "
+                            "forward has no step. Pass it to model.generate(..., fwd_hooks=[...]), or drop the "
+                            "'@ steps(...)' to hook every forward.", argument=name, value=when,
+                            allowed="a hook bound to every step (no @ steps(...)) outside generate")
+    return (pair.name, pair.fn)
 
 
 def shape_checked(fn: Callable) -> Callable:
@@ -159,7 +176,8 @@ class CheckedHookSurface(HookedRootModule):
 
     def run_with_cache(self, *model_args: Any, names_filter: NamesFilter = None, remove_batch_dim: bool = False,
                        return_cache_object: bool = True, **kwargs: Any) -> tuple[Any, ActivationCache]:
-        """TL's `run_with_cache`, returning TL's `ActivationCache` (hook names are checked first)."""
+        """TL's `run_with_cache`, returning an `ActivationCache` (`MDMActivationCache`: a missing name or an
+        out-of-range layer is a typed error naming what exists) (hook names are checked first)."""
         names_filter = self._check_names_filter(names_filter)
         validate.boolean(remove_batch_dim, name="remove_batch_dim")
         validate.boolean(return_cache_object, name="return_cache_object")
@@ -170,5 +188,5 @@ class CheckedHookSurface(HookedRootModule):
         out, cache_dict = super().run_with_cache(*model_args, names_filter=names_filter,
                                                  remove_batch_dim=remove_batch_dim, **kwargs)
         if return_cache_object:
-            return out, ActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+            return out, MDMActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
         return out, cache_dict

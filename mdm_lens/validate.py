@@ -180,6 +180,8 @@ def tensor(value: Any, *, name: str, ndim: int | Sequence[int] | None = None,
     ("float", "int", "bool"); `finite` refuses NaN/inf; `nonempty` refuses a tensor with no elements."""
     if not isinstance(value, Tensor):
         raise _fail(ArgumentTypeError, name, value, "expected a torch.Tensor")
+    if nonempty and value.numel() == 0:  # first: torch.tensor([]) is 1-d float, but "empty" is the real news
+        raise _fail(ArgumentError, name, value, "expected a non-empty tensor", "it is empty")
     if ndim is not None:
         ranks = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if value.ndim not in ranks:
@@ -193,9 +195,10 @@ def tensor(value: Any, *, name: str, ndim: int | Sequence[int] | None = None,
     if dtype is not None:
         kinds = (dtype,) if isinstance(dtype, str) else tuple(dtype)
         if not any(value.dtype in _DTYPE_KINDS[k] for k in kinds):
+            if value.numel() == 0:
+                raise _fail(ArgumentError, name, value, f"expected a non-empty {' or '.join(kinds)} tensor",
+                            "it is empty (torch.tensor([]) is float32 by default)")
             raise _fail(ArgumentTypeError, name, value, f"expected a {' or '.join(kinds)} tensor")
-    if nonempty and value.numel() == 0:
-        raise _fail(ArgumentError, name, value, "expected a non-empty tensor")
     if finite:
         _finite(value, name=name)
     return value

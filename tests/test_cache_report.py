@@ -30,7 +30,7 @@ def planted() -> pd.DataFrame:
             for block, steps in STEPS.items():
                 for age, step in enumerate(steps, start=1):
                     base = dict(item_id=item, kv_cache=mode, step=step, block=block, reason="")
-                    rows.append(dict(base, layer=-1, metric="logprob_delta", value=LP[mode][k]))
+                    rows.append(dict(base, layer=pd.NA, metric="logprob_delta", value=LP[mode][k]))
                     for layer in (0, 1):
                         d = _drift(mode, age, layer, k)
                         rows.append(dict(base, layer=layer, metric="k_drift", value=d))

@@ -53,3 +53,12 @@ def test_an_arm_sweep_gives_nan_rows_with_the_reason(arm, tmp_path):
     table = sweep.run(arm, path, "cache", tmp_path / "o", progress=False)["cache"]
     assert len(table) == 4 and table["value"].isna().all()
     assert table["reason"].str.contains("causal").all()
+
+
+def test_whole_model_rows_have_no_layer_not_minus_one(run):
+    """-1 reads as *the last layer* everywhere else: the per-step log-prob rows carry layer <NA>."""
+    _, table = run
+    whole = table.metric.isin(["logprob_fresh", "logprob_cached", "logprob_delta"])
+    assert whole.any() and table.loc[whole, "layer"].isna().all()
+    assert (table.loc[table.layer.notna(), "layer"] >= 0).all()
+    assert table.loc[table.metric == "k_drift", "layer"].notna().all()

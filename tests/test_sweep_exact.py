@@ -145,7 +145,9 @@ def _temporal_reference(model, run, out, keep):
                 rows += [(item, layer, st, k, v) for k, v in vals.items()]
             for m in A.DRIFT_METRICS:
                 v = float(getattr(drift, m)[b])
-                rows.append((item, layer, None, m, v - off if m == "modal_anchor" and v >= 0 else v))
+                if m == "modal_anchor":  # the probe's -1 (no anchor at any step) is no position: NaN in the table
+                    v = v - off if v >= 0 else float("nan")
+                rows.append((item, layer, None, m, v))
             if keep[b]:
                 labels = model.to_str_tokens(out.tokens[b, off:])
                 for si, st in enumerate(sa.steps):

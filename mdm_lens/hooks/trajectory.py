@@ -140,7 +140,9 @@ class TrajectoryCache:
         if step not in store:
             raise InputError(f"step {step} was not cached; cached steps: {steps}.", argument="step", value=step,
                              allowed=f"one of {steps}")
-        return ActivationCache(store[step], self.model)
+        from mdm_lens.cache import MDMActivationCache  # here, not at the top: keeps this edit to one spot
+
+        return MDMActivationCache(store[step], self.model)  # typed errors for missing names / layers
 
     def stack(self, name: str, pad_value: float | None = None, phase: str | None = None,
               align: bool = False) -> Tensor:

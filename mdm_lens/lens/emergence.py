@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentTypeError
+from mdm_lens.errors import ArgumentTypeError, InputError
 
 __all__ = ["answer_emergence", "emergence_steps", "HORIZONS"]
 
@@ -31,8 +31,15 @@ HORIZONS = ("commit", "end")
 def emergence_steps(correct: Tensor, steps: list[int], horizon_end: Tensor) -> Tensor:
     """Vectorised core: `correct` `[step, layer, batch, pos]` (bool, over the recorded `steps`), `horizon_end`
     `[batch, pos]` (last step that counts). Returns `[layer, batch, pos]` long: the first recorded step s <= end
-    with correct at every recorded step in [s, end]; -1 where there is none."""
-    st = torch.as_tensor(steps)
+    with correct at every recorded step in [s, end]; -1 where there is none (a tensor has no NA: `answer_emergence`
+    turns it into <NA> with a note)."""
+    correct = validate.tensor(correct, name="correct", ndim=4, dtype="bool")
+    st = torch.as_tensor(validate.instances(list(steps) if isinstance(steps, (list, tuple, range)) else steps, int,
+                                            name="steps"))
+    if len(st) != correct.shape[0]:
+        raise InputError(f"steps has {len(st)} entries for correct's {correct.shape[0]} recorded steps.",
+                         argument="steps", value=list(steps), allowed=f"{correct.shape[0]} step indices")
+    validate.tensor(horizon_end, name="horizon_end", shape=tuple(correct.shape[2:]), dtype="int")
     inside = st[:, None, None] <= horizon_end[None]                     # [step, batch, pos]
     run = torch.ones(correct.shape[1:], dtype=torch.bool)              # all correct from here to the end (so far)
     first = torch.full(correct.shape[1:], -1, dtype=torch.long)

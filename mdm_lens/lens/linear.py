@@ -38,6 +38,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from mdm_lens import validate
+from mdm_lens.lens.metrics import _auc_weighted, _r2_weighted, auc, r2  # noqa: F401 (public here too)
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputError
 
 __all__ = ["ProbeFeatures", "features_from_cache", "item_split", "auc", "r2", "fit_logistic", "fit_ridge",
@@ -197,50 +198,6 @@ def item_split(n_items: int, *, test_fraction: float = 0.25, seed: int = 0,
     keep = torch.ones(n_items, dtype=torch.bool)
     keep[test_items] = False
     return keep.nonzero().flatten(), test_items
-
-
-def _auc_weighted(scores: Tensor, positive: Tensor, w: Tensor) -> Tensor:
-    """Mann-Whitney AUC with mid-ranks for ties, each sample counted `w[b, i]` times: `[B]`, NaN without both
-    classes. U = (sum of the positives' mid-ranks) - P(P+1)/2, AUC = U / (P N)."""
-    uniq, inv = torch.unique(scores, return_inverse=True)
-    at = w.new_zeros(w.shape[0], len(uniq)).index_add_(1, inv, w)                 # copies at each distinct score
-    at_pos = w.new_zeros(w.shape[0], len(uniq)).index_add_(1, inv, w * positive)
-    midrank = at.cumsum(1) - at + (at + 1) / 2
-    n_pos = at_pos.sum(1)
-    n_neg = at.sum(1) - n_pos
-    u = (at_pos * midrank).sum(1) - n_pos * (n_pos + 1) / 2
-    ok = (n_pos > 0) & (n_neg > 0)
-    return torch.where(ok, u / (n_pos * n_neg).clamp_min(1), torch.full_like(u, float("nan")))
-
-
-def _r2_weighted(y: Tensor, pred: Tensor, w: Tensor) -> Tensor:
-    """1 - SS_res / SS_tot per weight row, NaN where the (weighted) target is constant."""
-    total = w.sum(1)
-    mean = (w * y).sum(1) / total
-    ss_tot = (w * (y - mean[:, None]) ** 2).sum(1)
-    ss_res = (w * (y - pred) ** 2).sum(1)
-    used = w > 0
-    lo = torch.where(used, y, torch.full_like(w, float("inf"))).amin(1)
-    hi = torch.where(used, y, torch.full_like(w, float("-inf"))).amax(1)
-    return torch.where(hi > lo, 1 - ss_res / ss_tot.clamp_min(1e-300), torch.full_like(total, float("nan")))
-
-
-def auc(scores: Float[Tensor, "n"], labels: Tensor) -> float:
-    """ROC AUC of `scores` for binary `labels` (bool or 0/1) by the Mann-Whitney rank formula, ties counted 1/2.
-    NaN when only one class is present."""
-    scores = validate.tensor(scores, name="scores", ndim=1, dtype="float", finite=True)
-    labels = validate.tensor(labels, name="labels", shape=(len(scores),), dtype=("int", "bool"))
-    if not bool(((labels == 0) | (labels == 1)).all()):
-        raise InputError("labels must be 0/1 or bool.", argument="labels", value=labels, allowed="0/1")
-    w = torch.ones(1, len(scores), dtype=torch.float64)
-    return float(_auc_weighted(scores.double(), labels.double(), w)[0])
-
-
-def r2(y_true: Float[Tensor, "n"], y_pred: Float[Tensor, "n"]) -> float:
-    """Coefficient of determination with the mean of `y_true`; NaN when `y_true` is constant."""
-    y_true = validate.tensor(y_true, name="y_true", ndim=1, dtype=("float", "int"), finite=True)
-    y_pred = validate.tensor(y_pred, name="y_pred", shape=(len(y_true),), dtype="float", finite=True)
-    return float(_r2_weighted(y_true.double(), y_pred.double(), torch.ones(1, len(y_true), dtype=torch.float64))[0])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -56,7 +56,13 @@ def lens_logits(model: Any, resid: Float[Tensor, "batch pos d_model"], layer: in
     Dream's shift (`cfg.logit_shift`). At the last layer with `lens=None` this is the model's own aligned output."""
     check_model(model)
     layer = validate.index(layer, model.cfg.n_layers, name="layer", what="layer")
-    validate.tensor(resid, name="resid", ndim=3, shape=(None, None, model.cfg.d_model), dtype="float")
+    # NaN in, NaN logits out would look like a lens result: refuse it here (the lens has no way to give a reason)
+    validate.tensor(resid, name="resid", ndim=3, shape=(None, None, model.cfg.d_model), dtype="float", finite=True)
+    if lens is not None:  # a TunedLens (not imported here: tuned.py imports this module)
+        if not callable(getattr(lens, "check_model", None)) or not callable(getattr(lens, "translate", None)):
+            raise ArgumentTypeError(f"lens={validate.describe(lens)} is not a TunedLens.", argument="lens",
+                                    value=lens, allowed="None (logit lens) or a TunedLens")
+        lens.check_model(model)
     return model.aligned_logits(_readout(model, resid, layer, lens))
 
 

@@ -3,7 +3,7 @@ start, so an untrained lens is exactly the logit lens), followed by the model's 
 
     lens = train_tuned_lens(model, clean_tokens, n_steps=300, seed=0)     # masked canvases, KL to the final logits
     masked_kl(model, held_out, lens=lens)                                 # [layer] mean KL on masked positions
-    lens.save("lens/"); TunedLens.load("lens/", model)
+    lens.save("lens/"); TunedLens.load("lens/", model)                    # refuses another model (strict=False: allow)
     lens_trace(model, out, lens=lens)                                     # the tuned lens over denoising steps
 
 Training data are the activations a diffusion LM computes: clean sequences masked by LLaDA's forward process
@@ -11,10 +11,17 @@ Training data are the activations a diffusion LM computes: clean sequences maske
 fixed `mask_rate`). The objective is the standard tuned-lens one, KL(final || lens) of the position-aligned
 distributions, here averaged over the masked positions (the ones the model is trained to predict). The model
 is frozen: gradients are taken with respect to the translators only. Runs are deterministic given `seed`.
+
+A lens belongs to one model: it records the model's identity (`model_identity`: cfg name, family, shapes and a
+fingerprint of 32 values of every parameter) and refuses another model, even one of the same shapes (a lens of
+one checkpoint is silently wrong on another), unless loaded with ``strict=False``. A lens with a NaN/inf
+parameter (a diverged fit, a damaged file) is refused at load, at the end of training and before every use: it
+would turn every lens probability into NaN.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -26,12 +33,34 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentTypeError, CheckpointNotFoundError, InputError, OutOfRangeError
+from mdm_lens.errors import (ArgumentTypeError, CheckpointNotFoundError, InputError, NonFiniteError,
+                             OutOfRangeError)
 from mdm_lens.lens.logit import _readout, check_model, resid_name
 
-__all__ = ["TunedLens", "train_tuned_lens", "masked_kl"]
+__all__ = ["TunedLens", "train_tuned_lens", "masked_kl", "model_identity"]
 
 WEIGHTS, CONFIG = "tuned_lens.safetensors", "tuned_lens.json"
+_PROBE = 16  # values read from each parameter for the fingerprint
+
+
+def model_identity(model: Any) -> dict[str, Any]:
+    """What a tuned lens is bound to: cfg name, family and shapes, and a SHA-256 fingerprint of the first
+    `_PROBE` values and `_PROBE` evenly strided values of every parameter (names included), rounded through
+    bfloat16 so one checkpoint loaded in float32 or bfloat16 gives the same fingerprint while another checkpoint
+    (or TL-style weight processing, which changes the residual stream the lens reads) does not. A change that
+    touches none of the sampled values (e.g. a fine-tune of a few rows) can go unnoticed: the check is a guard
+    against the wrong checkpoint, not a proof of the right one."""
+    c = model.cfg
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":  # offloaded and not materialised: its name and shape still count
+            digest.update(f"{name}{tuple(p.shape)}".encode())
+            continue
+        flat = p.detach().reshape(-1)
+        probe = torch.cat([flat[:_PROBE], flat[::max(1, flat.numel() // _PROBE)][:_PROBE]])  # head + a stride
+        digest.update(name.encode() + probe.to("cpu", torch.bfloat16).float().numpy().tobytes())
+    return {"model_name": c.model_name, "family": c.family, "d_model": c.d_model, "n_layers": c.n_layers,
+            "d_vocab": c.d_vocab, "fingerprint": digest.hexdigest()[:16]}
 
 
 class TunedLens(nn.Module):
@@ -46,13 +75,16 @@ class TunedLens(nn.Module):
         self.delta = nn.ParameterList(nn.Parameter(torch.zeros(d_model, d_model)) for _ in self.layers)
         self.bias = nn.ParameterList(nn.Parameter(torch.zeros(d_model)) for _ in self.layers)
         self.training_info: dict[str, Any] = {}
+        self.model_identity: dict[str, Any] | None = None  # set by identity() / load(); None: not bound
+        self.strict = True
 
     @classmethod
     def identity(cls, model: Any, layers: Any = None) -> "TunedLens":
-        """An untrained lens (A = 0, b = 0): the logit lens, translator for translator."""
+        """An untrained lens (A = 0, b = 0): the logit lens, translator for translator; bound to `model`."""
         check_model(model)
-        return cls(model.cfg.d_model, model.cfg.n_layers, layers, model_name=model.cfg.model_name).to(
-            model.input_device)
+        lens = cls(model.cfg.d_model, model.cfg.n_layers, layers, model_name=model.cfg.model_name)
+        lens.model_identity = model_identity(model)
+        return lens.to(model.input_device)
 
     def _slot(self, layer: int) -> int:
         return self.layers.index(self.check_layer(layer))
@@ -65,20 +97,48 @@ class TunedLens(nn.Module):
         return layer
 
     def check_model(self, model: Any) -> None:
+        """Refuse a model of other shapes always, and (``self.strict``) any model but the one the lens was made
+        for; refuse NaN/inf parameters."""
         c = model.cfg
         if (c.d_model, c.n_layers) != (self.d_model, self.n_layers):
             raise InputError(f"this tuned lens is for d_model={self.d_model}, {self.n_layers} layers "
                              f"({self.model_name!r}); the model has d_model={c.d_model}, {c.n_layers} layers.",
                              argument="lens", value=self.model_name, allowed=f"a lens trained on {c.model_name!r}")
+        if self.strict and self.model_identity is not None:
+            have = model_identity(model)
+            diff = {k: (v, have.get(k)) for k, v in self.model_identity.items() if have.get(k) != v}
+            if diff:
+                raise InputError(f"this tuned lens was made for another model ({diff}: lens's vs this model's). A "
+                                 "lens of one checkpoint is wrong on another of the same shapes; train one for "
+                                 "this model, or load with TunedLens.load(..., strict=False) to use it anyway.",
+                                 argument="lens", value=self.model_identity, allowed=f"a lens made for {have}")
+        self.check_finite()
+
+    def check_finite(self) -> None:
+        """NaN/inf in a translator makes every lens probability NaN: refuse, naming the layer."""
+        for i, l in enumerate(self.layers):
+            for kind, p in (("delta", self.delta[i]), ("bias", self.bias[i])):
+                if not bool(torch.isfinite(p.detach()).all()):
+                    raise NonFiniteError(f"the tuned lens' {kind}.{l} holds {int(torch.isnan(p).sum())} NaN and "
+                                         f"{int(torch.isinf(p).sum())} inf values (a diverged fit or a damaged "
+                                         "file); retrain it (e.g. a smaller lr).", argument=f"lens.{kind}.{l}",
+                                         value=validate.describe(p), allowed="finite values")
 
     def translate(self, resid: Float[Tensor, "... d_model"], layer: int) -> Float[Tensor, "... d_model"]:
         i = self._slot(layer)
+        validate.tensor(resid, name="resid", dtype="float")
+        if resid.shape[-1] != self.d_model:
+            raise InputError(f"resid has width {resid.shape[-1]}; this lens translates d_model={self.d_model}.",
+                             argument="resid", value=validate.describe(resid), allowed=f"[..., {self.d_model}]")
+        if not bool(torch.isfinite(self.delta[i].detach()).all() & torch.isfinite(self.bias[i].detach()).all()):
+            self.check_finite()
         x = resid.float()
         return (x + F.linear(x, self.delta[i], self.bias[i])).to(resid.dtype)
 
     # --- files ---------------------------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
         return {"format": "mdm_lens.tuned_lens", "version": 1, "model_name": self.model_name,
+                "model_identity": self.model_identity,
                 "d_model": self.d_model, "n_layers": self.n_layers, "layers": self.layers,
                 "training": {k: ([None if isinstance(x, float) and math.isnan(x) else x for x in v]
                                  if k == "loss" else v) for k, v in self.training_info.items()}}
@@ -98,8 +158,9 @@ class TunedLens(nn.Module):
         return folder
 
     @classmethod
-    def load(cls, folder: str | Path, model: Any = None) -> "TunedLens":
-        """Read a saved lens (checked against `model` and moved to its device when given)."""
+    def load(cls, folder: str | Path, model: Any = None, *, strict: bool = True) -> "TunedLens":
+        """Read a saved lens (checked against `model` and moved to its device when given). `strict=False` lets
+        it run on a model other than the one it was saved for (same shapes still required), now and later."""
         from safetensors.torch import load_file
 
         folder = Path(folder)
@@ -111,6 +172,8 @@ class TunedLens(nn.Module):
                              allowed="a folder written by TunedLens.save")
         lens = cls(cfg["d_model"], cfg["n_layers"], cfg["layers"], model_name=cfg["model_name"])
         lens.training_info = dict(cfg.get("training", {}))
+        lens.model_identity = cfg.get("model_identity")  # absent in files written before identities were saved
+        lens.strict = validate.boolean(strict, name="strict")
         if "loss" in lens.training_info:  # NaN (a batch with no masked position) is stored as null
             lens.training_info["loss"] = [math.nan if x is None else x for x in lens.training_info["loss"]]
         tensors = load_file(str(folder / WEIGHTS))
@@ -122,6 +185,7 @@ class TunedLens(nn.Module):
             for i, l in enumerate(lens.layers):
                 lens.delta[i].copy_(tensors[f"delta.{l}"])
                 lens.bias[i].copy_(tensors[f"bias.{l}"])
+        lens.check_finite()
         if model is not None:
             check_model(model)
             lens.check_model(model)
@@ -262,6 +326,7 @@ def train_tuned_lens(model: Any, tokens: Any, *, attention_mask: Any = None, lay
         opt.step()
         opt.zero_grad(set_to_none=True)
         history.append(loss.item() / len(trained))
+    lens.check_finite()  # a diverged fit: refuse it here rather than hand back NaN probabilities
     lens.training_info = {"n_steps": n_steps, "trained_layers": trained, "batch_size": batch_size, "lr": lr, "seed": seed,
                           "mask_rate": mask_rate, "objective": "mean KL(final || lens) on masked positions",
                           "n_sequences": int(tokens.shape[0]), "loss": history}

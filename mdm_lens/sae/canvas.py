@@ -80,6 +80,14 @@ class MaskedCanvas:
         tokens = validate.tensor(torch.as_tensor(tokens), name="tokens", ndim=(1, 2), dtype="int")
         if tokens.ndim == 1:
             tokens = tokens[None]
+        if int(tokens.min()) < 0 or int(tokens.max()) >= cfg.d_vocab:
+            raise InputError(f"tokens hold ids outside [0, {cfg.d_vocab}).", argument="tokens",
+                             value=validate.describe(tokens), allowed=f"ids in [0, {cfg.d_vocab})")
+        n_mask = int((tokens == cfg.mask_token_id).sum())
+        if n_mask:  # a mask already in the input would be a target the model never predicts, and not counted
+            raise InputError(f"tokens hold the mask id {cfg.mask_token_id} at {n_mask} position(s); the forward "
+                             "process masks clean sequences: pass the clean tokens.", argument="tokens",
+                             value=validate.describe(tokens), allowed=f"ids other than {cfg.mask_token_id}")
         maskable = tokens != cfg.pad_token_id
         maskable[:, 0] &= tokens[:, 0] != cfg.bos_token_id  # <bos> is never masked (training did not)
         p = self.rates(tokens.shape[0])

@@ -12,13 +12,29 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mdm_lens import validate
-from mdm_lens.errors import InputError
+from mdm_lens.errors import ArgumentError, InputError
 from mdm_lens.sae.canvas import MaskedCanvas
 from mdm_lens.sae.splice import _check_sae, _splice
 
 
 def _masked_ce(logits: Tensor, tokens: Tensor, masked: Tensor) -> float:
     return F.cross_entropy(logits[masked].double(), tokens[masked], reduction="mean").item()
+
+
+def _nonempty(values: Any, name: str, types: Any) -> list:
+    """A non-empty list/tuple of numbers (a bare string would be split into characters by list())."""
+    out = validate.instances(values, types, name=name)
+    if not out:
+        raise ArgumentError(f"{name}=[] is empty: the score needs at least one.", argument=name, value=values,
+                            allowed="a non-empty list")
+    return out
+
+
+def _maskable(model: Any, tokens: Tensor) -> Tensor:
+    """The positions the forward process may mask (MaskedCanvas' rule: not pad, not a leading <bos>)."""
+    keep = tokens != model.cfg.pad_token_id
+    keep[:, 0] &= tokens[:, 0] != model.cfg.bos_token_id
+    return keep
 
 
 @torch.no_grad()
@@ -32,7 +48,14 @@ def diffusion_ce_score(model: Any, sae: Any, hook_name: str, tokens: Tensor, *,
     (mean active latents per position). The same masks (the seed's) are used for all three runs.
 
     `tokens`: clean ids `[batch, pos]` (right-padded with the pad id, if at all); `<bos>` and pads are never masked.
+    A mask id in `tokens` is refused (it would be a CE target the model never predicts). A canvas with every
+    maskable token masked (rate 1, or by chance) is scored -- it is the t = 1 end of the training loss -- but its
+    activations carry no token of the input, only positions (and <bos>), so its `note` says so: the score there
+    measures the SAE off the distribution of the activations it will be used on.
     """
+    from mdm_lens.lens.logit import check_model
+
+    check_model(model)
     _check_sae(sae)
     tokens = validate.tensor(torch.as_tensor(tokens), name="tokens", ndim=(1, 2), dtype="int")
     if tokens.ndim == 1:
@@ -42,8 +65,8 @@ def diffusion_ce_score(model: Any, sae: Any, hook_name: str, tokens: Tensor, *,
         raise InputError(f"hook_name={hook_name!r} is not a hook point of this model.", argument="hook_name",
                          value=hook_name, allowed="a name in model.hook_dict")
     rates = [validate.number(r, name=f"mask_rates[{j}]", min=0.0, max=1.0, min_open=True)
-             for j, r in enumerate(validate.instances(list(mask_rates), (int, float), name="mask_rates"))]
-    seeds = [validate.integer(s, name=f"seeds[{j}]") for j, s in enumerate(seeds)]
+             for j, r in enumerate(_nonempty(mask_rates, "mask_rates", (int, float)))]
+    seeds = [validate.integer(s, name=f"seeds[{j}]") for j, s in enumerate(_nonempty(seeds, "seeds", int))]
     use_error_term = validate.boolean(use_error_term, name="use_error_term")
     tokens = tokens.to(model.input_device)
     real = tokens != model.cfg.pad_token_id
@@ -79,6 +102,9 @@ def diffusion_ce_score(model: Any, sae: Any, hook_name: str, tokens: Tensor, *,
                 note = "no token was masked at this rate and seed"
             else:
                 ce_c, ce_s, ce_z = (_masked_ce(lg, tokens, masked) for lg in (clean, spliced, zero))
+                if n == int(_maskable(model, tokens).sum()):
+                    note = "every maskable token is masked: the canvas holds no input token (position-only " \
+                           "activations)"
             den = ce_z - ce_c
             if n and den == 0:
                 recovered = math.nan

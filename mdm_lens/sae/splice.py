@@ -4,8 +4,11 @@
     sae_hook(sae, name, steer={12: 4.0}) @ steps(0, 3)        # add 4 * W_dec[12] at steps 0..3 only
     sae_hook(sae, name, sae_fwd_hooks=[("hook_sae_acts_post", fn)])   # read / edit the latents
 
-The activation is replaced by the SAE's reconstruction (plus its error term with `use_error_term=True`,
-which makes the splice exact and lets a latent edit be the only change). The SAE's own hook points keep
+The activation is replaced by the SAE's reconstruction (plus the error term x - decode(encode(x)) with
+`use_error_term=True`, computed here, not by the SAE's forward, so any SAE with encode/decode gets it: the splice
+is then exact and a latent edit is the only change). Outside `generate` (``model.run_with_hooks(tokens,
+fwd_hooks=[sae_hook(sae, name)])``) it fires on every forward; a step-bound one (``@ steps(...)``) is refused
+there, having no step to fire at. The SAE's own hook points keep
 SAELens' names (`hook_sae_acts_post`, `hook_sae_recons`, `hook_sae_error`, ...): hooks on them are
 installed inside TL's `hooks()` context of the SAE for each call, so they are removed even when a run raises.
 """
@@ -24,10 +27,34 @@ from mdm_lens.hooks.steps import ALL_STEPS, StepHook, Steps
 
 
 def _check_sae(sae: Any) -> None:
-    for attr in ("encode", "decode", "W_dec", "hooks"):
+    """The documented surface mdm_lens uses: `encode`, `decode` and `W_dec` (`[d_sae, d_in]`). `hooks` (TL's
+    context manager, SAELens' SAEs have it) is needed only for `sae_fwd_hooks`."""
+    for attr in ("encode", "decode", "W_dec"):
         if not hasattr(sae, attr):
-            raise ArgumentTypeError(f"sae={validate.describe(sae)} has no {attr!r}: expected a SAELens SAE.",
-                                    argument="sae", value=sae, allowed="a sae_lens.SAE (standard, TopK, JumpReLU, ...)")
+            raise ArgumentTypeError(f"sae={validate.describe(sae)} has no {attr!r}: expected a SAELens SAE (or any "
+                                    "object with encode, decode and W_dec).", argument="sae", value=sae,
+                                    allowed="a sae_lens.SAE (standard, TopK, JumpReLU, ...)")
+
+
+def _reconstruct(sae: Any, xs: Tensor, sae_fwd_hooks: Sequence[tuple[str, Callable]]) -> Tensor:
+    """The SAE's reconstruction of `xs`; through its forward inside TL's `hooks()` context when it has one (so
+    SAELens' hook points fire and the latent hooks go even on a raise), with its own error term switched off:
+    mdm_lens adds the error term itself, so an SAE whose forward ignores `use_error_term` is spliced the same."""
+    if not hasattr(sae, "hooks"):
+        if sae_fwd_hooks:
+            raise ArgumentTypeError(f"sae_fwd_hooks need an SAE with TL hook points (a `hooks()` context); "
+                                    f"{type(sae).__name__} has none.", argument="sae_fwd_hooks",
+                                    value=[h[0] for h in sae_fwd_hooks], allowed="() for this SAE")
+        return sae.decode(sae.encode(xs))
+    previous = getattr(sae, "use_error_term", None)
+    with sae.hooks(fwd_hooks=list(sae_fwd_hooks)):
+        try:
+            if previous is not None:
+                sae.use_error_term = False
+            return sae(xs)  # SAELens' forward fires hook_sae_input/acts_pre/acts_post/recons/output
+        finally:
+            if previous is not None:
+                sae.use_error_term = previous
 
 
 def _splice(sae: Any, x: Tensor, use_error_term: bool, steer: dict[int, float],
@@ -37,13 +64,13 @@ def _splice(sae: Any, x: Tensor, use_error_term: bool, steer: dict[int, float],
                          argument="sae", value=tuple(sae.W_dec.shape), allowed=f"an SAE with d_in={x.shape[-1]}")
     dtype = x.dtype
     xs = x.to(sae.W_dec.dtype)
-    previous = getattr(sae, "use_error_term", False)
-    with sae.hooks(fwd_hooks=list(sae_fwd_hooks)):  # TL context: the latent hooks go even on a raise
-        try:
-            sae.use_error_term = use_error_term
-            out = sae(xs)  # SAELens' forward fires hook_sae_input/acts_pre/acts_post/recons/(error)/output
-        finally:
-            sae.use_error_term = previous
+    out = _reconstruct(sae, xs, sae_fwd_hooks)
+    if use_error_term:
+        # x - decode(encode(x)) from the un-hooked SAE: with no edit the splice is exactly x, and a latent edit
+        # (sae_fwd_hooks, steer) is the only change -- SAELens' definition, computed here for any SAE
+        with torch.no_grad():
+            error = xs - sae.decode(sae.encode(xs))
+        out = out + error
     if steer:
         idx = torch.tensor(list(steer), device=sae.W_dec.device)
         alpha = torch.tensor(list(steer.values()), dtype=sae.W_dec.dtype, device=sae.W_dec.device)
@@ -71,7 +98,8 @@ def sae_hook(sae: Any, hook_name: str, *, use_error_term: bool = False, steer: d
              sae_fwd_hooks: Sequence[tuple[str, Callable]] = ()) -> SAEHook:
     """A hook that replaces the activation at `hook_name` by `sae`'s reconstruction (all steps; `@ steps(...)`
     for chosen ones). `steer={latent: alpha}` adds `alpha * W_dec[latent]` to the output; `sae_fwd_hooks` are
-    TL hooks on the SAE's own hook points (SAELens' names). Outside `generate` it fires on every forward."""
+    TL hooks on the SAE's own hook points (SAELens' names). Outside `generate` (`run_with_hooks`, `hooks()`) it
+    fires on every forward; bound to steps it is refused there (a plain forward has no step)."""
     _check_sae(sae)
     if not isinstance(hook_name, str):
         raise ArgumentTypeError(f"hook_name={validate.describe(hook_name)} must be a hook name.",

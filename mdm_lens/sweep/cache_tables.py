@@ -8,7 +8,8 @@ keyed by ``(item_id, kv_cache)``:
 
 * per (step, layer): ``k_drift``, ``v_drift``, ``k_cosine``, ``v_cosine``, ``received_tv``, ``anchor_jaccard``
   (NaN with a ``reason`` when both anchor sets are empty);
-* per step (``layer`` -1): ``logprob_fresh``, ``logprob_cached``, ``logprob_delta`` of the run's final tokens at
+* per step (``layer`` ``<NA>``: the whole model, not one layer; the probe's own table writes -1 there, which
+  elsewhere means *the last layer*, so it is replaced): ``logprob_fresh``, ``logprob_cached``, ``logprob_delta`` of the run's final tokens at
   the window's masked positions;
 * per item (``step`` and ``layer`` NA): ``answer_changed`` (share of the generated positions whose token differs
   from the same prompt decoded without a cache, same settings and seed: the sampler's own loop, which differs from
@@ -42,6 +43,13 @@ def _finish(df: pd.DataFrame) -> pd.DataFrame:
     return df[COLUMNS]
 
 
+def _no_layer(table: pd.DataFrame) -> pd.DataFrame:
+    """The probe marks whole-model rows with ``layer=-1``; in a table -1 reads as the last layer, so <NA>."""
+    layer = table["layer"].astype("Int64")
+    table["layer"] = layer.mask(layer == -1)
+    return table
+
+
 def _na(item_id: str, mode: str, reason: str) -> dict:
     return dict(item_id=item_id, kv_cache=mode, step=pd.NA, block=pd.NA, layer=pd.NA, metric="answer_changed",
                 value=np.nan, reason=reason)
@@ -63,7 +71,7 @@ def cache(model: Any, batch: Any, s: Any, shared: dict) -> pd.DataFrame:
             except SamplerConfigError as e:
                 rows.append(_na(item_id, mode, f"not run: {e}"))
                 continue
-            table = cache_effect(model, cached, patch=False).table
+            table = _no_layer(cache_effect(model, cached, patch=False).table)
             table.insert(0, "kv_cache", mode)
             table.insert(0, "item_id", item_id)
             parts.append(table)

@@ -38,7 +38,8 @@ COLUMNS: dict[str, Column] = {
     "value": Column("float64", "see metric", "the measurement; NaN = undefined for this item (never 0 or 1)"),
     "condition": Column("string", "", "accuracy: with_context / no_context (gain in the summary); knockout: "
                                       "clean / anchors / random"),
-    "layer": Column("Int64", "index", "transformer layer, 0 = first"),
+    "layer": Column("Int64", "index", "transformer layer, 0 = first (`<NA>`: a whole-model row, e.g. cache "
+                                       "log-probs; never -1, which would read as the last layer)"),
     "head": Column("Int64", "index", "attention head within the layer"),
     "step": Column("Int64", "index", "denoising step (recorded steps; `<NA>` = a per-item, not per-step, metric)"),
     "mode": Column("string", "", "absorption: `default` (the clean final sequence, lens rules) or `paper`"),
@@ -61,7 +62,8 @@ COLUMNS: dict[str, Column] = {
     "token_str": Column("string", "", "that token as text"),
     "received": Column("float64", "share", "head-mean attention the key receives from the non-pad queries"),
     "anchor": Column("bool", "", "the key is in the step's anchor set S_s"),
-    "commit_step": Column("Int64", "index", "the step that committed the key (-1: never masked: a prompt token)"),
+    "commit_step": Column("Int64", "index", "the step that committed the key (-1: never masked, a prompt token: kept "
+                                                      "because it sorts before step 0, as in `trajectory.commit_step`)"),
     "prompt_length": Column("Int64", "count", "prompt tokens of the item (its generated canvas follows)"),
     # summaries
     "group": Column("string", "", "accuracy summary: overall or by_gold_position"),
@@ -129,7 +131,7 @@ METRICS: dict[str, dict[str, tuple[str, str]]] = {
                  "mean_jaccard": ("fraction", "probe's mean Jaccard of S_s, S_s+1 (two empty sets count as 1)"),
                  "drift_index": ("fraction", "1 − mean_jaccard"),
                  "n_distinct": ("count", "|∪_s S_s|"), "stability": ("fraction", "steps the modal anchor is in S_s"),
-                 "modal_anchor": (_POS, "the most persistent anchor (-1: none)"),
+                 "modal_anchor": (_POS, "the most persistent anchor (NaN: no anchor at any step)"),
                  "empty_fraction": ("fraction", "steps with S_s = ∅"),
                  "top1_change_rate": ("fraction", "step pairs whose top-1 key changes"),
                  "centroid_slope": ("positions / step", "OLS slope of the anchors' mass-weighted centroid"),

@@ -95,7 +95,7 @@ def temporal(model: Any, batch: Batch, s: Settings, shared: dict, keep: list[boo
         for j, m in enumerate(DRIFT_METRICS):
             if m in _POSITION_METRICS:
                 v = drift_vals[:, j]
-                drift_vals[:, j] = torch.where(v >= 0, v - off, v)
+                drift_vals[:, j] = torch.where(v >= 0, v - off, torch.nan)  # the probe's -1 (no anchor) is no position
         n_steps, B = len(sa.steps), len(ids)
         vals = torch.cat([step_vals.reshape(B, -1), drift_vals], -1).cpu().numpy()       # [batch, rows per item]
         per = vals.shape[1]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from mdm_lens import validate
-from mdm_lens.errors import InputError, NonFiniteError
+from mdm_lens.errors import ArgumentTypeError, InputError, NonFiniteError
 # the offline-HTML half and the token-label helpers live in circuits_html; re-exported here as before
 from mdm_lens.views.circuits_html import (BUNDLE_MARKER, EMPTY_LABEL, ZWSP, OfflineView, Renderer,  # noqa: F401
                                           _display, _plain, _visible, bundle_available, bundle_script, offline,
@@ -32,10 +32,14 @@ def _cv():
     return cv
 
 
-def _np(x: Any) -> np.ndarray:
+def _np(x: Any, name: str = "array") -> np.ndarray:
     if hasattr(x, "detach"):
         x = x.detach().float().cpu().numpy()
-    return np.asarray(x, dtype=np.float32)
+    try:
+        return np.asarray(x, dtype=np.float32)
+    except (TypeError, ValueError) as err:  # None, a str, a ragged list: name the argument
+        raise ArgumentTypeError(f"{name}={validate.describe(x)} is not an array of numbers ({err}).", argument=name,
+                                value=x, allowed="a tensor, ndarray or nested list of numbers") from None
 
 
 # --- building views ----------------------------------------------------------------------------------
@@ -118,7 +122,7 @@ def attention_from_pattern(str_tokens: Sequence[str], pattern: Any, kind: Litera
     `cv.attention.attention_patterns`. `kind="heads"` uses `attention_heads`, which adds head names and
     masks the upper triangle for causal models."""
     validate.choice(kind, ("patterns", "heads"), name="kind")
-    p = _np(pattern)
+    p = _np(pattern, name="pattern")
     if p.ndim == 2:
         p = p[None]
     if p.ndim != 3:
@@ -146,7 +150,7 @@ def attention_from_pattern(str_tokens: Sequence[str], pattern: Any, kind: Litera
 def tokens_by_persistence(str_tokens: Sequence[str], persistence: Any, max_value: float | None = None) -> Any:
     """Tokens coloured by anchor persistence: the fraction of steps, or of layers, at which each position
     was detected as an anchor. NaN counts as 0. The scale is 0 to 1, or 0 to the maximum if that is above 1."""
-    raw = _np(persistence).ravel()
+    raw = _np(persistence, name="persistence").ravel()
     if np.isinf(raw).any():
         raise NonFiniteError(f"persistence has {int(np.isinf(raw).sum())} inf values; expected fractions in [0, 1] "
                              "(NaN counts as 0).", argument="persistence", value=raw, allowed="finite values or NaN")

@@ -39,6 +39,7 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
+from mdm_lens import validate
 from mdm_lens.errors import InputError
 
 __all__ = ["to_html", "offline", "OfflineView", "bundle_available", "bundle_script", "parse_view", "BUNDLE_MARKER"]
@@ -258,7 +259,8 @@ def _page(body: str, title: str, head: str = "") -> str:
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{_html.escape(title)}"
             f"</title>{head}<style>body{{font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;"
-            "margin:16px 24px;color:#222}</style></head>\n<body>\n" + body + "\n</body></html>\n")
+            "margin:16px 24px;color:#222}h1{font-size:15px;margin:0 0 8px}</style></head>\n<body>\n"
+            f"<h1>{_html.escape(title)}</h1>\n" + body + "\n</body></html>\n")  # a page has one h1
 
 
 def to_html(view: Any, *, full_document: bool = True, renderer: Renderer = "auto", include_bundle: bool = True,
@@ -274,6 +276,7 @@ def to_html(view: Any, *, full_document: bool = True, renderer: Renderer = "auto
         include_bundle: a fragment from the circuitsvis path carries the 1.3 MB bundle unless this is
             False; the page must then include `bundle_script()` once, before the fragment.
     """
+    validate.choice(renderer, ("auto", "circuitsvis", "fallback"), name="renderer")
     parsed = parse_view(view)
     if parsed is None:
         if isinstance(view, str):

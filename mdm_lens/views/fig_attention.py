@@ -14,6 +14,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.transforms import blended_transform_factory
 
+from mdm_lens import validate
+from mdm_lens.errors import InputError
 from mdm_lens.views.figstyle import (
     ANCHOR_COLOR, NORM_COLOR, ANGLE_COLOR, series_styles, _np, save, _styled, _new, _tick_step,
     _set_token_xticks, _short)
@@ -28,8 +30,9 @@ def absorption_by_layer(curves: Mapping[str, tuple[Any, Any]], nulls: Mapping[st
     """Absorption by layer: mean line ± 1 std band per model, a dashed uniform-null line per model and
     (when nulls are given) a lower panel with the excess over the null, so "how much more than chance"
     reads directly. `curves[name] = (mean[L], std[L])` (std may be None); models may differ in depth."""
-    if not curves:
-        raise ValueError("curves is empty.")
+    if not isinstance(curves, Mapping) or not curves:
+        raise InputError(f"curves={validate.describe(curves)}: expected a non-empty mapping {{model: (mean, std)}}.",
+                         argument="curves", value=curves, allowed="a non-empty dict")
     nulls = dict(nulls or {})
     styles = series_styles(list(curves))
     show_excess = bool(nulls) if show_excess is None else show_excess
@@ -103,13 +106,13 @@ def temporal_heatmap(received: Any, anchors: Any | None = None, token_labels: Se
     < 0 for the prompt) puts a marker in the row of the step that committed each position (the
     unmasking frontier). `scale`: 'linear', 'sqrt' (default: the tail stays visible next to a strong
     anchor) or 'log'. `prompt_length` draws a divider between prompt and canvas."""
-    r = _np(received)
+    r = _np(received, name="received")
     if r.ndim != 2:
-        raise ValueError(f"received must be [step, pos], got shape {r.shape}.")
+        raise InputError(f"received must be [step, pos], got shape {r.shape}.")
     S, T = r.shape
     a = None if anchors is None else _np(anchors, dtype=bool)
     if a is not None and a.shape != r.shape:
-        raise ValueError(f"anchors has shape {a.shape}, received {r.shape}.")
+        raise InputError(f"anchors has shape {a.shape}, received {r.shape}.")
     width = float(np.clip(0.15 * T + 2.6, 6.0, 18.0))
     height = float(np.clip(0.16 * S + 1.8, 3.0, 10.0)) + (0.7 if token_labels is not None else 0)
     fig = _new((width, height))
@@ -138,7 +141,7 @@ def temporal_heatmap(received: Any, anchors: Any | None = None, token_labels: Se
     if committed_step is not None:
         cs = _np(committed_step).ravel()
         if cs.size != T:
-            raise ValueError(f"committed_step has {cs.size} entries for {T} positions.")
+            raise InputError(f"committed_step has {cs.size} entries for {T} positions.")
         gen = np.nonzero((cs >= 0) & (cs < S))[0]
         if gen.size:
             ax.scatter(gen, cs[gen], marker="o", s=max(6.0, min(22.0, 900.0 / max(T, S))), facecolor="#E69F00",
@@ -177,7 +180,7 @@ def qk_maps(qk: Any, cos: Any, normprod: Any, anchor_positions: Sequence[int] = 
     T = mats[0].shape[-1]
     for m in mats:
         if m.shape != (T, T):
-            raise ValueError(f"qk, cos and normprod must all be [T, T] with T={T}; got {m.shape}.")
+            raise InputError(f"qk, cos and normprod must all be [T, T] with T={T}; got {m.shape}.")
     if causal:
         upper = np.triu(np.ones((T, T), dtype=bool), k=1)
         mats = [np.where(upper, np.nan, m) for m in mats]
@@ -233,13 +236,13 @@ def qk_decomposition_bars(norm_term: Any, angle_term: Any, labels: Sequence[str]
                           path: str | Path | None = None, ylabel: str = "logit advantage (per √d)") -> Figure:
     """Diverging stacked bars per head: N (key-norm term) and G (angle term) stack from zero on their own
     side; a black ◆ marks Δ = N + G. The last, separated group is the head mean."""
-    n, g = _np(norm_term).ravel(), _np(angle_term).ravel()
+    n, g = _np(norm_term, name="norm_term").ravel(), _np(angle_term, name="angle_term").ravel()
     if n.shape != g.shape:
-        raise ValueError(f"norm_term {n.shape} and angle_term {g.shape} differ.")
+        raise InputError(f"norm_term {n.shape} and angle_term {g.shape} differ.")
     H = n.size
     labels = [f"H{h}" for h in range(H)] if labels is None else [str(x) for x in labels]
     if len(labels) != H:
-        raise ValueError(f"{len(labels)} labels for {H} heads.")
+        raise InputError(f"{len(labels)} labels for {H} heads.")
     nn_ = np.append(n, np.nanmean(n))
     gg = np.append(g, np.nanmean(g))
     x = np.append(np.arange(H, dtype=float), H + 0.8)

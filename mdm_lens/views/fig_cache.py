@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from mdm_lens import validate
 from mdm_lens.errors import ArgumentError
 from mdm_lens.views import stats
 from mdm_lens.views.figstyle import MDM_COLORS, _new, _styled, _tick_step, save
@@ -60,6 +61,11 @@ def _need(table: Any, columns: Sequence[str]) -> pd.DataFrame:
     return table
 
 
+def _per_layer(t: pd.DataFrame) -> pd.Series:
+    """Rows of one layer: ``layer`` is <NA> on whole-model rows (tables written before that used -1)."""
+    return (t["layer"].astype("Int64") >= 0).fillna(False).astype(bool)
+
+
 def with_age(table: pd.DataFrame) -> pd.DataFrame:
     """The rows with a step, plus ``age`` = step − the block's refresh step, which is the smallest step of the
     (item, cache mode, block) rows minus 1 (the refresh forward itself has no row), whatever the rows' order."""
@@ -74,7 +80,10 @@ def staleness_grid(table: pd.DataFrame, metric: str, mode: str) -> pd.DataFrame:
     """`[layer, age]`: the mean over items of one metric (each item's mean over its steps of that age first; NaN
     values skipped, a cell with none is NaN)."""
     t = with_age(table)
-    t = t[(t.metric == metric) & (t.kv_cache == mode) & (t.layer >= 0)]
+    validate.choice(mode, MODES, name="mode")
+    known = sorted(set(MAP_METRICS) | set(t["metric"].dropna().astype(str)))
+    validate.choice(metric, known, name="metric")  # an unknown one would give an empty grid, not an error
+    t = t[(t.metric == metric) & (t.kv_cache == mode) & _per_layer(t)]
     per_item = t.groupby(["layer", "age", "item_id"])["value"].mean()
     return per_item.groupby(["layer", "age"]).mean().unstack("age").sort_index()
 
@@ -224,7 +233,7 @@ def _mode_claims(claims: stats.Claims, label: str, t: pd.DataFrame, mode: str) -
         of = rows[rows.metric == metric]
         if of.empty:
             continue
-        iv = stats.bootstrap_mean(stats.per_item(of[(of.layer >= 0).fillna(False)]))
+        iv = stats.bootstrap_mean(stats.per_item(of[_per_layer(of)]))
         claims.estimate(f"{label} {mode}: {what}", iv, f"{label}, {mode} cache: {what}", digits=3)
 
 
@@ -233,7 +242,7 @@ def _dual_vs_prefix(claims: stats.Claims, label: str, t: pd.DataFrame) -> None:
                          ("logprob_delta", "log-prob change"), ("answer_changed", "share of changed tokens")):
         rows = t[t.metric == metric]
         if metric not in ("logprob_delta", "answer_changed"):
-            rows = rows[(rows.layer >= 0).fillna(False)]
+            rows = rows[_per_layer(rows)]
         a = stats.per_item(rows[rows.kv_cache == "dual"])
         b = stats.per_item(rows[rows.kv_cache == "prefix"])
         if not (a.notna().any() and b.notna().any()):  # a mode refused for every item: its NaN rows say why

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from mdm_lens.errors import InputError
 from mdm_lens.views.figstyle import _new, _np, _styled, _tick_step, layer_step_axes, save
 
 __all__ = ["lens_heatmap", "emergence_map", "lens_grid", "lens_section"]
@@ -23,7 +24,7 @@ __all__ = ["lens_heatmap", "emergence_map", "lens_grid", "lens_section"]
 
 def _check_grid(a: np.ndarray, rows: Sequence[int], cols: Sequence[int], what: str) -> None:
     if a.ndim != 2 or a.shape != (len(rows), len(cols)):
-        raise ValueError(f"{what} must be [{len(rows)}, {len(cols)}], got {a.shape}.")
+        raise InputError(f"{what} must be [{len(rows)}, {len(cols)}], got {a.shape}.")
 
 
 @_styled
@@ -32,7 +33,7 @@ def lens_heatmap(grid: Any, steps: Sequence[int], layers: Sequence[int], *, titl
                  path: str | Path | None = None, cmap: str = "viridis") -> Figure:
     """Layers (rows, layer 0 at the bottom) × denoising steps, one colour per cell; NaN cells are grey (undefined,
     e.g. nothing masked any more). A side strip gives each layer's mean over steps."""
-    g = _np(grid)
+    g = _np(grid, name="grid")
     _check_grid(g, layers, steps, "grid")
     L, S = g.shape
     fig = _new((min(11.0, max(6.5, 2.4 + 0.32 * S)), min(8.0, max(2.8, 1.6 + 0.38 * L))))
@@ -64,11 +65,11 @@ def emergence_map(first: Any, commit: Any, layers: Sequence[int], *, labels: Seq
     """Layers (rows, 0 at the bottom) × answer positions: the step from which the layer's top-1 is the final token
     (colour; blank = never) with the position's commit step written in each column's header (○ in cells where the
     layer knew it before the commit step)."""
-    f = _np(first)
-    c = _np(commit).reshape(-1)
+    f = _np(first, name="first")
+    c = _np(commit, name="commit").reshape(-1)
     L, P = f.shape
     if L != len(layers) or c.shape[0] != P:
-        raise ValueError(f"first must be [{len(layers)}, {c.shape[0]}], got {f.shape}.")
+        raise InputError(f"first must be [{len(layers)}, {c.shape[0]}], got {f.shape}.")
     top = n_steps if n_steps is not None else int(np.nanmax(np.concatenate([f.reshape(-1), c]))) + 1
     fig = _new((min(12.0, max(6.5, 2.6 + 0.5 * P)), min(8.0, max(2.8, 1.8 + 0.38 * L))))
     ax = fig.add_subplot()

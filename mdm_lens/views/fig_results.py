@@ -12,6 +12,7 @@ import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from mdm_lens.errors import ArgumentTypeError, InputError
 from mdm_lens.views.figstyle import (
     KNOCK_COLOR, RANDOM_COLOR, series_styles, _np, save, _styled, _new, _tick_step, _short)
 
@@ -23,9 +24,9 @@ def retrieval_heatmap(scores: Any, title: str = "Retrieval score per head", thre
     """Layers (rows, layer 0 at the top) × heads, colour 0–1. Heads scoring above `threshold` are outlined
     (by default only when they are under half of all heads, so dense maps stay readable; force with
     `outline`). A side strip gives the per-layer mean (bar) and the fraction of heads above threshold (●)."""
-    s = _np(scores)
+    s = _np(scores, name="scores")
     if s.ndim != 2:
-        raise ValueError(f"scores must be [layer, head], got {s.shape}.")
+        raise InputError(f"scores must be [layer, head], got {s.shape}.")
     L, H = s.shape
     cell = float(np.clip(7.0 / max(L, H), 0.14, 0.42))
     fig = _new((max(H * cell + 3.2, 5.0), max(L * cell + 1.3, 2.6)))   # small maps collapsed the layout
@@ -70,17 +71,24 @@ def retrieval_heatmap(scores: Any, title: str = "Retrieval score per head", thre
 
 # --- §1.e region flow --------------------------------------------------------------------------------
 @_styled
+def _mapping(value: Any, name: str) -> None:
+    if not isinstance(value, Mapping):
+        raise ArgumentTypeError(f"{name}={type(value).__name__} is not a mapping {{series name: values}}.",
+                                argument=name, value=type(value).__name__, allowed="a dict")
+
+
 def region_flow(rows: Mapping[str, Any], region_labels: Sequence[str], gold_index: Mapping[str, int] | None = None,
                 title: str = "Region-level attention flow (Answer row)", path: str | Path | None = None,
                 kind: str = "heatmap", value_label: str = "flow share") -> Figure:
     """One row per condition (e.g. gold document first / middle / last), one column per region
     (BOS, Query, Doc1..DocN, Answer). `kind='heatmap'` (annotated cells, gold cell boxed) or 'bars'
     (grouped bars, gold bar hatched and edged). `gold_index[row]` = column of the gold region."""
+    _mapping(rows, "rows")
     names = list(rows)
     M = np.stack([_np(rows[k]).ravel() for k in names])
     R = len(region_labels)
     if M.shape[1] != R:
-        raise ValueError(f"rows have {M.shape[1]} regions, region_labels {R}.")
+        raise InputError(f"rows have {M.shape[1]} regions, region_labels {R}.")
     gold_index = dict(gold_index or {})
     labels = [_short(x, 20) for x in region_labels]  # 14 cut "other docs (mean)" to "other docs (m…"
     if kind == "heatmap":
@@ -130,7 +138,7 @@ def region_flow(rows: Mapping[str, Any], region_labels: Sequence[str], gold_inde
         if gold_index:
             handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="gold document"))
     else:
-        raise ValueError("kind must be 'heatmap' or 'bars'.")
+        raise InputError("kind must be 'heatmap' or 'bars'.")
     ax.set_title(title, loc="left")
     if handles and kind == "bars":
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), borderaxespad=0.2)
@@ -151,9 +159,9 @@ def knockout_effect(layers_or_conditions: Sequence[Any], anchor_effect: Any, ran
     """Grouped bars per layer/condition: knocking out the anchor keys vs the same number of random keys,
     with optional error bars (e.g. std or 95% CI); `show_values` prints each bar's value."""
     cats = [str(c) for c in layers_or_conditions]
-    a, r = _np(anchor_effect).ravel(), _np(random_effect).ravel()
+    a, r = _np(anchor_effect, name="anchor_effect").ravel(), _np(random_effect, name="random_effect").ravel()
     if not (len(cats) == a.size == r.size):
-        raise ValueError(f"{len(cats)} conditions, {a.size} anchor effects, {r.size} random effects.")
+        raise InputError(f"{len(cats)} conditions, {a.size} anchor effects, {r.size} random effects.")
     K = len(cats)
     fig = _new((float(np.clip(0.42 * K + 3.2, 5.6, 16.0)), 3.8))
     ax = fig.add_subplot()
@@ -191,8 +199,9 @@ def accuracy_curves(x: Sequence[Any], series: Mapping[str, Any], xlabel: str = "
     """Accuracy curves (MDMs blue, ARMs orange; 'no context' / 'closed-book' series dashed with hollow
     markers). `errors[name]` adds a ± band (e.g. a binomial 95% CI); `chance` a dotted reference line.
     Non-numeric `x` (e.g. 'first', 'middle', 'last') is placed at equal spacing."""
+    _mapping(series, "series")
     if not series:
-        raise ValueError("series is empty.")
+        raise InputError("series is empty.")
     styles = series_styles(list(series))
     labels = [str(v) for v in x]
     try:
@@ -206,7 +215,7 @@ def accuracy_curves(x: Sequence[Any], series: Mapping[str, Any], xlabel: str = "
     for name, ys in series.items():
         y = _np(ys).ravel()
         if y.size != xs.size:
-            raise ValueError(f"series {name!r} has {y.size} points for {xs.size} x values.")
+            raise InputError(f"series {name!r} has {y.size} points for {xs.size} x values.")
         st = styles[name]
         ax.plot(xs, y, color=st["color"], linestyle=st["linestyle"], marker=st["marker"],
                 markerfacecolor=st["markerfacecolor"], markeredgecolor=st["color"], label=name)

@@ -15,6 +15,8 @@ import numpy as np
 import matplotlib
 from matplotlib.figure import Figure
 
+from mdm_lens.errors import ArgumentTypeError, InputError
+
 # --- palette & style ---------------------------------------------------------------------------------
 MDM_COLORS = ("#0072B2", "#56B4E9", "#332288", "#88CCEE")   # blues
 ARM_COLORS = ("#E69F00", "#D55E00", "#882255", "#CC6677")   # oranges / warm
@@ -79,15 +81,24 @@ def series_styles(names: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 
 # --- helpers -----------------------------------------------------------------------------------------
-def _np(x: Any, dtype=float) -> np.ndarray:
+def _np(x: Any, dtype=float, name: str | None = None) -> np.ndarray:
+    """`x` as a numpy array; None passes through for optional inputs, but not for a required one (`name`)."""
     if x is None:
+        if name is not None:
+            raise ArgumentTypeError(f"{name}=None: expected an array of numbers.", argument=name, value=None,
+                                    allowed="a tensor, ndarray or nested list")
         return None  # type: ignore[return-value]
     if hasattr(x, "detach"):
         x = x.detach().cpu()
         if str(x.dtype).startswith("torch.bfloat16") or str(x.dtype) == "torch.float16":
             x = x.float()
         x = x.numpy()
-    return np.asarray(x, dtype=dtype)
+    try:
+        return np.asarray(x, dtype=dtype)
+    except (TypeError, ValueError) as err:  # a str, a ragged list, an object: name it instead of numpy's words
+        raise ArgumentTypeError(f"expected an array of numbers (tensor, ndarray or nested list), got "
+                                f"{type(x).__name__}: {err}", argument="array", value=type(x).__name__,
+                                allowed="an array of numbers") from None
 
 
 def save(fig: Figure, path: str | Path | None, dpi: int = DPI) -> Figure:
@@ -142,7 +153,7 @@ def _set_token_xticks(ax, labels: Sequence[str] | None, n: int, max_labels: int 
     ax.set_xticks(idx)
     if labels is not None:
         if len(labels) != n:
-            raise ValueError(f"token_labels has {len(labels)} entries for {n} positions.")
+            raise InputError(f"token_labels has {len(labels)} entries for {n} positions.")
         ax.set_xticklabels([f"{_short(labels[i])} {i}" for i in idx], rotation=90, fontsize=fontsize)
     else:
         ax.set_xticklabels([str(i) for i in idx], fontsize=fontsize + 1)

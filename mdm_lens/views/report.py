@@ -20,8 +20,10 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentTypeError
 from mdm_lens.views import circuits
 
 __all__ = ["Section", "write_report", "markdown_lite"]
@@ -59,8 +61,8 @@ h3{font-size:16px;margin:18px 0 6px} h4{font-size:15px;margin:14px 0 4px}
 a{color:var(--accent);text-decoration:none} a:hover{text-decoration:underline}
 .sub{color:var(--muted);margin-bottom:16px}
 table.meta{border-collapse:collapse;margin:10px 0 18px;font-size:13px}
-table.meta td{padding:3px 14px 3px 0;vertical-align:top}
-table.meta td.k{color:var(--muted);white-space:nowrap}
+table.meta td,table.meta th{padding:3px 14px 3px 0;vertical-align:top}
+table.meta .k{font-weight:normal;text-align:left;color:var(--muted);white-space:nowrap}
 table.meta td.v{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
 nav.toc{background:var(--bg2);border:1px solid var(--line);border-radius:6px;padding:10px 18px;margin:12px 0 8px}
 nav.toc b{font-size:13px;color:var(--muted);text-transform:uppercase;letter-spacing:.04em}
@@ -109,14 +111,19 @@ def _inline(s: str) -> str:
 
 
 def markdown_lite(text: str) -> str:
-    """A small markdown subset: blank-line paragraphs, `#`/`##`/`###` headings (shown as h3–h5),
+    """A small markdown subset: blank-line paragraphs, `#`/`##`/`###` headings (sub-headings of the section's h2:
+    the shallowest one used is h3, each deeper one level below, never skipping one: `_outline`),
     `-`/`*` bullets, `1.` numbered lists, ``` fenced code, `code`, **bold**, *italic* and [links](x).
     Text that starts with an HTML tag is returned unchanged."""
     if not text:
         return ""
+    if not isinstance(text, str):
+        raise ArgumentTypeError(f"text={type(text).__name__} is not a str (markdown).", argument="text",
+                                value=type(text).__name__, allowed="a str")
     if re.match(r"\s*<[a-zA-Z!/]", text):
         return text
     lines = text.replace("\r\n", "\n").split("\n")
+    heading_level = _outline(lines)
     html: list[str] = []
     para: list[str] = []
     lst: str | None = None
@@ -152,7 +159,7 @@ def markdown_lite(text: str) -> str:
             flush_para(); close_list()
         elif m_h:
             flush_para(); close_list()
-            level = len(m_h.group(1)) + 2
+            level = heading_level(len(m_h.group(1)))
             html.append(f"<h{level}>{_inline(_html.escape(m_h.group(2), quote=False))}</h{level}>")
         elif m_ul or m_ol:
             flush_para()
@@ -169,6 +176,30 @@ def markdown_lite(text: str) -> str:
         i += 1
     flush_para(); close_list()
     return "\n".join(html)
+
+
+def _outline(lines: Sequence[str]) -> Callable[[int], int]:
+    """Map markdown heading depths to HTML levels under a section's h2: the distinct depths used rank h3, h4, h5
+    (so a text whose only headings are `##` gets h3, not h4), and a heading never goes more than one level below
+    the one before it (a `###` straight after the h2 is an h3), so the page outline skips no level."""
+    depths = sorted({len(m.group(1)) for m in (re.match(r"(#{1,3})\s+", l.strip()) for l in lines) if m})
+    rank = {d: 3 + i for i, d in enumerate(depths)}
+    previous = [2]
+
+    def level(depth: int) -> int:
+        previous[0] = min(rank[depth], previous[0] + 1)
+        return previous[0]
+
+    return level
+
+
+def _th_scope(table: str) -> str:
+    """pandas' `to_html` writes bare `<th>`: header cells in `<thead>` label columns, those in `<tbody>` rows."""
+    head, sep, body = table.partition("</thead>")
+    if not sep:
+        return table.replace("<th>", '<th scope="row">').replace("<th ", '<th scope="row" ')
+    head = head.replace("<th>", '<th scope="col">').replace("<th ", '<th scope="col" ')
+    return head + sep + body.replace("<th>", '<th scope="row">').replace("<th ", '<th scope="row" ')
 
 
 def _slug(s: str, n: int) -> str:
@@ -221,7 +252,7 @@ def _html_item(item: Any) -> tuple[str, bool]:
         if hasattr(item, "_repr_html_"):
             item = item._repr_html_()
         else:
-            raise TypeError(f"Section.html entries must be HTML strings or circuitsvis views, got {type(item).__name__}.")
+            raise ArgumentTypeError(f"Section.html entries must be HTML strings or circuitsvis views, got {type(item).__name__}.")
     stripped, n = _BUNDLE_RE.subn("", item)
     if re.match(r"\s*(<!doctype|<html)", stripped, re.I):
         if n:  # a full page from circuits.to_html: keep it whole, in an iframe
@@ -237,6 +268,7 @@ def _table_html(df: Any, caption: str = "", classes: str = "data") -> str:
                           float_format=lambda x: f"{x + 0.0:.4g}")  # + 0.0: -0.0 prints as 0
     except TypeError:
         body = df.to_html(classes=classes, border=0)
+    body = _th_scope(body)
     cap = f'<div class="tcap">{_inline(_html.escape(caption, quote=False))}</div>' if caption else ""
     return f'<div class="tablewrap">{cap}{body}</div>'
 
@@ -257,6 +289,12 @@ def write_report(folder: str | Path, title: str, sections: Sequence[Section], me
     at natural size."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if not isinstance(title, str):
+        raise ArgumentTypeError(f"title={validate.describe(title)} is not a str.", argument="title", value=title,
+                                allowed="a str")
+    sections = validate.instances(sections, Section, name="sections")
+    if image_dpi is not None:
+        image_dpi = validate.number(image_dpi, name="image_dpi", min=0.0, min_open=True)
     images_dir = folder / "images"
     used: set[str] = set()
     placed: list[str] = []
@@ -275,7 +313,7 @@ def write_report(folder: str | Path, title: str, sections: Sequence[Section], me
             path, cap = (img if isinstance(img, (tuple, list)) else (img, ""))
             rel = _place_image(Path(path), folder, images_dir, n, used)
             placed.append(rel)
-            alt = _html.escape(cap or Path(path).stem)
+            alt = _html.escape(cap or f"{sec.title}: figure {Path(path).stem.replace('_', ' ')}")
             capt = f"<figcaption>{_inline(_html.escape(cap, quote=False))}</figcaption>" if cap else ""
             # show PNGs at 96/dpi of their pixel width, so text in every figure appears at the same size
             px = _png_width(folder / rel)
@@ -296,7 +334,7 @@ def write_report(folder: str | Path, title: str, sections: Sequence[Section], me
             parts.append(f'<p class="finding"><b>Finding.</b> {_inline(_html.escape(sec.finding, quote=False))}</p>')
         parts.append("</section>")
         body.append("\n".join(parts))
-    meta_rows = "".join(f'<tr><td class="k">{_html.escape(str(k))}</td><td class="v">{_html.escape(str(v))}</td></tr>'
+    meta_rows = "".join(f'<tr><th scope="row" class="k">{_html.escape(str(k))}</th><td class="v">{_html.escape(str(v))}</td></tr>'
                         for k, v in (meta or {}).items())
     try:
         from mdm_lens import __version__ as version

@@ -100,7 +100,11 @@ def per_item(df: pd.DataFrame, value: str = "value", item: str = "item_id") -> p
 
 
 def _values(x: Any, name: str) -> tuple[np.ndarray, int]:
-    a = np.asarray(x.to_numpy() if isinstance(x, pd.Series) else x, dtype=float).reshape(-1)
+    try:
+        a = np.asarray(x.to_numpy() if isinstance(x, pd.Series) else x, dtype=float).reshape(-1)
+    except (TypeError, ValueError) as err:
+        raise ArgumentTypeError(f"{name}={validate.describe(x)} is not a set of numbers ({err}).", argument=name,
+                                value=x, allowed="a pandas Series or a sequence of numbers") from None
     keep = np.isfinite(a)
     return a[keep], int((~keep).sum())
 

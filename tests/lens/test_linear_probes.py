@@ -35,12 +35,12 @@ def _cell(table, layer, step, metric):
 # --- metrics -------------------------------------------------------------------------------------------------
 def test_auc_of_hand_cases_with_ties_is_exact():
     # pos {0.2, 0.5, 0.9} vs neg {0.5, 0.1}: pairs won 1 + (0.5 + 1) + 2 = 4.5 of 6 (the 0.5 tie counts 1/2)
-    assert auc(torch.tensor([0.2, 0.5, 0.5, 0.9, 0.1]), torch.tensor([1, 0, 1, 1, 0])) == 0.75
+    assert auc(y_true=torch.tensor([1, 0, 1, 1, 0]), y_score=torch.tensor([0.2, 0.5, 0.5, 0.9, 0.1])) == 0.75
     # pos {2, 3, 3, 0} vs neg {1, 2, 3}: 1.5 + 2.5 + 2.5 + 0 = 6.5 of 12 = 13/24
     s, y = torch.tensor([1.0, 2, 2, 3, 3, 3, 0]), torch.tensor([False, True, False, True, True, False, True])
-    assert auc(s, y) == float(Fraction(13, 24))
-    assert auc(-s, y) == float(Fraction(11, 24))  # reversing the scores gives 1 - AUC with ties
-    assert math.isnan(auc(s, torch.ones(7, dtype=torch.long)))
+    assert auc(y_true=y, y_score=s) == float(Fraction(13, 24))
+    assert auc(y_true=y, y_score=-s) == float(Fraction(11, 24))  # reversing the scores gives 1 - AUC with ties
+    assert math.isnan(auc(y_true=torch.ones(7, dtype=torch.long), y_score=s))
 
 
 def test_auc_matches_pairwise_counts_and_bootstrap_weights_replicate_samples():
@@ -50,15 +50,15 @@ def test_auc_matches_pairwise_counts_and_bootstrap_weights_replicate_samples():
     pos, neg = s[y == 1], s[y == 0]
     diff = pos[:, None] - neg[None, :]
     pairwise = ((diff > 0).double() + 0.5 * (diff == 0).double()).mean()
-    assert abs(auc(s, y) - float(pairwise)) < 1e-12
+    assert abs(auc(y_true=y, y_score=s) - float(pairwise)) < 1e-12
     w = torch.randint(0, 3, (1, 40), generator=g).double()  # weight k = the sample k times
     rep = torch.repeat_interleave(torch.arange(40), w[0].long())
-    assert abs(float(_auc_weighted(s, y.double(), w)[0]) - auc(s[rep], y[rep])) < 1e-12
+    assert abs(float(_auc_weighted(s, y.double(), w)[0]) - auc(y_true=y[rep], y_score=s[rep])) < 1e-12
 
 
 def test_r2_hand_case_and_constant_target():
-    assert r2(torch.tensor([1.0, 2, 3, 4]), torch.tensor([1.0, 2, 3, 5])) == pytest.approx(0.8, abs=1e-15)
-    assert math.isnan(r2(torch.tensor([0.1, 0.1, 0.1]), torch.tensor([0.0, 0.1, 0.2])))
+    assert r2(y_true=torch.tensor([1.0, 2, 3, 4]), y_pred=torch.tensor([1.0, 2, 3, 5])) == pytest.approx(0.8, abs=1e-15)
+    assert math.isnan(r2(y_true=torch.tensor([0.1, 0.1, 0.1]), y_pred=torch.tensor([0.0, 0.1, 0.2])))
 
 
 # --- fits ----------------------------------------------------------------------------------------------------
@@ -67,7 +67,7 @@ def test_ridge_on_noiseless_linear_data_gives_r2_one():
     x = torch.randn(120, 6, generator=g, dtype=torch.float64)
     y = x @ torch.tensor([1.0, -2, 0.5, 0, 3, 1], dtype=torch.float64) + 3
     w, b = fit_ridge(x[:80], y[:80], alpha=0.0)
-    assert abs(r2(y[80:], x[80:] @ w + b) - 1) < 1e-6
+    assert abs(r2(y_true=y[80:], y_pred=x[80:] @ w + b) - 1) < 1e-6
     w1, _ = fit_ridge(x[:80], y[:80], alpha=10.0)
     assert w1.norm() < w.norm()  # the penalty shrinks the weights
     # d > n: the dual (n x n) solve gives the primal solution
@@ -86,7 +86,7 @@ def test_logistic_on_separable_data_separates_and_is_a_stationary_point():
     x[:, 0] += torch.where(y == 1, 0.5, -0.5)  # a margin: separable
     w, b = fit_logistic(x, y, l2=1e-2)
     z = x @ w[:, 0] + b[0]
-    assert ((z > 0).long() == y).all() and auc(z, y) == 1.0 and torch.isfinite(w).all()
+    assert ((z > 0).long() == y).all() and auc(y_true=y, y_score=z) == 1.0 and torch.isfinite(w).all()
     # the L2 objective's gradient vanishes at the returned point
     p = torch.sigmoid(z)
     grad_w = x.T @ (p - y.double()) / len(y) + 1e-2 * w[:, 0]
@@ -124,7 +124,7 @@ def test_pooled_steps_never_score_an_item_seen_in_training():
     x, t = acts[0].reshape(-1, d).double(), y[None].expand(n_steps, -1).reshape(-1)
     perm = torch.randperm(len(t), generator=g)
     w, b = fit_ridge(x[perm[:180]], t[perm[:180]], alpha=1e-3)
-    assert r2(t[perm[180:]], x[perm[180:]] @ w + b) > 0.99
+    assert r2(y_true=t[perm[180:]], y_pred=x[perm[180:]] @ w + b) > 0.99
 
 
 # --- planted features ----------------------------------------------------------------------------------------
@@ -260,3 +260,19 @@ def test_planted_direction_in_resid_post_at_known_steps_on_the_twin(mdm, one_thr
         features_from_cache(out.cache, hook="hook_attn_out")
     with pytest.raises(InputError, match="positions has shape"):
         features_from_cache(out.cache, positions=masked[:, :, :3].clone())
+
+
+def test_auc_and_r2_take_y_true_first_by_keyword_only():
+    """Both follow sklearn (y_true first) and refuse positional calls: with float 0/1 labels a swapped positional
+    call would pass every check and give another number."""
+    from mdm_lens.errors import ArgumentTypeError
+
+    y, s = torch.tensor([0.0, 1.0, 1.0, 0.0]), torch.tensor([0.1, 0.9, 0.4, 0.3])
+    with pytest.raises(ArgumentTypeError, match="keyword"):
+        auc(y, s)
+    with pytest.raises(ArgumentTypeError, match="keyword"):
+        r2(y, s)
+    with pytest.raises(ArgumentTypeError, match="y_score"):
+        auc(y_true=y.long())
+    assert auc(y_true=y.long(), y_score=s) == 1.0
+    assert r2(y_true=y, y_pred=y) == 1.0
