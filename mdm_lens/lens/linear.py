@@ -109,8 +109,11 @@ def _per_step(mask: Any, shape: tuple[int, int, int], *, name: str) -> Tensor:
     """A `[item, pos]` or `[step, item, pos]` bool mask, broadcast to `[step, item, pos]`."""
     mask = validate.tensor(mask, name=name, ndim=(2, 3), dtype="bool")
     if tuple(mask.shape[-2:]) != shape[1:] or (mask.ndim == 3 and mask.shape[0] != shape[0]):
+        hint = (" (a block run's canvas is rounded up to whole blocks: pad x_steps with False to that width)"
+                if mask.shape[-1] < shape[2] else "")
         raise InputError(f"{name} has shape {tuple(mask.shape)}; expected [item, pos] = {list(shape[1:])} or "
-                         f"[step, item, pos] = {list(shape)}.", argument=name, value=mask, allowed=str(list(shape)))
+                         f"[step, item, pos] = {list(shape)}{hint}.", argument=name, value=mask,
+                         allowed=str(list(shape)))
     return mask.cpu().expand(shape)
 
 
@@ -119,7 +122,8 @@ def features_from_cache(cache: Any, *, hook: str = "hook_resid_post", layers: An
     """Per-layer, per-step features from a `TrajectoryCache` holding `blocks.{layer}.{hook}` at some steps.
 
     `positions`: `[item, pos]` or `[step, item, pos]` (aligned with `cache.steps`) bool, canvas positions to pool
-    or keep (default all); e.g. `out.trajectory.x_steps[cache.steps] == mask_id` for the still-masked ones. Rows
+    or keep (default all); e.g. `out.trajectory.x_steps[cache.steps] == mask_id` for the still-masked ones (block
+    samplers compute a canvas rounded up to whole blocks, wider than `x_steps`: pad it with False). Rows
     are read by absolute position (`cache.stack(..., align=True)`): a position the step's forward did not compute
     (SDAR / Fast-dLLM v2 blocks, `kv_cache` windows, ARM prefixes) or a pad is never chosen (`pool="none"` keeps it
     as NaN, unmarked in `.positions`). "mean" and "last" need at least one chosen position per item and step."""
@@ -145,12 +149,10 @@ def features_from_cache(cache: Any, *, hook: str = "hook_resid_post", layers: An
     acts = torch.stack([cache.stack(f"blocks.{l}.{hook}", phase=phase, **by_pos) for l in layers]).detach().cpu()
     validate.tensor(acts, name="cached activations", ndim=5, dtype="float")  # [layer, step, item, pos, d]
     steps = cache.steps if phase is None else cache.steps_of(phase)
-    # block canvases are rounded up to whole blocks; `x_steps` (the documented positions) stop at prompt + gen_length
-    w = min(acts.shape[3], getattr(positions, "shape", (acts.shape[3],))[-1] or acts.shape[3]) if by_pos else None
-    acts, shape = acts[:, :, :, :w], (acts.shape[1], acts.shape[2], w or acts.shape[3])
+    shape = tuple(acts.shape[1:4])
     pos = torch.ones(shape, dtype=torch.bool) if positions is None else _per_step(positions, shape, name="positions")
     if by_pos:
-        pos = pos & (cache.computed(phase) & cache.visible(phase))[:, :, :w]  # computed rows, pads excluded
+        pos = pos & cache.computed(phase) & cache.visible(phase)  # rows the step computed, pads excluded
     meta = {"hook": hook, "pool": pool}
     if pool == "none":
         return ProbeFeatures(acts, layers, list(steps), pos, meta)
