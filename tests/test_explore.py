@@ -105,3 +105,25 @@ def test_lens_overlay_names_tokens(pair):
     top[:, :, 0] = -1
     d = _data(explore(out, lens_top1=top))[0]
     assert d["lens"][0][1][0] is None and d["lens"][0][1][1] == "#7"
+
+
+def test_block_spans_come_from_the_run(pair):
+    out, arm = pair
+    assert _data(explore(out))[0]["block_span"] == [None] * 6          # one block: nothing to mark
+    assert _data(explore(arm))[0]["block_span"] == [None] * 6
+    cfg = MDMConfig(d_model=32, n_layers=1, n_heads=2, d_mlp=32, d_vocab=40, mask_token_id=39, eos_token_id=38)
+    m = HookedMDM.from_config(cfg, seed=5, init_std=0.4)
+    semi = m.generate(torch.tensor([[1, 5, 9]]), steps=6, gen_length=6, block_length=2, record=[ReceivedAttention()])
+    d = _data(explore(semi))[0]
+    assert d["block_span"] == [[3 + 2 * (s // 2), 5 + 2 * (s // 2)] for s in range(6)]
+    # a block sampler's own block_slice wins (blocks aligned at 0, not after the prompt)
+    semi.trajectory.forwards = [dict(block_slice=slice(4 * (s // 3), 4 * (s // 3) + 4)) for s in range(6)]
+    assert _data(explore(semi))[0]["block_span"] == [[0, 4]] * 3 + [[4, 8]] * 3
+
+
+def test_kv_age_is_read_at_the_records_steps(pair):
+    out, _ = pair
+    run = out.__class__(**{**out.__dict__, "records": {**out.records, "kv_age": torch.arange(2)[:, None].expand(2, 10)},
+                           "record_meta": {**out.record_meta, "kv_age": {"steps": [1, 4]}}})
+    ages = _data(explore(run))[0]["kv_age"]
+    assert ages[1] == [0] * 10 and ages[4] == [1] * 10 and ages[0] is None and ages[5] is None

@@ -121,7 +121,7 @@ DreamSettings.rules = {
     "top_p": R.number(0, 1, none=True, low_open=True), "top_k": R.integer(1, none=True),
     "alg": R.anything("an algorithm name (checked by resolve: origin, maskgit_plus, topk_margin, entropy, "
                       "confidence_threshold with kv_cache)"),
-    "alg_temp": R.number(0, none=True), "eps": R.number(0, 1, low_open=True),
+    "alg_temp": R.number(0, none=True), "eps": R.number(0, 1, low_open=True, high_open=True),
     "kv_cache": R.choice(("prefix", "dual"), none=True), "block_length": R.integer(1, none=True),
     "threshold": R.number(0, 1, none=True), "factor": R.number(0, none=True, low_open=True),
 }

@@ -33,13 +33,15 @@ def _or_none(none: bool, check: Callable[[Any, str], Any]) -> Callable[[Any, str
 
 
 def number(low: float | None = None, high: float | None = None, *, none: bool = False, low_open: bool = False,
-           **kw: Any) -> Rule:
-    """A finite number in [low, high] (`low_open`: low excluded); `none`: None allowed too."""
+           high_open: bool = False, **kw: Any) -> Rule:
+    """A finite number in [low, high] (`low_open` / `high_open`: that end excluded); `none`: None allowed too."""
     check = _or_none(none, lambda v, name: validate.number(v, name=name, min=low, max=high, min_open=low_open,
-                                                           error=SamplerConfigError))
-    span = f"{'(' if low_open else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+                                                           max_open=high_open, error=SamplerConfigError))
+    span = (f"{'(' if low_open else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}"
+            f"{')' if high_open else ']'}")
     bad: list[Any] = [float("nan"), float("inf"), "0.5"] + ([] if none else [None])
-    bad += ([] if high is None else [high + 0.5]) + ([] if low is None else [low if low_open else low - 1])
+    bad += ([] if high is None else [high if high_open else high + 0.5])
+    bad += [] if low is None else [low if low_open else low - 1]
     return Rule(check, f"a finite number in {span}" + (" or None" if none else ""), tuple(bad), **kw)
 
 

@@ -82,7 +82,7 @@ class StepRunner:
         if self.cache is not None:
             specs.append(self.cache.when)
         if any(s == "last" or (isinstance(s, int) and s < 0) for w in specs for s in w.indices):
-            raise SamplerConfigError(f"step indices counted from the end ('last', -1, …) are ambiguous here: {why}, "
+            raise SamplerConfigError(f"step indices counted from the end ('last', -1, …) are ambiguous here: {self.unknown_length}, "
                                      "so the run's length is unknown. Use explicit step numbers or steps(every=k).",
                                      argument="steps", value=[w.indices for w in specs if w.indices],
                                      allowed="non-negative step indices")

@@ -29,7 +29,8 @@ def _indices(pattern: re.Pattern[str], names: list[str]) -> set[int]:
 def _count_hint(what: str, key: str, given: int, present: set[int], raw: dict[str, Any]) -> str:
     if not present or max(present) + 1 == given:
         return ""
-    origin = "" if key.split(" ")[0] in raw or "alias" in key else " (absent from config.json: the reference default)"
+    names = [w.strip("()") for w in key.replace(",", " ").split() if w.strip("()").isidentifier() and "_" in w]
+    origin = "" if any(n in raw for n in names) else " (absent from config.json: the reference default)"
     return (f"config.json's {key} gives {given} {what}{origin}, but the checkpoint holds {what} "
             f"{min(present)}..{max(present)} ({max(present) + 1}); set {key.split(' ')[0]} to match the weights. ")
 

@@ -211,13 +211,13 @@ def parse_item(obj: Any, line: int) -> SweepItem:
 def _decode_line(raw: bytes, n: int) -> str:
     """One line as text: UTF-8 (a BOM opening the file is dropped; CRLF endings are json whitespace). Each line is
     decoded on its own so that a Latin-1 byte names its line and `--skip-bad` can skip just that line."""
-    if n == 1 and raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]
+    bom = 3 if n == 1 and raw.startswith(b"\xef\xbb\xbf") else 0
+    raw = raw[bom:]
     try:
         return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _Bad(f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line; re-save the file as "
-                   "UTF-8)") from None
+    except UnicodeDecodeError as e:  # the byte is counted in the line as it is in the file, BOM included
+        raise _Bad(f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + bom + 1} of the line; re-save the file "
+                   "as UTF-8)") from None
 
 
 def read_items(path: str | Path, skip_bad: bool = False) -> ReadResult:

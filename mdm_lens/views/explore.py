@@ -141,6 +141,31 @@ def _anchors(received: dict | None, key_visible: Tensor, causal: bool) -> list |
     return out
 
 
+def _kv_age(out: Any, item: int, steps: list[int]) -> list | None:
+    """Per shown step, each position's cache age, looked up by the steps the record kept (not by run step)."""
+    age = out.records.get("kv_age")
+    if age is None:
+        return None
+    kept = list(out.record_meta.get("kv_age", {}).get("steps", range(age.shape[0])))
+    at = {s: i for i, s in enumerate(kept)}
+    age = age[:, item] if age.ndim == 3 else age
+    return [age[at[s]].tolist() if s in at else None for s in steps]
+
+
+def _block_span(out: Any, step: int) -> list[int] | None:
+    """The canvas positions of the block step `step` decodes: the block samplers' own `block_slice` (blocks aligned
+    at position 0), LLaDA's semi-AR block after the prompt; None for a run without blocks."""
+    forwards = out.trajectory.forwards
+    if forwards is not None and step < len(forwards) and forwards[step].get("block_slice") is not None:
+        sl = forwards[step]["block_slice"]
+        return [int(sl.start), int(sl.stop)]
+    bl, gen = out.settings.get("block_length"), out.settings.get("gen_length")
+    if not bl or not gen or bl >= gen or out.causal:
+        return None
+    start = out.prompt_length + int(out.trajectory.block_of_step[step]) * bl
+    return [start, start + bl]
+
+
 def _patterns(out: Any, item: int, steps: list[int], limit: int, notes: list[str]) -> dict | None:
     cache = out.cache
     names = [n for n in getattr(cache, "names", []) or [] if n.endswith("attn.hook_pattern")]
@@ -176,14 +201,14 @@ def _run_data(out: Any, model: Any, item: int, *, max_steps: int, max_heads: int
     received = _received(out, item, steps, max_heads, notes)
     if received is None:
         notes.append("no received-attention record: generate with record=[ReceivedAttention()] to see it")
-    kv_age = out.records.get("kv_age")
+    kv_age = _kv_age(out, item, steps)
     data = dict(
         label=label, sampler=out.sampler, n_steps=n, steps=steps, notes=notes,
         tokens=_str_tokens(out, model, item), commit_step=traj.commit_step[item].tolist(),
         pad=(~visible).tolist(), block_of_step=traj.block_of_step.tolist(),
         block_length=out.settings.get("block_length"), prompt_length=int(out.prompt_length),
         received=received, anchors=_anchors(received, visible, bool(out.causal)),
-        kv_age=None if kv_age is None else [kv_age[s].tolist() if s < kv_age.shape[0] else None for s in steps],
+        kv_age=kv_age, block_span=[_block_span(out, s) for s in steps],
         patterns=_patterns(out, item, steps, max_pattern_positions, notes),
         lens=None,
     )

@@ -103,8 +103,8 @@ function mdxExplore(uid) {
         else { T.span.dataset.received = String(v); T.bar.style.height = (mx > 0 ? 2 + 28 * v / mx : 0).toFixed(1) + "px"; }
         T.span.title = "position " + pos + (c >= 0 ? " · committed at step " + c : " · prompt") + (v !== null && v !== undefined ? " · received " + v.toFixed(4) : "");
         T.span.dataset.anchor = anchors && anchors.indexOf(pos) >= 0 ? "1" : "0";
-        var inBlock = r.block_length && c >= 0 && Math.floor((pos - r.prompt_length) / r.block_length) === block;
-        T.span.classList.toggle("mdx-block", !!inBlock && r.block_length < r.tokens.length - r.prompt_length);
+        var span = r.block_span ? r.block_span[si] : null;  // the decoded block's positions (from the run itself)
+        T.span.classList.toggle("mdx-block", !!span && pos >= span[0] && pos < span[1]);
         var age = r.kv_age && r.kv_age[si] ? r.kv_age[si][pos] : null;
         T.age.textContent = age === null || age === undefined ? "" : "age " + age;
         var lens = lensBox.checked && r.lens && r.lens[si] && r.lens[si][li] ? r.lens[si][li][pos] : null;
