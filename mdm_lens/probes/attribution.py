@@ -225,7 +225,7 @@ def _step(model: Any, out: Any, pair: StepPair, names: dict[str, list[str]], met
     m_base = metric_tensor(metric, C.readout(model, raw_base, pair.committed), target, counter)
     m_src = float(metric_tensor(metric, C.readout(model, raw_src, pair.committed), target, counter))
     grads = gradients(m_base, acts_base)
-    res: dict[str, Any] = {"base": float(m_base), "source": m_src, "est": {}, "pos": {}}
+    res: dict[str, Any] = {"base": float(m_base.detach()), "source": m_src, "est": {}, "pos": {}}
     for comp, ns in names.items():
         per = torch.stack([((acts_src[n].detach() - acts_base[n].detach()) * grads[n]).sum(-1).double().cpu()
                            for n in ns])                                  # [layer, batch, pos(, head)]
@@ -237,7 +237,7 @@ def _step(model: Any, out: Any, pair: StepPair, names: dict[str, list[str]], met
         def score(raw: Tensor) -> float:
             return float(metric_tensor(metric, C.readout(model, raw, pair.committed), target, counter))
         res["exact"] = exact_effects(model, pair, base, {n: a.detach() for n, a in acts_src.items()}, names,
-                                     model.cfg.n_heads, score, float(m_base))
+                                     model.cfg.n_heads, score, float(m_base.detach()))
     return res
 
 
