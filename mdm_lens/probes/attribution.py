@@ -212,6 +212,7 @@ def _pair(model: Any, out: Any, corrupt: Any, s: int) -> StepPair:
 # the estimate at one step
 # ----------------------------------------------------------------------------------------------
 
+@torch.enable_grad()   # callers (the samplers' users, the sweep) may run under no_grad; the backward needs a graph
 def _step(model: Any, out: Any, pair: StepPair, names: dict[str, list[str]], metric: Any, direction: str,
           per_position: bool, exact: bool) -> dict[str, Any]:
     """AtP at one step: the source side's activations, the base side's activations and gradients."""

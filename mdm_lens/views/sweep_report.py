@@ -29,6 +29,7 @@ from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, InputError
 from mdm_lens.sweep import schema
 from mdm_lens.views import sweep_layers, sweep_sections
+from mdm_lens.views.fig_atp import TITLE as ATP_TITLE, atp_section
 from mdm_lens.views.fig_cache import cache_section, cache_skip
 from mdm_lens.views.fig_lens import lens_section
 from mdm_lens.views.fig_probes import probes_section
@@ -235,3 +236,4 @@ for _spec in sweep_layers.BUILTIN + sweep_sections.BUILTIN:      # accuracy … 
 register_section("lens", lens_section, tables=("lens",), title="Logit lens over denoising steps")
 register_section("features", probes_section, tables=("features",), title="Linear probes over layer × step")
 register_section("cache", cache_section, tables=("cache",), skip=cache_skip, title="KV-cache staleness")
+register_section("atp", atp_section, tables=("atp",), title=ATP_TITLE)

@@ -230,6 +230,18 @@ def test_arguments_are_checked_and_hooks_removed_on_errors():
         AT.attribution_patching(model, p, corrupt(p), gen_length=3).agreement()
 
 
+def test_runs_under_no_grad_and_inference_mode_runs():
+    model, p = realistic(seed=7), prompt(7)
+    ref = AT.attribution_patching(model, p, corrupt(p), gen_length=3)
+    with torch.inference_mode():
+        out = model.generate(p, steps=3, gen_length=3)
+    with torch.no_grad():
+        res = AT.attribution_patching(model, out, corrupt(p))
+    for c in ref.components:
+        torch.testing.assert_close(res.estimates[c], ref.estimates[c], atol=1e-6, rtol=1e-5)
+    assert n_hooks(model) == 0
+
+
 def test_callable_metric_and_frame_columns():
     model, p = realistic(seed=6), prompt(6)
 
@@ -242,3 +254,27 @@ def test_callable_metric_and_frame_columns():
     assert df["exact"].notna().all() and (df["reason"] == "").all()
     agree = res.agreement()
     assert list(agree["component"]) == ["z", "mlp_out", "all"] and (agree["n"] == [36, 9, 45]).all()
+
+
+def test_sweep_probe_rows_schema_and_report_section(tmp_path):
+    from mdm_lens import sweep
+    from mdm_lens.cli import main
+    from mdm_lens.sweep import schema
+    from mdm_lens.zoo import jsonl
+
+    jsonl.export(tmp_path / "items.jsonl", n=2, seed=0)
+    out = tmp_path / "mdm"
+    tables = sweep.run("mdm-lens/tiny-mdm", tmp_path / "items.jsonl", "atp", out, limit=1, batch_size=1)
+    t = tables["atp"]
+    assert schema.check({"atp": t, "atp_summary": tables["atp_summary"]}) == []
+    L, H = 4, 4                                                        # the twin: 4 layers of 4 heads
+    n_steps = t.step.nunique()
+    assert len(t) == n_steps * (3 * L + L * H) and set(t.metric) == {"atp"}
+    assert t["exact"].notna().all() and (t["reason"] == "").all()      # a small grid: exact ran beside AtP
+    z = t[t.component == "z"].groupby(["step", "layer"])["value"].sum()
+    attn = t[t.component == "attn_out"].set_index(["step", "layer"])["value"]
+    assert (z - attn.reindex(z.index)).abs().max() <= 1e-5 * max(attn.abs().max(), 1e-3)
+    main(["report", str(out)])
+    html = (out / "report" / "index.html").read_text(encoding="utf-8")
+    assert "Attribution patching over denoising steps" in html
+    assert (out / "report" / "figures" / "atp_vs_exact.png").exists()
