@@ -278,3 +278,34 @@ def test_sweep_probe_rows_schema_and_report_section(tmp_path):
     html = (out / "report" / "index.html").read_text(encoding="utf-8")
     assert "Attribution patching over denoising steps" in html
     assert (out / "report" / "figures" / "atp_vs_exact.png").exists()
+
+
+@pytest.mark.parametrize("family", ["llada2", "sdar"])
+def test_block_runs_use_the_runs_block_length_linear_toy_and_head_sum(family, tmp_path):
+    """Block samplers: the step forward is the run's (its canvas extent and block length, not the checkpoint's
+    default 32 / 4), so on the linear toy AtP still equals patching, and the heads still sum to attn_out."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "families"))
+    from family_checkpoints import write_llada2, write_sdar
+
+    runs = {"llada2": (write_llada2, dict(sampler="llada2", block_length=4, threshold=0.5)),
+            "sdar": (write_sdar, dict(sampler="sdar", block_length=8, temperature=0.7, seed=3))}
+    write, kw = runs[family]
+    model = HookedMDM.from_pretrained(write(tmp_path / family)[0])
+    p = torch.randint(0, 90, (1, 6), generator=torch.Generator().manual_seed(0))
+    c = p.clone()
+    c[0, 1:4] = torch.tensor([5, 6, 7])
+    out = model.generate(p, gen_length=9, steps=2, **kw)
+    last = model.cfg.n_layers - 1
+    with model.hooks(fwd_hooks=[("ln_final.hook_scale", fixed_scale)]):
+        res = AT.atp_vs_patching(model, out, c, layers=[last], components=["mlp_out"], metric="logit_diff")
+    done = torch.tensor([r == "" for r in res.reason])
+    est, exact = res.estimates["mlp_out"][done], res.exact["mlp_out"][done]
+    scale = float(exact.abs().max())
+    assert scale > 1e-2
+    torch.testing.assert_close(est, exact, atol=1e-5 * max(scale, 1.0), rtol=0)
+    full = AT.attribution_patching(model, out, c)
+    top = float(full.estimates["attn_out"].nan_to_num().abs().max())
+    torch.testing.assert_close(full.estimates["z"].sum(-1), full.estimates["attn_out"], atol=1e-5 * top, rtol=0,
+                               equal_nan=True)
+    assert n_hooks(model) == 0
