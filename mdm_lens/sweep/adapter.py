@@ -32,7 +32,7 @@ from mdm_lens.errors import MemoryBudgetError
 from mdm_lens.probes import flow as F
 from mdm_lens.probes import patching, retrieval
 from mdm_lens.probes import run as R
-from mdm_lens.sweep import cache_tables, feature_tables, lens_tables, shared as SH
+from mdm_lens.sweep import atp_tables, cache_tables, feature_tables, lens_tables, shared as SH
 from mdm_lens.sweep.batch import Batch, Settings  # noqa: F401  (re-exported: adapter.Batch / adapter.Settings)
 from mdm_lens.sweep.tables import (DRIFT_METRICS, KEY_COLUMNS, PATTERN_BUDGET_BYTES, STEP_METRICS,  # noqa: F401
                                    _anchor_mass, frame, temporal)
@@ -42,7 +42,8 @@ from mdm_lens.items import char_span_to_token_span
 
 __all__ = ["PROBES", "NEEDS_QA", "Batch", "Settings", "make_batch", "sub_batches", "compute", "preflight"]
 
-PROBES = ("accuracy", "absorption", "temporal", "qk", "retrieval", "flow", "knockout", "lens", "cache", "features")
+PROBES = ("accuracy", "absorption", "temporal", "qk", "retrieval", "flow", "knockout", "lens", "cache", "features",
+          "atp")
 NEEDS_QA = {"accuracy": "answers", "retrieval": "a question with passages and answers",
             "flow": "a question with passages"}
 
@@ -349,13 +350,19 @@ def knockout(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFram
     return out.drop(columns=[c for c in ("label",) if c in out and out[c].isna().all()])
 
 
+def atp(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
+    kw = _gen_kwargs(model, s)
+    kw.pop("progress")
+    return atp_tables.atp(model, batch, s, shared, kw)
+
+
 # --- dispatch ---------------------------------------------------------------------------------------
 
 _BATCHED: dict[str, Callable] = {"accuracy": accuracy, "qk": qk, "lens": lens_tables.lens,
                                  "cache": cache_tables.cache,
                                  "features": partial(feature_tables.features, score=_accuracy_rows)}
 _ATTENTION = ("absorption", "flow")
-_PER_ITEM: dict[str, Callable] = {"retrieval": retrieval_rows, "knockout": knockout}
+_PER_ITEM: dict[str, Callable] = {"retrieval": retrieval_rows, "knockout": knockout, "atp": atp}
 
 
 def preflight(model: Any, n_items: int, probes: list[str], s: Settings) -> None:

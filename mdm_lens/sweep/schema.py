@@ -85,6 +85,9 @@ COLUMNS: dict[str, Column] = {
     "acc": Column("float64", "0/1", "features: the item's answer contains a gold answer (the accuracy probe's)"),
     "em": Column("float64", "0/1", "features: the item's answer equals a gold answer (the accuracy probe's)"),
     "target_note": Column("string", "", "features: why a target is NA (e.g. no single gold passage)"),
+    "component": Column("string", "", "atp: the patched activation (resid_pre, attn_out, mlp_out; z = per head)"),
+    "exact": Column("float64", "nats", "atp: exact activation patching's effect of the same cell (NaN: not run, "
+                                       "see reason)"),
 }
 
 _KEY = ["item_id"]
@@ -115,6 +118,8 @@ TABLES: dict[str, tuple[str, list[str]]] = {
                 ["item_id", "line", "reason"]),
     "cache": ("what approximate KV caches change: per (step, layer) drift, per step log-probs, per item answer",
               _KEY + ["kv_cache", "step", "block", "layer", "metric", "value", "reason"]),
+    "atp": ("attribution patching of the anchors' knockout per (step, component, layer, head), beside exact patching",
+            _KEY + ["step", "component", "layer", "head", "metric", "value", "exact", "reason"]),
 }
 SUMMARY_COLUMNS = ["mean", "std", "n", "n_excluded"]
 
@@ -185,6 +190,9 @@ METRICS: dict[str, dict[str, tuple[str, str]]] = {
               "logprob_cached": ("nats", "the same, cached"), "logprob_delta": ("nats", "cached − fresh"),
               "answer_changed": ("fraction", "generated positions whose token differs from the uncached decode"),
               "forwards": ("count", "forwards of the cached run")},
+    "atp": {"atp": ("nats", "AtP estimate (a_knockout − a_clean)·∂M/∂a on the clean step forward (noising), M = mean "
+                            "log-prob of the tokens the clean run commits at the step; < 0: the knockout lowers M "
+                            "through this component")},
 }
 
 
@@ -200,7 +208,7 @@ def table_columns(name: str) -> list[str]:
     cols = TABLES[base][1]
     if name.endswith("_summary"):
         keep = [c for c in cols if c not in ("item_id", "value", "prediction", "correct", "label", "token",
-                                             "token_str", "received", "anchor", "note", "reason")]
+                                             "token_str", "received", "anchor", "note", "reason", "exact")]
         return (["group"] if base == "accuracy" else []) + keep + SUMMARY_COLUMNS
     return cols
 

@@ -92,7 +92,7 @@ def _temporal(df: pd.DataFrame) -> pd.DataFrame:
 
 
 _BY = {"absorption": ["mode", "variant", "layer", "metric"], "qk": ["layer", "head", "metric"],
-       "retrieval": ["method", "layer", "head", "metric"]}
+       "retrieval": ["method", "layer", "head", "metric"], "atp": ["component", "step", "layer", "head", "metric"]}
 _MAKERS = {"accuracy": _accuracy, "knockout": _knockout, "flow": _flow, "temporal": _temporal}
 
 

@@ -30,6 +30,7 @@ from mdm_lens.errors import ArgumentError, InputError
 from mdm_lens.sweep import schema
 from mdm_lens.views import sweep_layers, sweep_sections
 from mdm_lens.views.explore_report import explorer_section
+from mdm_lens.views.fig_atp import TITLE as ATP_TITLE, atp_section
 from mdm_lens.views.fig_cache import cache_section, cache_skip
 from mdm_lens.views.fig_lens import lens_section
 from mdm_lens.views.fig_probes import probes_section
@@ -237,3 +238,4 @@ register_section("lens", lens_section, tables=("lens",), title="Logit lens over 
 register_section("features", probes_section, tables=("features",), title="Linear probes over layer × step")
 register_section("cache", cache_section, tables=("cache",), skip=cache_skip, title="KV-cache staleness")
 register_section("explorer", explorer_section, tables=("temporal_keys",), after="temporal", title="Step explorer")
+register_section("atp", atp_section, tables=("atp",), title=ATP_TITLE)
