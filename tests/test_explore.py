@@ -127,3 +127,36 @@ def test_kv_age_is_read_at_the_records_steps(pair):
                            "record_meta": {**out.record_meta, "kv_age": {"steps": [1, 4]}}})
     ages = _data(explore(run))[0]["kv_age"]
     assert ages[1] == [0] * 10 and ages[4] == [1] * 10 and ages[0] is None and ages[5] is None
+
+
+@pytest.mark.parametrize("family", ["llada2", "sdar"])
+def test_block_runs_with_records_keep_the_runs_positions(tmp_path, family):
+    from loss_family_models import family_model
+
+    model = family_model(family, tmp_path)
+    out = model.generate(torch.tensor([[1, 5, 9, 12, 7]]), gen_length=8, block_length=4,
+                         record=[ReceivedAttention()])
+    d = _data(explore(out))[0]
+    width = out.tokens.shape[1]
+    assert len(d["tokens"]) == width
+    for per_step in d["received"]["values"]:
+        if per_step is not None:
+            assert all(len(head) <= width for layer in per_step for head in layer)
+    assert all(span is None or span[1] - span[0] == 4 for span in d["block_span"])
+
+
+def test_a_run_is_shown_only_with_its_own_model(pair):
+    out, _ = pair
+    other = HookedMDM.from_config(MDMConfig(d_model=16, n_layers=1, n_heads=2, d_mlp=16, d_vocab=20,
+                                            mask_token_id=19), seed=0)
+    with pytest.raises(MDMLensError, match="models"):
+        explore(out, other)
+
+
+def test_lens_ids_are_checked_and_a_one_entry_list_is_one_run(pair):
+    out, _ = pair
+    n, T = out.n_steps, out.tokens.shape[1]
+    with pytest.raises(MDMLensError, match="lens_top1"):
+        explore(out, lens_top1=torch.full((n, 2, T), -5, dtype=torch.long))
+    top = torch.full((n, 2, T), 3, dtype=torch.long)
+    assert _data(explore(out, lens_top1=[top]))[0]["lens"][0][0][0] == "#3"

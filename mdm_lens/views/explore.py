@@ -100,7 +100,8 @@ def _received(out: Any, item: int, steps: list[int], max_heads: int, notes: list
     layers = list(meta.get("layers", range(rec.shape[2])))
     rec_steps = list(meta.get("steps", range(rec.shape[0])))
     at = {s: i for i, s in enumerate(rec_steps)}
-    x = rec[:, item].float()  # [step, layer, head, key]
+    # a block sampler's record spans its canvas rounded up to whole blocks: keep the run's positions only
+    x = rec[:, item, ..., : out.tokens.shape[1]].float()  # [step, layer, head, key]
     causal, commit_step = bool(out.causal), out.trajectory.commit_step
     mean = x.mean(2, keepdim=True)
     if x.shape[2] > max_heads:
@@ -178,6 +179,9 @@ def _patterns(out: Any, item: int, steps: list[int], limit: int, notes: list[str
             if s not in steps:
                 continue
             p = cache[s][name][item].float()  # [head, query, key]
+            width = out.tokens.shape[1]
+            if p.shape[-1] > width and p.shape[-2] == p.shape[-1]:  # a block canvas: the run's positions only
+                p = p[:, :width, :width]
             if p.shape[-1] > limit or p.shape[-2] > limit:
                 notes.append(f"patterns of {p.shape[-2]}×{p.shape[-1]} > max_pattern_positions={limit}: not shown")
                 return None
@@ -218,7 +222,17 @@ def _run_data(out: Any, model: Any, item: int, *, max_steps: int, max_heads: int
 
 
 def _lens(top1: Any, model: Any, steps: list[int], n_steps: int, n_pos: int) -> list:
-    top1 = torch.as_tensor(top1)
+    top1 = validate.tensor(top1, name="lens_top1")
+    n_layers = getattr(getattr(model, "cfg", None), "n_layers", None)
+    vocab = getattr(getattr(model, "cfg", None), "d_vocab", None)
+    if not top1.is_floating_point() and top1.ndim == 3 and (
+            (vocab is not None and bool((top1 >= vocab).any())) or bool((top1 < -1).any())):
+        raise InputError(f"lens_top1 holds ids outside [-1, {vocab}): token ids of the model's vocabulary, -1 = none.",
+                         argument="lens_top1", value=(int(top1.min()), int(top1.max())),
+                         allowed=f"ids in [-1, {vocab})")
+    if n_layers is not None and top1.ndim == 3 and top1.shape[1] > n_layers:
+        raise InputError(f"lens_top1 has {top1.shape[1]} layers; the model has {n_layers}.", argument="lens_top1",
+                         value=tuple(top1.shape), allowed=f"at most {n_layers} layers")
     if top1.ndim != 3 or top1.shape[0] != n_steps or top1.shape[2] > n_pos or top1.is_floating_point():
         raise InputError(f"lens_top1 has shape {tuple(top1.shape)} and dtype {top1.dtype}; expected integer token "
                          f"ids [step={n_steps}, layer, pos≤{n_pos}].", argument="lens_top1",
@@ -300,6 +314,8 @@ def explore(runs: Any, models: Any = None, *, item: int = 0, labels: Sequence[st
         raise InputError(f"runs={validate.describe(runs)} is invalid: expected a GenerateOutput or a non-empty list "
                          "of them.", argument="runs", value=runs, allowed="GenerateOutput or list of GenerateOutput")
     models = [models] * len(runs) if not isinstance(models, (list, tuple)) else list(models)
+    if single and isinstance(lens_top1, (list, tuple)) and len(lens_top1) == 1:
+        lens_top1 = lens_top1[0]  # one run, its lens given as a one-entry list
     lenses = [lens_top1] * len(runs) if single or lens_top1 is None else list(lens_top1)
     for name, seq in (("models", models), ("lens_top1", lenses)):
         if len(seq) != len(runs):
@@ -313,6 +329,9 @@ def explore(runs: Any, models: Any = None, *, item: int = 0, labels: Sequence[st
     max_steps = validate.integer(max_steps, name="max_steps", min=2)
     max_heads = validate.integer(max_heads, name="max_heads", min=1)
     max_pattern_positions = validate.integer(max_pattern_positions, name="max_pattern_positions", min=1)
+    for r, m in zip(runs, models):  # a tokenizer of another model would label this run's ids wrongly
+        if m is not None:
+            r.check_model(m, argument="models")
     data = [_run_data(r, m, item, max_steps=max_steps, max_heads=max_heads,
                       max_pattern_positions=max_pattern_positions, lens_top1=lt, label=str(lab))
             for r, m, lt, lab in zip(runs, models, lenses, labels)]
