@@ -104,7 +104,13 @@ def _text(v: Any, keys: tuple[str, ...], what: str) -> str:
 
 def _flag(p: dict, i: int) -> bool | None:
     """A passage object's gold flag: True / False where flagged, None where not; flags that disagree: error."""
-    flags = {k: p[k] for k in GOLD_FLAGS if isinstance(p.get(k), bool)}
+    flags = {}
+    for k in GOLD_FLAGS:
+        v = p.get(k)
+        if isinstance(v, bool) or v in (0, 1) and isinstance(v, int):  # 1 / 0 are the datasets' usual booleans
+            flags[k] = bool(v)
+        elif v is not None:  # "true", 2, [..]: never read as "not flagged"
+            raise _Bad(f"passage {i}'s {k}={_short(v)} is not a gold flag (true / false, or 1 / 0)")
     if len(set(flags.values())) > 1:
         raise _Bad(f"conflicting gold markers on passage {i}: " + ", ".join(f"{k}={v}" for k, v in flags.items()))
     return next(iter(flags.values())) if flags else None
@@ -121,14 +127,14 @@ def _passages(raw: Any) -> tuple[tuple[str, ...], dict[int, bool]]:
     texts, flags = [], {}
     for i, p in enumerate(raw):
         body = _text(p, ("segment", "text", "passage", "content"), f"passage {i}")
+        if not body.strip():  # checked before a title is prepended, which would hide an empty text
+            raise _Bad(f"passage {i} is empty")
         if isinstance(p, dict):
             if isinstance(p.get("title"), str) and p["title"]:
                 body = f"{p['title']}: {body}"
             f = _flag(p, i)
             if f is not None:
                 flags[i] = f
-        if not body.strip():
-            raise _Bad(f"passage {i} is empty")
         texts.append(body)
     return tuple(texts), flags
 
@@ -238,6 +244,11 @@ def read_items(path: str | Path, skip_bad: bool = False) -> ReadResult:
                     obj = json.loads(text)
                 except json.JSONDecodeError as e:
                     raise _Bad(f"not valid json ({e.msg} at column {e.colno})") from None
+                try:  # a lone surrogate escape ("\\ud800") parses but is no text a tokenizer can read
+                    json.dumps(obj, ensure_ascii=False).encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise _Bad(f"holds a lone surrogate escape (\\u{ord(e.object[e.start]):04x}), which is not "
+                               "text") from None
                 item = parse_item(obj, n)
                 if item.id in seen:
                     raise _Bad(f"duplicate id {item.id!r} (first on line {seen[item.id]})")
