@@ -48,3 +48,21 @@ def test_a_lone_surrogate_is_refused_at_its_line(tmp_path):
         read_items(path)
     got = read_items(path, skip_bad=True)
     assert [i.id for i in got.items] == ["ok"] and got.skipped[0]["line"] == 2
+
+
+def test_probes_refuse_strings_as_items_and_an_inert_prompt_length():
+    import torch
+
+    from mdm_lens import HookedMDM
+    from mdm_lens.errors import ArgumentError, ArgumentTypeError
+    from mdm_lens.probes.absorption import absorption_by_layer, final_attention
+    from mdm_lens.probes.run import flow_for_items
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    with pytest.raises(ArgumentTypeError, match=r"items\[0\].*prompt"):
+        flow_for_items(model, ["some text"])
+    toks = torch.tensor([[1, 5, 6, 7]])
+    for fn in (absorption_by_layer, final_attention):
+        with pytest.raises(ArgumentError, match="prompt_length"):
+            fn(model, toks, prompt_length=2)
+    assert final_attention(model, toks).shape[-1] == 4

@@ -83,13 +83,21 @@ def _optional_length(v: Any, name: str) -> int | None:
     return C.optional_int(v, name=name, min=1)
 
 
-def _nonempty(items: Any, name: str) -> list[Any]:
+def _nonempty(items: Any, name: str, needs: tuple[str, ...] = ()) -> list[Any]:
+    """A non-empty list; with `needs`, each element must have those attributes (e.g. a zoo item's `prompt`), so a
+    list of plain strings is refused here rather than failing deep inside with an AttributeError."""
     if isinstance(items, (str, bytes, Tensor)) or not isinstance(items, Sequence):
         raise ArgumentTypeError(f"{name}={validate.describe(items)} is invalid: expected a list.", argument=name,
                                 value=items, allowed="a non-empty list")
     if len(items) == 0:
         raise ArgumentError(f"{name}=[] is invalid: expected at least one item.", argument=name, value=items,
                             allowed="a non-empty list")
+    for i, it in enumerate(items):
+        missing = [a for a in needs if not hasattr(it, a)]
+        if missing:
+            raise ArgumentTypeError(f"{name}[{i}]={validate.describe(it)} is not an item: it has no "
+                                    f"{', '.join(missing)} (pass the items of mdm_lens.zoo.data / mdm_lens.items).",
+                                    argument=f"{name}[{i}]", value=it, allowed=f"an object with {', '.join(needs)}")
     return list(items)
 
 

@@ -26,6 +26,12 @@ __all__ = ["final_attention", "absorption_by_layer", "AbsorptionByLayer", "absor
 # §1.b / §3.3 full-sequence attention and absorption
 # ----------------------------------------------------------------------------------------------
 
+def _no_prompt_length(model: Any, prompt_length: Any) -> None:
+    if prompt_length is not None and not is_block_diffusion(model):
+        refuse_ignored("prompt_length", prompt_length, None, by="model", by_value=model.cfg.family,
+                       why="only a block-diffusion model (DiffusionGemma) splits its rows at the prompt length")
+
+
 @torch.no_grad()
 def final_attention(model: Any, tokens: Int[Tensor, "batch pos"], attention_mask: Tensor | None = None,
                     layers: int | Sequence[int] | None = None,
@@ -36,8 +42,9 @@ def final_attention(model: Any, tokens: Int[Tensor, "batch pos"], attention_mask
     explicit attention path.  Rows sum to 1 over the visible keys (pad rows under a pair mask are 0).
     Block-diffusion models (DiffusionGemma) need ``prompt_length``: the answer rows are the decoder's
     (bidirectional over prompt + answer), the prompt rows the encoder's own causal attention over the
-    prompt (:mod:`mdm_lens.bridge.sequence`); other models ignore it.
+    prompt (:mod:`mdm_lens.bridge.sequence`); other models refuse it (it would change nothing).
     """
+    _no_prompt_length(model, prompt_length)
     tokens = _tokens(tokens, device=model.input_device)
     layer_ids = layer_list(model, layers)
     am = _attention_mask(attention_mask, tokens)
@@ -158,6 +165,7 @@ def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_
     layer_ids = layer_list(model, layers)
     if chunked is not None:
         validate.boolean(chunked, name="chunked")
+    _no_prompt_length(model, prompt_length)
     if is_block_diffusion(model):
         if chunked:  # the decoder's rows come from its patterns; no row-consumer path through the bridge yet
             raise ArgumentError("chunked=True is not available on a block-diffusion model: its absorption reads the "

@@ -409,7 +409,7 @@ def flow_for_items(model: Any, items: Sequence[Any], mode: Literal["default", "p
 
     from ._text import encode_with_offsets, model_tokenizer
 
-    items = _nonempty(items, "items")
+    items = _nonempty(items, "items", needs=("prompt",))
     mode = validate.choice(mode, ("default", "paper"), name="mode")
     residual = validate.number(residual, name="residual", min=0, max=1)
     g = _optional_length(gen_length, "gen_length") or int(model.cfg.extra.get("gen_length", 4))
@@ -419,7 +419,8 @@ def flow_for_items(model: Any, items: Sequence[Any], mode: Literal["default", "p
     for item in items:
         ids, offsets = encode_with_offsets(tokenizer, item.prompt)
         toks, _, _ = generate_final(model, [torch.tensor(ids)], g, steps, **generate_kwargs)
-        attn = final_attention(model, toks, prompt_length=len(ids))[0].mean(1)       # [layer, T, T]
+        pl = len(ids) if is_block_diffusion(model) else None  # only block-diffusion models split at the prompt
+        attn = final_attention(model, toks, prompt_length=pl)[0].mean(1)       # [layer, T, T]
         # the answer as generated: DiffusionGemma fills whole canvases, so it can be longer than gen_length
         regs = regions_for_item(item, toks.shape[1] - len(ids), offsets)
         if mode == "paper":

@@ -11,8 +11,8 @@ note}); `--covering MAP` runs each mutant on the tests that execute a line it ch
 into MAP on first use: tests/mutants/covering.py; a test that never executes a line cannot catch its mutant);
 `--confirm` reruns each survivor on the whole suite.
 
-A mutant is *caught* when the suite fails on it (pytest exit 1, or a time-out: an infinite loop is a
-failure too) and *survives* when the suite passes. A mutant whose snippet no longer occurs exactly once is
+A mutant is *caught* when the suite fails on it (pytest exit 1) and *survives* when the suite passes; a run
+that hits `--timeout` is reported as *timed out* (an infinite loop, or tests too slow to tell), never as caught. A mutant whose snippet no longer occurs exactly once is
 *stale* and makes the run fail, so the catalogue cannot silently rot (tests/test_mutants_catalogue.py checks
 this in CI without running the suite). Not part of CI's default run: it takes minutes.
 """
@@ -80,6 +80,11 @@ def _with_covering(m: Mutant, table: dict) -> Mutant:
         ids = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if stem in p.read_text())
         return replace(m, tests=tuple(ids) if ids else ("<uncovered>",))
     ids = covering_tests(table, m.file, text, m.find)
+    if ids is None:  # module-level lines: the test files that import the module
+        module = m.file.removesuffix(".py").replace("/", ".")
+        stem = module.rsplit(".", 1)[-1]
+        ids = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                     if module in (t := p.read_text()) or f"import {stem}" in t) or ["tests"]
     return replace(m, tests=tuple(ids) if ids else ("<uncovered>",))
 
 
@@ -106,7 +111,8 @@ def run_one(m: Mutant | None, workdir: Path, timeout: float, pytest_args: list[s
         code, tail = -1, ["time-out"]
     finally:
         path.write_text(original)
-    status = "survived" if code == 0 else "caught" if code in (1, -1) else f"error (exit {code})"
+    # a time-out is not a catch: the mutant's tests did not finish (slow, or an infinite loop) — reported apart
+    status = "survived" if code == 0 else "caught" if code == 1 else "timed out" if code == -1 else f"error (exit {code})"
     return dict(id=m.id, area=m.area, file=m.file, status=status, seconds=round(time.time() - start, 1),
                 tail=tail, note=m.note)
 
@@ -177,12 +183,15 @@ def main(argv: list[str] | None = None) -> int:
                 confirmed = {r["id"]: r for r in pool.map(task, again)}
                 results = [confirmed.get(r["id"], r) for r in results]
     caught = sum(r["status"] == "caught" for r in results)
+    timed_out = [r for r in results if r["status"] == "timed out"]
     survivors = [r for r in results if r["status"] == "survived"]
     errors = [r for r in results if r["status"].startswith("error")]
     score = caught / max(1, len(results))
     print(f"\n{caught} of {len(results)} mutants caught ({100 * score:.1f}%)")
     for r in survivors:
         print(f"  SURVIVED {r['id']} ({r['file']}): {r['note']}")
+    for r in timed_out:
+        print(f"  TIMED OUT {r['id']} ({r['file']}): {r['note']}")
     for r in errors:
         print(f"  ERROR    {r['id']}: {r['status']} {r['tail']}")
     if args.json:

@@ -44,10 +44,17 @@ def snippet_lines(text: str, find: str) -> range:
     return range(first, first + find.count("\n") + 1)
 
 
-def covering_tests(table: dict, file: str, text: str, find: str) -> list[str]:
-    """Node ids of the tests that execute any line of the snippet (empty: no test reaches it)."""
+def covering_tests(table: dict, file: str, text: str, find: str) -> list[str] | None:
+    """Node ids of the tests that execute any line of the snippet; [] when no test reaches it; None when the lines
+    run only at import (module-level tables and defaults: coverage gives them no test context, so any test that
+    imports the module may depend on them)."""
     lines = table.get(file, {})
     ids: set[str] = set()
+    imported_only = False
     for n in snippet_lines(text, find):
-        ids.update(lines.get(str(n), ()))
-    return sorted(i for i in ids if "::" in i)
+        got = [i for i in lines.get(str(n), ()) if "::" in i]
+        ids.update(got)
+        imported_only |= str(n) in lines and not got
+    if not ids and imported_only:
+        return None
+    return sorted(ids)
