@@ -1,0 +1,59 @@
+"""Round 3b of misuse checks (model core, weights, loading, cache): each case pins a class of input that used to
+slip through (a plausible result, or a raw error deep inside) and now raises a typed error naming the argument."""
+
+import torch
+import pytest
+
+from mdm_lens import HookedMDM, MDMConfig
+from mdm_lens.errors import NonFiniteError
+from tests.families.family_checkpoints import write_llada2
+from mdm_lens.loading import read_config
+
+CFG = dict(d_model=32, n_layers=2, n_heads=4, d_mlp=48, d_vocab=50, mask_token_id=49)
+
+
+def small(**over):
+    return HookedMDM.from_config(MDMConfig(**{**CFG, **over}), seed=1, init_std=0.3, init="realistic")
+
+
+@pytest.fixture(scope="module")
+def llada2(tmp_path_factory):
+    folder, _, _ = write_llada2(tmp_path_factory.mktemp("l2"))
+    cfg, _ = read_config(folder, "l2", None)
+    return HookedMDM.from_config(cfg, seed=2, init_std=0.3, init="realistic")
+
+
+def _nan(t, hook):
+    return t * float("nan")
+
+
+# --- finding 1: NaN written into q/k by a hook surfaces (SDPA used to return zeros for those rows) -----------------
+@pytest.mark.parametrize("point", ["hook_q", "hook_k", "hook_rot_q", "hook_rot_k"])
+@pytest.mark.parametrize("which", ["dense", "llada2"])
+def test_nan_in_hooked_qk_is_not_hidden_by_sdpa(point, which, llada2):
+    m = small() if which == "dense" else llada2
+    v = m.cfg.d_vocab - 2
+    x = torch.randint(0, v, (1, 8), generator=torch.Generator().manual_seed(0))
+    out = m.run_with_hooks(x, fwd_hooks=[(f"blocks.0.attn.{point}", _nan)])
+    assert out.isnan().all()  # every query reads a NaN key (bidirectional/block attention of layer 0)
+    with pytest.raises(NonFiniteError, match="step 0"):
+        m.generate(x[:, :4], steps=4, gen_length=4, fwd_hooks=[(f"blocks.0.attn.{point}", _nan)]) \
+            if which == "dense" else m.generate(x[:, :4], gen_length=4,
+                                                fwd_hooks=[(f"blocks.0.attn.{point}", _nan)])
+
+
+def test_finite_hooked_qk_keeps_sdpa_and_matches_explicit():
+    """A finite hook on q keeps the fast path (no T² pattern for a cache of hook_q) and agrees with the explicit path."""
+    m = small()
+    x = torch.randint(0, 48, (2, 9), generator=torch.Generator().manual_seed(3))
+    double = lambda t, hook: t * 2.0  # noqa: E731
+    fast = m.run_with_hooks(x, fwd_hooks=[("blocks.1.attn.hook_q", double)])
+    for b in m.blocks:
+        b.attn.force_explicit = True
+    try:
+        slow = m.run_with_hooks(x, fwd_hooks=[("blocks.1.attn.hook_q", double)])
+    finally:
+        for b in m.blocks:
+            b.attn.force_explicit = False
+    assert torch.allclose(fast, slow, atol=1e-5 * float(slow.detach().abs().max()))
+    assert not torch.allclose(fast, m(x), atol=1e-3)  # the hook did change the output
