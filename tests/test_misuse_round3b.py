@@ -57,3 +57,38 @@ def test_finite_hooked_qk_keeps_sdpa_and_matches_explicit():
             b.attn.force_explicit = False
     assert torch.allclose(fast, slow, atol=1e-5 * float(slow.detach().abs().max()))
     assert not torch.allclose(fast, m(x), atol=1e-3)  # the hook did change the output
+
+
+# --- finding 8: functional in-place forms and out= into a read-only view are writes too ------------------------------
+_F = torch.nn.functional
+_WRITES = {
+    "relu": lambda m: _F.relu(m.W_Q, inplace=True),
+    "leaky_relu": lambda m: _F.leaky_relu(m.W_O, 0.1, inplace=True),
+    "dropout_gqa_W_K": lambda m: _F.dropout(m.blocks[0].attn.W_K, p=1.0, training=True, inplace=True),
+    "relu_missing_b_O": lambda m: _F.relu(m.blocks[0].attn.b_O, inplace=True),
+    "hardtanh_alias": lambda m: _F.hardtanh(m.W_V[0, 1], inplace=True),
+    "threshold": lambda m: _F.threshold(m.W_in, 0.0, 0.0, inplace=True),
+    "alpha_dropout": lambda m: _F.alpha_dropout(m.W_out, 0.5, True, inplace=True),
+    "silu": lambda m: _F.silu(m.b_Q, inplace=True),
+    "out_kwarg_second": lambda m: torch.add(torch.ones(m.W_Q.shape), 1.0, out=m.W_Q),
+    "out_tuple": lambda m: torch.max(torch.ones(m.W_gate.shape), dim=-1, out=(m.W_gate[:, :, 0], torch.empty(0, dtype=torch.long))),
+    "torch_relu_": lambda m: torch.relu_(m.W_Q),
+}
+
+
+@pytest.mark.parametrize("case", list(_WRITES))
+def test_inplace_functional_write_into_read_only_view_raises(case):
+    from mdm_lens.errors import ReadOnlyViewError
+
+    m = small(n_kv_heads=2)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(ReadOnlyViewError, match="read-only weight view"):
+        _WRITES[case](m)
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())  # refused before any write
+
+
+def test_out_of_place_functional_on_read_only_view_still_reads():
+    m = small(n_kv_heads=2)
+    y = _F.relu(m.W_Q, inplace=False)
+    assert torch.equal(y, m.W_Q.clamp(min=0)) and type(y) is torch.Tensor  # a fresh tensor, writable
+    y.add_(1.0)
