@@ -149,18 +149,21 @@ class HookedMDM(CheckedHookSurface):
         Unprocessed by default (exact to the checkpoint, unlike TL's default); `fold_ln`, `center_unembed`,
         `fold_value_biases` apply TL's weight processing after loading (`process_weights_`)."""
         from mdm_lens.loading import load_pretrained
+        from mdm_lens.loading.options import check_pretrained_kwargs, processing_flags
 
+        check_pretrained_kwargs(kwargs, "from_pretrained")
+        flags = processing_flags(fold_ln, center_unembed, fold_value_biases)  # before loading: fail fast
         model = load_pretrained(cls, name_or_path, dtype=dtype, device=device, **kwargs)
-        if fold_ln or center_unembed or fold_value_biases:
-            model.process_weights_(fold_ln=fold_ln, center_unembed=center_unembed,
-                                   fold_value_biases=fold_value_biases)
+        if any(flags.values()):
+            model.process_weights_(**flags)
         return model
 
     @classmethod
     def from_pretrained_no_processing(cls, name_or_path: str, **kwargs: Any) -> "HookedMDM":
         """TL's name for loading without weight processing (here the same as `from_pretrained`'s default)."""
-        for key in ("fold_ln", "center_unembed", "fold_value_biases"):
-            kwargs[key] = validate.boolean(kwargs.get(key, False), name=key)
+        from mdm_lens.loading.options import check_pretrained_kwargs
+
+        check_pretrained_kwargs(kwargs, "from_pretrained_no_processing")
         return cls.from_pretrained(name_or_path, **kwargs)
 
     def process_weights_(self, fold_ln: bool = True, center_unembed: bool = True,

@@ -124,5 +124,6 @@ def fold_value_biases_(model: Any) -> None:
         shift = torch.einsum("he,hed->d", b_v, attn.W_O.float())
         if attn.o_bias is None:
             attn.o_bias = nn.Parameter(torch.zeros_like(attn.o_weight[:, 0]))
+            model.cfg.extra["o_bias"] = True  # cfg describes the parameters the model now has (cfg.n_params)
         attn.o_bias.copy_((attn.o_bias.float() + shift).to(attn.o_bias.dtype))
         attn._split(attn.qkv_bias)[2].zero_()

@@ -92,3 +92,53 @@ def test_out_of_place_functional_on_read_only_view_still_reads():
     y = _F.relu(m.W_Q, inplace=False)
     assert torch.equal(y, m.W_Q.clamp(min=0)) and type(y) is torch.Tensor  # a fresh tensor, writable
     y.add_(1.0)
+
+
+# --- finding 11: cfg.n_params follows weight processing (norm weights folded away, o_bias made) ------------------
+@pytest.mark.parametrize("which", ["qkv_bias", "llada2"])
+@pytest.mark.parametrize("flags", [dict(), dict(fold_ln=False), dict(fold_value_biases=False),
+                                   dict(fold_ln=True, center_unembed=False, fold_value_biases=True)])
+def test_n_params_equals_parameter_count_after_processing(which, flags, llada2):
+    import copy
+
+    base = small(qkv_bias=True) if which == "qkv_bias" else llada2
+    m = copy.deepcopy(base).process_weights_(**flags)
+    assert m.cfg.n_params == sum(p.numel() for p in m.parameters())
+    assert base.cfg.n_params == sum(p.numel() for p in base.parameters())
+    if which == "qkv_bias" and not flags:  # planted: 5 norms of d=32 gone, 2 layers gain a d=32 o_bias
+        assert base.cfg.n_params - m.cfg.n_params == 5 * 32 - 2 * 32
+
+
+# --- the UNCLEAR save/reload of a processed model: refused at save, saying why -------------------------------------
+def test_save_pretrained_refuses_a_processed_model(tmp_path):
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.loading import save_pretrained
+
+    m = small(qkv_bias=True).process_weights_(center_unembed=False, fold_value_biases=False)
+    with pytest.raises(ArgumentError, match=r"processed \(fold_ln\).*from_pretrained\(\.\.\., fold_ln=True\)"):
+        save_pretrained(m, tmp_path / "x")
+    assert not (tmp_path / "x").exists()  # refused before anything is written
+    save_pretrained(small(), tmp_path / "ok")  # unprocessed still saves
+
+
+# --- findings 12 and 18: from_pretrained's keywords ------------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["fold_ln", "center_unembed", "fold_value_biases"])
+@pytest.mark.parametrize("value", [None, 0.0, 0, "", 1])
+@pytest.mark.parametrize("loader", ["from_pretrained", "from_pretrained_no_processing"])
+def test_processing_flags_must_be_bools(flag, value, loader):
+    from mdm_lens.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError, match=f"{flag}={value!r} is invalid: expected True or False"):
+        getattr(HookedMDM, loader)("mdm-lens/tiny-mdm", **{flag: value})
+
+
+@pytest.mark.parametrize("loader", ["from_pretrained", "from_pretrained_no_processing"])
+@pytest.mark.parametrize("key,hint", [("fold_layernorm", "Did you mean fold_ln="), ("dtyp", "Did you mean dtype="),
+                                      ("center_writing_weights", "TransformerLens option"),
+                                      ("refactor_factored_attn_matrices", "TransformerLens option")])
+def test_unknown_from_pretrained_keyword_is_named(loader, key, hint):
+    from mdm_lens.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match=f"unknown keyword {key}=True.*{hint}.*Accepted: dtype, device") as e:
+        getattr(HookedMDM, loader)("mdm-lens/tiny-mdm", **{key: True})
+    assert not isinstance(e.value, TypeError) and e.value.argument == key

@@ -238,7 +238,18 @@ def _tying_hint(cfg: MDMConfig, family: str, folder: Path) -> str:
 
 
 def save_pretrained(model: Any, folder: str | os.PathLike) -> Path:
-    """Write a model in mdm_lens' own format: config.json (`model_type: mdm_lens`) + model.safetensors."""
+    """Write a model in mdm_lens' own format: config.json (`model_type: mdm_lens`) + model.safetensors.
+
+    Unprocessed models only: a processed one (`process_weights_`) has no norm weights and may have output biases
+    the format does not describe, so it is refused here rather than saved in a layout that cannot be reloaded.
+    Save the unprocessed model and pass `fold_ln=…` to `from_pretrained` when loading it."""
+    done = [k for k, v in (getattr(model, "weight_processing", None) or {}).items() if v]
+    if done:
+        raise ArgumentError(f"save_pretrained: this model was processed ({', '.join(done)}); mdm_lens saves "
+                            "unprocessed weights only (a processed model lacks the norm weights a reload builds). Save "
+                            "the model before process_weights_(), and reload it with from_pretrained(..., "
+                            f"{'=True, '.join(done)}=True).", argument="model", value=done,
+                            allowed="a model without weight processing")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(model.cfg.to_json())
