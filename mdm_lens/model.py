@@ -82,6 +82,13 @@ def shift_logits(raw: Float[Tensor, "batch pos d_vocab"]) -> Float[Tensor, "batc
     return torch.cat([raw[:, :1], raw[:, :-1]], dim=1)
 
 
+def _id_like(tokens: Any) -> bool:
+    """An int, a tensor, or (nested) lists / tuples of ints: what `torch.as_tensor` can turn into token ids."""
+    if isinstance(tokens, (list, tuple)):
+        return all(_id_like(t) for t in tokens)
+    return isinstance(tokens, (int, Tensor))
+
+
 def _circuits() -> Any:
     from mdm_lens import circuits_tl  # imported on use: it pulls TL's FactoredMatrix utilities
 
@@ -198,12 +205,13 @@ class HookedMDM(CheckedHookSurface):
         return torch.arange(t, device=tokens.device).expand(b, t)
 
     def _rotary(self, positions: Tensor, arange: bool) -> tuple[Tensor, Tensor]:
-        key = (positions.shape[1], positions.device)
+        scaling = self.cfg.extra.get("rope_scaling")
+        dim = int(self.cfg.extra.get("rotary_dim") or self.cfg.d_head)  # partial rotary: the first `dim` dims
+        # keyed on the rotary settings too, so an edit of cfg.rope_theta / rope_scaling takes effect at once
+        key = (positions.shape[1], positions.device, self.cfg.rope_theta, dim, repr(scaling))
         if arange and key in self._rope_cache:
             return self._rope_cache[key]
         rows = positions[:1] if arange else positions
-        scaling = self.cfg.extra.get("rope_scaling")
-        dim = int(self.cfg.extra.get("rotary_dim") or self.cfg.d_head)  # partial rotary: the first `dim` dims
         if scaling:
             cos, sin = scaled_rotary_cos_sin(rows, dim, self.cfg.rope_theta, scaling)
         else:
@@ -379,6 +387,10 @@ class HookedMDM(CheckedHookSurface):
         is not folded (TL folds it by default; without it, attributions would not sum to the logits)."""
         if isinstance(tokens, str):
             tokens = self.to_single_token(tokens)
+        if not _id_like(tokens):
+            raise InputTypeError(f"tokens={validate.describe(tokens)} is invalid: expected an int, a str, or an "
+                                 "integer tensor / list of ids.", argument="tokens", value=tokens,
+                                 allowed="int, str, or an integer tensor / list of ids")
         t = torch.as_tensor(tokens, device=self.W_U.device)
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise InputTypeError(f"tokens has dtype {t.dtype}: expected integer token ids.", argument="tokens",

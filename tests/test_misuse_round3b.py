@@ -142,3 +142,55 @@ def test_unknown_from_pretrained_keyword_is_named(loader, key, hint):
     with pytest.raises(ArgumentError, match=f"unknown keyword {key}=True.*{hint}.*Accepted: dtype, device") as e:
         getattr(HookedMDM, loader)("mdm-lens/tiny-mdm", **{key: True})
     assert not isinstance(e.value, TypeError) and e.value.argument == key
+
+
+# --- finding 14: the rotary cache follows cfg edits (theta, scaling) ----------------------------------------------
+def _fresh_like(m):
+    import copy
+
+    fresh = HookedMDM(copy.deepcopy(m.cfg))
+    fresh.load_state_dict(m.state_dict())
+    return fresh.eval()
+
+
+@pytest.mark.parametrize("edit", ["theta", "linear", "llama3"])
+def test_rotary_cache_follows_config_edits(edit):
+    m = small(n_ctx=64)
+    x = torch.randint(0, 48, (1, 12), generator=torch.Generator().manual_seed(4))
+    before = m(x).detach()
+    if edit == "theta":
+        m.cfg.rope_theta = 10.0
+    elif edit == "linear":
+        m.cfg.extra["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    else:
+        m.cfg.extra["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 4}
+    after = m(x).detach()
+    want = _fresh_like(m)(x).detach()  # a model built with the edited config from the start
+    assert torch.allclose(after, want, atol=1e-5 * float(want.abs().max()))
+    assert (after - before).abs().max() > 1e-3  # the edit matters on this input
+
+
+def test_rotary_cache_follows_edits_on_the_trained_twin():
+    m = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    x = torch.randint(0, m.cfg.d_vocab - 2, (1, 10), generator=torch.Generator().manual_seed(5))
+    m(x)
+    m.cfg.rope_theta = m.cfg.rope_theta / 100
+    want = _fresh_like(m)(x).detach()
+    assert torch.allclose(m(x).detach(), want, atol=1e-5 * float(want.abs().max()))
+
+
+# --- finding 21: tokens_to_residual_directions refuses what is not token ids -----------------------------------------
+@pytest.mark.parametrize("bad", [["a", "b"], None, 3.5, [1, None], {"a": 1}, [[1, "x"]]])
+def test_tokens_to_residual_directions_refuses_non_ids(bad):
+    from mdm_lens.errors import InputTypeError
+
+    m = small()
+    with pytest.raises(InputTypeError, match=r"tokens=.* is invalid: expected an int, a str, or an integer tensor"):
+        m.tokens_to_residual_directions(bad)
+
+
+def test_tokens_to_residual_directions_still_takes_nested_ids():
+    m = small()
+    d = m.tokens_to_residual_directions([[1, 2], [3, 4]])
+    assert d.shape == (2, 2, 32) and torch.equal(d[1, 0], m.tokens_to_residual_directions(3))
