@@ -194,3 +194,65 @@ def test_tokens_to_residual_directions_still_takes_nested_ids():
     m = small()
     d = m.tokens_to_residual_directions([[1, 2], [3, 4]])
     assert d.shape == (2, 2, 32) and torch.equal(d[1, 0], m.tokens_to_residual_directions(3))
+
+
+# --- finding 17: run_with_cache(incl_bwd=True) needs a scalar output ---------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    return HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+
+
+def _masked(m):
+    clean = torch.randint(0, m.cfg.d_vocab - 2, (1, 8), generator=torch.Generator().manual_seed(6))
+    x = clean.clone()
+    x[:, 3:] = m.cfg.mask_token_id
+    return x, clean
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(return_type="logits"), dict(return_type="both", with_targets=True),
+                                dict(return_type="loss", with_targets=True, loss_per_token=True),
+                                dict(return_type="aligned")])
+def test_incl_bwd_with_a_non_scalar_output_is_refused(kw, tiny):
+    from mdm_lens.errors import InputError
+
+    x, clean = _masked(tiny)
+    kw = dict(kw)
+    if kw.pop("with_targets", False):
+        kw["targets"] = clean
+    with pytest.raises(InputError, match="incl_bwd=True needs a scalar output.*return_type='loss' without "
+                                         "loss_per_token"):
+        tiny.run_with_cache(x, incl_bwd=True, **kw)
+    assert all(not hp.fwd_hooks and not hp.bwd_hooks for hp in tiny.hook_dict.values())  # refused before hooking
+
+
+def test_incl_bwd_with_the_scalar_loss_still_caches_gradients(tiny):
+    x, clean = _masked(tiny)
+    loss, cache = tiny.run_with_cache(x, return_type="loss", targets=clean, incl_bwd=True,
+                                      names_filter="blocks.0.hook_resid_post")
+    assert loss.ndim == 0 and cache["blocks.0.hook_resid_post_grad"].abs().sum() > 0
+
+
+# --- finding 24: the TL residual helpers on our cache name the layer range --------------------------------------------
+@pytest.mark.parametrize("helper", ["accumulated_resid", "decompose_resid", "get_full_resid_decomposition",
+                                    "stack_head_results"])
+@pytest.mark.parametrize("layer", [99, 5, -2])
+def test_cache_resid_helpers_refuse_out_of_range_layers(helper, layer, tiny):
+    from mdm_lens.errors import OutOfRangeError
+
+    tiny.set_use_attn_result(True)
+    try:
+        _, cache = tiny.run_with_cache(_masked(tiny)[0])
+    finally:
+        tiny.set_use_attn_result(False)
+    assert tiny.cfg.n_layers == 4
+    with pytest.raises(OutOfRangeError, match=rf"{helper}\(layer={layer}\) is out of range.*\[0, 4\]"):
+        getattr(cache, helper)(layer=layer)
+
+
+def test_cache_resid_helpers_keep_tl_layer_meanings(tiny):
+    _, cache = tiny.run_with_cache(_masked(tiny)[0])
+    final = cache["blocks.3.hook_resid_post"]
+    for layer in (None, -1, 4):
+        assert torch.allclose(cache.accumulated_resid(layer)[-1], final)
+        assert torch.allclose(cache.decompose_resid(layer).sum(0), final, atol=1e-4)
+    assert cache.accumulated_resid(2).shape[0] == 3  # embed + resid_pre 1, 2
