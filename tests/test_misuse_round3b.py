@@ -256,3 +256,67 @@ def test_cache_resid_helpers_keep_tl_layer_meanings(tiny):
         assert torch.allclose(cache.accumulated_resid(layer)[-1], final)
         assert torch.allclose(cache.decompose_resid(layer).sum(0), final, atol=1e-4)
     assert cache.accumulated_resid(2).shape[0] == 3  # embed + resid_pre 1, 2
+
+
+# --- findings 20, 4 and 11 (extra keys): our own config.json is checked like an HF one ----------------------------
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, llada2):
+    from mdm_lens.loading import save_pretrained
+
+    root = tmp_path_factory.mktemp("native")
+    return {"dense": save_pretrained(small(), root / "dense"), "llada2": save_pretrained(llada2, root / "llada2")}
+
+
+_NATIVE_EDITS = [
+    ("dense", {"extra": None}, r"extra=None is invalid: expected a JSON object"),
+    ("dense", {"extra": [1, 2]}, r"extra=\[1, 2\] is invalid"),
+    ("dense", {"dtype": "float128"}, r"dtype='float128' is invalid: expected one of float32"),
+    ("dense", {"normalization_type": "LN"},
+     r"normalization_type=.LN. is invalid: HookedMDM implements normalization_type=.RMS. only"),
+    ("dense", {"normalization_type": None}, r"normalization_type=None is invalid"),
+    ("dense", {"normalization_type": "RMSPre"}, r"RMSPre marks a processed model"),
+    ("dense", {"act_fn": "gelu"}, r"act_fn='gelu' is invalid"),
+    ("dense", {"positional_embedding_type": "standard"}, r"positional_embedding_type='standard' is invalid"),
+    ("dense", {"attn_only": True}, r"attn_only=True is invalid"),
+    ("dense", {"extra.rotary_dim": 3}, r"extra.rotary_dim=3 is invalid"),
+    ("dense", {"extra.rope_scaling": {"rope_type": "dynamic", "factor": 2}}, r"extra.rope_scaling=.* rope_type one of"),
+    ("dense", {"extra.rope_scaling": {"type": "bogus"}}, r"extra.rope_scaling=.* rope_type one of"),
+    ("dense", {"extra.rope_scaling": {"rope_type": "llama3", "factor": 2}}, r"low_freq_factor=None"),
+    ("dense", {"extra.rope_scaling": {"rope_type": "linear", "factor": float("nan")}}, r"factor=nan"),
+    ("dense", {"extra.o_bias": True}, r"extra.o_bias=True is only built by the family blocks"),
+    ("dense", {"extra.qk_norm": True}, r"extra.qk_norm=True is only built by the family blocks"),
+    ("dense", {"extra.moe": {"n_experts": 4}}, r"extra.moe=.* is only built by the family blocks"),
+    ("dense", {"extra.clip_qkv": 3.0}, r"extra.clip_qkv=3.0 is only built"),
+    ("llada2", {"extra.rotary_dim": 3}, r"extra.rotary_dim=3 is invalid: expected an even int in \(0, d_head=16\]"),
+    ("llada2", {"extra.rotary_dim": 100}, r"extra.rotary_dim=100 is invalid"),
+    ("llada2", {"extra.moe_layers": [False]}, r"extra.moe_layers=\[False\] is invalid: expected a list of 3 "),
+    ("llada2", {"extra.arch": "bogus"}, r"extra.arch='bogus' is invalid"),
+]
+
+
+@pytest.mark.parametrize("which,edit,match", _NATIVE_EDITS)
+def test_native_config_values_are_checked(which, edit, match, saved, tmp_path):
+    import json
+    import shutil
+
+    from mdm_lens.errors import ConfigError
+
+    folder = tmp_path / which
+    shutil.copytree(saved[which], folder)
+    raw = json.loads((folder / "config.json").read_text())
+    for key, value in edit.items():
+        if key.startswith("extra."):
+            raw["extra"][key.removeprefix("extra.")] = value
+        else:
+            raw[key] = value
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=match) as e:
+        HookedMDM.from_pretrained(folder, load_tokenizer=False)
+    assert "config.json" in str(e.value)  # names the file
+
+
+def test_native_round_trip_still_loads_exactly(saved, llada2):
+    x = torch.randint(0, 60, (1, 7), generator=torch.Generator().manual_seed(7))
+    for which, want in (("dense", small()), ("llada2", llada2)):
+        got = HookedMDM.from_pretrained(saved[which], load_tokenizer=False)
+        assert torch.allclose(got(x % want.cfg.d_vocab), want(x % want.cfg.d_vocab), atol=1e-6)

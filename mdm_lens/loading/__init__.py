@@ -24,6 +24,7 @@ from mdm_lens.loading.families import family_config, family_of, family_plan
 from mdm_lens.loading.fastdllm_v2 import config_from_fastdllm_v2, is_fastdllm_v2
 from mdm_lens.loading.hf import config_from_hf, hf_family, hf_plan
 from mdm_lens.loading.llada import config_from_llada, is_llada, llada_plan
+from mdm_lens.loading.native import check_native_extra, check_native_raw
 from mdm_lens.loading.plan import Plan, source_shapes
 from mdm_lens.loading.readers import CheckpointReader
 from mdm_lens.loading.registry import FAMILY_DEFAULTS, KNOWN_MODELS, KnownModel, lookup  # noqa: F401 (re-export)
@@ -47,7 +48,9 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
         raise ConfigError(f"{path} holds a {type(raw).__name__}, not a JSON object of settings.")
     try:
         if raw.get("model_type") == "mdm_lens":
+            check_native_raw(raw, path)
             cfg, family = MDMConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"}), "mdm_lens"
+            check_native_extra(cfg, path)
         else:
             family = _family(raw, path)
             # every value a converter reads is type/range-checked first (loading/values.py), whatever the family
