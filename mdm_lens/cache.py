@@ -10,6 +10,7 @@ all (then it was filtered out by ``names_filter``). Every other behaviour is TL'
 from __future__ import annotations
 
 import difflib
+import numbers
 from typing import Any
 
 from torch import Tensor
@@ -17,7 +18,7 @@ from transformer_lens import ActivationCache
 from transformer_lens.utilities import get_act_name
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentTypeError, HookNameError
+from mdm_lens.errors import ArgumentTypeError, HookNameError, OutOfRangeError
 
 __all__ = ["MDMActivationCache"]
 
@@ -50,3 +51,30 @@ class MDMActivationCache(ActivationCache):
                else "the model has no hook point of that name")
         hint = f" Nearest cached: {', '.join(close)}." if close else f" Cached: {len(cached)} name(s)."
         raise HookNameError(f"cache[{key!r}] -> {name!r}: {why}.{hint} List them with `list(cache.keys())`.")
+
+    def _resid_layer(self, layer: Any, helper: str) -> Any:
+        """TL's `layer` for the residual helpers: None, -1 (both the final residual) or an int in [0, n_layers]."""
+        n = self.model.cfg.n_layers
+        is_int = isinstance(layer, numbers.Integral) and not isinstance(layer, bool)
+        if layer is None or (is_int and (layer == -1 or 0 <= layer <= n)):
+            return None if layer is None else int(layer)  # TL asserts a Python int
+        if not is_int:
+            raise ArgumentTypeError(f"{helper}(layer={validate.describe(layer)}) is invalid: expected None or an "
+                                    f"int in [0, {n}] (or -1).", argument="layer", value=layer,
+                                    allowed=f"None, -1 or an int in [0, {n}]")
+        raise OutOfRangeError(f"{helper}(layer={layer}) is out of range: expected None or -1 (the final residual, "
+                              f"= {n}) or an int in [0, {n}] for this {n}-layer model.", argument="layer",
+                              value=layer, allowed=f"None, -1 or an int in [0, {n}]")
+
+    def accumulated_resid(self, layer: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return super().accumulated_resid(self._resid_layer(layer, "accumulated_resid"), *args, **kwargs)
+
+    def decompose_resid(self, layer: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return super().decompose_resid(self._resid_layer(layer, "decompose_resid"), *args, **kwargs)
+
+    def get_full_resid_decomposition(self, layer: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return super().get_full_resid_decomposition(self._resid_layer(layer, "get_full_resid_decomposition"),
+                                                    *args, **kwargs)
+
+    def stack_head_results(self, layer: Any = -1, *args: Any, **kwargs: Any) -> Any:
+        return super().stack_head_results(self._resid_layer(layer, "stack_head_results"), *args, **kwargs)

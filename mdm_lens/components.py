@@ -180,6 +180,19 @@ class Attention(nn.Module):
     def needs_explicit(self) -> bool:
         return self.force_explicit or self.hook_attn_scores.has_hooks() or self.hook_pattern.has_hooks()
 
+    def _qk_hooked(self) -> bool:
+        """A forward hook on q/k (before or after rotary) may write NaN/inf there (list truthiness: no scan)."""
+        return bool(self.hook_q.fwd_hooks or self.hook_k.fwd_hooks or self.hook_rot_q.fwd_hooks
+                    or self.hook_rot_k.fwd_hooks)
+
+    def _needs_explicit_for(self, q: Tensor, k: Tensor) -> bool:
+        """The explicit path, also for hooked q/k that hold NaN/inf: CPU SDPA returns zeros for such rows, so a
+        broken hook would yield finite logits and pass the samplers' NonFiniteError guard. Only hooked layers pay
+        the finiteness check; finite hooked q/k keep SDPA (no T² pattern for a cache of hook_q)."""
+        if self.needs_explicit():
+            return True
+        return self._qk_hooked() and not (bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()))
+
     def add_row_consumer(self, consumer: RowConsumer) -> None:
         """Feed `consumer` this forward's pattern rows (called by `pattern_rows.row_hook` from hook_rot_k)."""
         self._row_consumers.append(consumer)
@@ -208,7 +221,7 @@ class Attention(nn.Module):
             k, v = self.kv(k, v)
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [batch, head, pos, d_head]
         consumers, self._row_consumers = self._row_consumers, []
-        if self.needs_explicit():
+        if self._needs_explicit_for(qh, kh):
             z = self._explicit(qh, kh, vh, mask, is_causal, consumers)
         elif consumers:
             z = self._chunked(qh, kh, vh, mask, is_causal, consumers)

@@ -156,6 +156,7 @@ class MDMConfig:
         attn += e * (h + 2 * g) if self.qkv_bias else 0
         attn += d if self.extra.get("o_bias") else 0
         attn += 2 * e if self.extra.get("qk_norm") else 0  # one d_head RMSNorm weight for q, one for k
+        norms = 0 if self.normalization_type == "RMSPre" else 1  # fold_ln moved the norm weights into matrices
         moe = self.extra.get("moe")
         moe_layers = self.extra.get("moe_layers") or [False] * L
         total = 0
@@ -166,8 +167,8 @@ class MDMConfig:
                 mlp += 3 * d * int(moe["d_shared"]) if moe.get("d_shared") else 0
             else:
                 mlp = 3 * d * f
-            total += attn + mlp + 2 * d
-        return total + d + v * d * (1 if self.tie_word_embeddings else 2)
+            total += attn + mlp + 2 * d * norms
+        return total + d * norms + v * d * (1 if self.tie_word_embeddings else 2)
 
     # --- (de)serialisation for our own checkpoint format ------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -57,6 +57,20 @@ def _step_hook_pair(pair: Any, name: str) -> Any:
     return (pair.name, pair.fn)
 
 
+def _check_incl_bwd(kwargs: dict[str, Any]) -> None:
+    """TL's `incl_bwd=True` calls `.backward()` on the forward's output, which needs one scalar: refused up front
+    for logits, per-token losses and `return_type="both"` (a tuple), instead of a raw error after the forward."""
+    if not validate.boolean(kwargs.get("incl_bwd", False), name="incl_bwd"):
+        return
+    rt, per_token = kwargs.get("return_type", "logits"), kwargs.get("loss_per_token", False)
+    if rt != "loss" or per_token is not False:
+        got = f"return_type={rt!r}" + (f", loss_per_token={per_token!r}" if per_token is not False else "")
+        raise InputError(f"incl_bwd=True needs a scalar output to call backward() on, got {got}: pass "
+                         "return_type='loss' without loss_per_token (or call .backward() on your own scalar "
+                         "inside run_with_hooks).", argument="incl_bwd", value=got,
+                         allowed="return_type='loss' (scalar) with incl_bwd=True")
+
+
 def shape_checked(fn: Callable) -> Callable:
     """`fn` as a TL forward hook whose return value (if any) must be a tensor of the hooked activation's shape:
     a hook returning the wrong shape raises `InputError` naming the hook point and both shapes, instead of an
@@ -181,6 +195,7 @@ class CheckedHookSurface(HookedRootModule):
         names_filter = self._check_names_filter(names_filter)
         validate.boolean(remove_batch_dim, name="remove_batch_dim")
         validate.boolean(return_cache_object, name="return_cache_object")
+        _check_incl_bwd(kwargs)
         if remove_batch_dim and model_args and isinstance(model_args[0], Tensor) and model_args[0].ndim == 2 \
                 and model_args[0].shape[0] != 1:
             raise InputError(f"remove_batch_dim=True needs a batch of one; tokens have batch {model_args[0].shape[0]}.",

@@ -82,6 +82,13 @@ def shift_logits(raw: Float[Tensor, "batch pos d_vocab"]) -> Float[Tensor, "batc
     return torch.cat([raw[:, :1], raw[:, :-1]], dim=1)
 
 
+def _id_like(tokens: Any) -> bool:
+    """An int, a tensor, or (nested) lists / tuples of ints: what `torch.as_tensor` can turn into token ids."""
+    if isinstance(tokens, (list, tuple)):
+        return all(_id_like(t) for t in tokens)
+    return isinstance(tokens, (int, Tensor))
+
+
 def _circuits() -> Any:
     from mdm_lens import circuits_tl  # imported on use: it pulls TL's FactoredMatrix utilities
 
@@ -149,18 +156,21 @@ class HookedMDM(CheckedHookSurface):
         Unprocessed by default (exact to the checkpoint, unlike TL's default); `fold_ln`, `center_unembed`,
         `fold_value_biases` apply TL's weight processing after loading (`process_weights_`)."""
         from mdm_lens.loading import load_pretrained
+        from mdm_lens.loading.options import check_pretrained_kwargs, processing_flags
 
+        check_pretrained_kwargs(kwargs, "from_pretrained")
+        flags = processing_flags(fold_ln, center_unembed, fold_value_biases)  # before loading: fail fast
         model = load_pretrained(cls, name_or_path, dtype=dtype, device=device, **kwargs)
-        if fold_ln or center_unembed or fold_value_biases:
-            model.process_weights_(fold_ln=fold_ln, center_unembed=center_unembed,
-                                   fold_value_biases=fold_value_biases)
+        if any(flags.values()):
+            model.process_weights_(**flags)
         return model
 
     @classmethod
     def from_pretrained_no_processing(cls, name_or_path: str, **kwargs: Any) -> "HookedMDM":
         """TL's name for loading without weight processing (here the same as `from_pretrained`'s default)."""
-        for key in ("fold_ln", "center_unembed", "fold_value_biases"):
-            kwargs[key] = validate.boolean(kwargs.get(key, False), name=key)
+        from mdm_lens.loading.options import check_pretrained_kwargs
+
+        check_pretrained_kwargs(kwargs, "from_pretrained_no_processing")
         return cls.from_pretrained(name_or_path, **kwargs)
 
     def process_weights_(self, fold_ln: bool = True, center_unembed: bool = True,
@@ -195,12 +205,13 @@ class HookedMDM(CheckedHookSurface):
         return torch.arange(t, device=tokens.device).expand(b, t)
 
     def _rotary(self, positions: Tensor, arange: bool) -> tuple[Tensor, Tensor]:
-        key = (positions.shape[1], positions.device)
+        scaling = self.cfg.extra.get("rope_scaling")
+        dim = int(self.cfg.extra.get("rotary_dim") or self.cfg.d_head)  # partial rotary: the first `dim` dims
+        # keyed on the rotary settings too, so an edit of cfg.rope_theta / rope_scaling takes effect at once
+        key = (positions.shape[1], positions.device, self.cfg.rope_theta, dim, repr(scaling))
         if arange and key in self._rope_cache:
             return self._rope_cache[key]
         rows = positions[:1] if arange else positions
-        scaling = self.cfg.extra.get("rope_scaling")
-        dim = int(self.cfg.extra.get("rotary_dim") or self.cfg.d_head)  # partial rotary: the first `dim` dims
         if scaling:
             cos, sin = scaled_rotary_cos_sin(rows, dim, self.cfg.rope_theta, scaling)
         else:
@@ -376,6 +387,10 @@ class HookedMDM(CheckedHookSurface):
         is not folded (TL folds it by default; without it, attributions would not sum to the logits)."""
         if isinstance(tokens, str):
             tokens = self.to_single_token(tokens)
+        if not _id_like(tokens):
+            raise InputTypeError(f"tokens={validate.describe(tokens)} is invalid: expected an int, a str, or an "
+                                 "integer tensor / list of ids.", argument="tokens", value=tokens,
+                                 allowed="int, str, or an integer tensor / list of ids")
         t = torch.as_tensor(tokens, device=self.W_U.device)
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise InputTypeError(f"tokens has dtype {t.dtype}: expected integer token ids.", argument="tokens",

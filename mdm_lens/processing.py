@@ -20,7 +20,9 @@ Folding runs in fp32 and casts back: a processed fp32 model equals the unprocess
 (~1e-6 relative); a processed bf16 model only within bf16 rounding of the folded weights (not token-exact).
 Refused, with the reason: folding `ln_final` into or centering a tied unembedding (it would change the
 embedding too; `untie_embeddings_()` first), value-bias folding under `clip_qkv` (the clamp sits between the
-bias and the attention), and the transformers-native bridge (its modules are transformers' own).
+bias and the attention), and the transformers-native bridge (its modules are transformers' own). `cfg` follows
+the processing (`normalization_type = "RMSPre"`, `extra["o_bias"]` once an output bias is made), so `cfg.n_params`
+still equals the parameter count; `save_pretrained` refuses a processed model (its layout does not reload).
 """
 
 from __future__ import annotations
@@ -124,5 +126,6 @@ def fold_value_biases_(model: Any) -> None:
         shift = torch.einsum("he,hed->d", b_v, attn.W_O.float())
         if attn.o_bias is None:
             attn.o_bias = nn.Parameter(torch.zeros_like(attn.o_weight[:, 0]))
+            model.cfg.extra["o_bias"] = True  # cfg describes the parameters the model now has (cfg.n_params)
         attn.o_bias.copy_((attn.o_bias.float() + shift).to(attn.o_bias.dtype))
         attn._split(attn.qkv_bias)[2].zero_()

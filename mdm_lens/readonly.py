@@ -4,7 +4,8 @@ TransformerLens users edit weights through their views (`model.blocks[0].attn.W_
 real view of a parameter the write goes through; where it cannot be one (layers stacked into a new tensor by
 `torch.stack`, GQA key/value heads repeated for each query head, a zero bias the checkpoint does not have), the
 write would land in a temporary copy and be lost. Such tensors are returned as `ReadOnlyView`: reading,
-indexing and arithmetic behave as on any tensor; any in-place op, `__setitem__` or `out=` write into it (or into
+indexing and arithmetic behave as on any tensor; any in-place op (a method ending in `_`, a functional op with
+`inplace=True` such as `F.relu(view, inplace=True)`), `__setitem__` or `out=` write into it (or into
 an alias of it, e.g. `model.W_Q[0, 0] += 1`) raises with the reason and the view that does write through.
 Results that do not share its storage are plain tensors.
 """
@@ -23,13 +24,28 @@ _HARMLESS = frozenset({"requires_grad_", "retain_grad", "share_memory_", "pin_me
 
 
 def _is_write(func: Any, kwargs: dict) -> bool:
+    """Whether `func` writes into its first argument: an in-place dunder (`__iadd__`, `__setitem__`), any torch
+    function or method whose name ends with `_` (`relu_`, `copy_`, `dropout_`), or a functional op asked to work
+    in place (`F.relu(x, inplace=True)` reaches `__torch_function__` as `relu` with `inplace` in kwargs)."""
     name = getattr(func, "__name__", "")
     if name == "__setitem__" or (name.startswith("__i") and name.endswith("__") and name not in ("__index__", "__int__",
                                                                                                   "__invert__", "__iter__")):
         return True
     if name.endswith("_") and not name.startswith("__") and name not in _HARMLESS:
         return True
-    return isinstance(kwargs.get("out"), ReadOnlyView)
+    return kwargs.get("inplace") is True
+
+
+def _written_view(func: Any, args: tuple, kwargs: dict) -> "ReadOnlyView | None":
+    """The read-only view `func` would write into: its first argument for an in-place op, or any `out=` tensor
+    (`torch.add(a, b, out=view)` writes into `view` whatever the first argument is)."""
+    out = kwargs.get("out")
+    for target in out if isinstance(out, (tuple, list)) else [out]:
+        if isinstance(target, ReadOnlyView):
+            return target
+    if args and isinstance(args[0], ReadOnlyView) and _is_write(func, kwargs):
+        return args[0]
+    return None
 
 
 class ReadOnlyView(Tensor):
@@ -41,9 +57,10 @@ class ReadOnlyView(Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         mine = [a for a in args if isinstance(a, ReadOnlyView)]
-        if _is_write(func, kwargs) and args and isinstance(args[0], ReadOnlyView):
+        written = _written_view(func, args, kwargs)
+        if written is not None:
             raise ReadOnlyViewError(f"in-place {getattr(func, '__name__', func)} on a read-only weight view: "
-                                    f"{args[0].reason}")
+                                    f"{written.reason}")
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         return _rewrap(out, mine)

@@ -24,6 +24,7 @@ from mdm_lens.loading.families import family_config, family_of, family_plan
 from mdm_lens.loading.fastdllm_v2 import config_from_fastdllm_v2, is_fastdllm_v2
 from mdm_lens.loading.hf import config_from_hf, hf_family, hf_plan
 from mdm_lens.loading.llada import config_from_llada, is_llada, llada_plan
+from mdm_lens.loading.native import check_native_extra, check_native_raw
 from mdm_lens.loading.plan import Plan, source_shapes
 from mdm_lens.loading.readers import CheckpointReader
 from mdm_lens.loading.registry import FAMILY_DEFAULTS, KNOWN_MODELS, KnownModel, lookup  # noqa: F401 (re-export)
@@ -47,7 +48,9 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
         raise ConfigError(f"{path} holds a {type(raw).__name__}, not a JSON object of settings.")
     try:
         if raw.get("model_type") == "mdm_lens":
+            check_native_raw(raw, path)
             cfg, family = MDMConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"}), "mdm_lens"
+            check_native_extra(cfg, path)
         else:
             family = _family(raw, path)
             # every value a converter reads is type/range-checked first (loading/values.py), whatever the family
@@ -238,7 +241,18 @@ def _tying_hint(cfg: MDMConfig, family: str, folder: Path) -> str:
 
 
 def save_pretrained(model: Any, folder: str | os.PathLike) -> Path:
-    """Write a model in mdm_lens' own format: config.json (`model_type: mdm_lens`) + model.safetensors."""
+    """Write a model in mdm_lens' own format: config.json (`model_type: mdm_lens`) + model.safetensors.
+
+    Unprocessed models only: a processed one (`process_weights_`) has no norm weights and may have output biases
+    the format does not describe, so it is refused here rather than saved in a layout that cannot be reloaded.
+    Save the unprocessed model and pass `fold_ln=…` to `from_pretrained` when loading it."""
+    done = [k for k, v in (getattr(model, "weight_processing", None) or {}).items() if v]
+    if done:
+        raise ArgumentError(f"save_pretrained: this model was processed ({', '.join(done)}); mdm_lens saves "
+                            "unprocessed weights only (a processed model lacks the norm weights a reload builds). Save "
+                            "the model before process_weights_(), and reload it with from_pretrained(..., "
+                            f"{'=True, '.join(done)}=True).", argument="model", value=done,
+                            allowed="a model without weight processing")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(model.cfg.to_json())
