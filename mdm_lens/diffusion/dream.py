@@ -118,6 +118,7 @@ class DreamSettings(CanvasSettings):
 
 DreamSettings.rules = {
     **CanvasSettings.rules, "temperature": R.number(0, none=True),
+    "steps": R.steps_unless({"threshold": None, "factor": None}, "threshold or factor is set"),
     "top_p": R.number(0, 1, none=True, low_open=True), "top_k": R.integer(1, none=True),
     "alg": R.anything("an algorithm name (checked by resolve: origin, maskgit_plus, topk_margin, entropy, "
                       "confidence_threshold with kv_cache)"),

@@ -131,6 +131,8 @@ class LLaDASettings(CanvasSettings):
 
 LLaDASettings.rules = {
     **CanvasSettings.rules, "block_length": R.integer(1, none=True), "temperature": R.number(0, none=True),
+    "steps": R.steps_unless({"threshold": None, "factor": None, "sampler_rule": "llada"},
+                            "threshold, factor or sampler_rule='eb' is set"),
     "cfg_scale": R.number(0), "remasking": R.choice(REMASKING), "logits_eos_inf": R.boolean(),
     "confidence_eos_eot_inf": R.boolean(), "threshold": R.number(0, 1, none=True),
     "factor": R.number(0, none=True, low_open=True), "sampler_rule": R.choice(RULES),
