@@ -58,3 +58,55 @@ def test_dream_steps_is_refused_under_threshold_and_factor(dream):
             dream.generate(PROMPT, gen_length=8, steps=4, kv_cache="dual", block_length=4, **kw)
         assert e.value.argument == "steps" and culprit in str(e.value)
     assert dream.generate(PROMPT, gen_length=8, steps=4, kv_cache="dual", block_length=4).settings["steps"] == 4
+
+
+# --- finding 3: LLaDA2 answers that still hold the mask id ------------------------------------------------------
+def _llada2(seed):
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from mdm_lens.loading import read_config
+
+    c = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=256,
+             architectures=["LLaDA2MoeModelLM"], model_type="llada2_moe", num_key_value_heads=2,
+             intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_shared_experts=1,
+             num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, mask_token_id=63,
+             block_length=4, eos_token_id=62)
+    d = Path(tempfile.mkdtemp())
+    (d / "config.json").write_text(json.dumps(c))
+    cfg, _ = read_config(d, "llada2", None)
+    return HookedMDM.from_config(cfg, seed=seed, init_std=0.3, init="realistic")
+
+
+def _run_recording(model, prompt, **kw):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = model.generate(prompt, **kw)
+    from mdm_lens.diffusion import MaskedAnswerWarning
+
+    return out, [x for x in w if issubclass(x.category, MaskedAnswerWarning)]
+
+
+def test_llada2_warns_when_its_answer_holds_the_mask_id_and_commit_step_says_why():
+    torch.manual_seed(1)
+    q = torch.randint(0, 60, (1, 5))
+    out, caught = _run_recording(_llada2(1), q, gen_length=8)
+    span = out.tokens[0, 5:5 + out.answer_length[0]]
+    masked = (span == 63).nonzero().flatten().tolist()
+    assert masked, "planted case: this seed's model samples the mask id"
+    assert len(caught) == 1 and f"answer positions {masked}" in str(caught[0].message)
+    assert caught[0].filename == __file__  # points at the caller's generate line
+    cs = out.trajectory.commit_step[0, 5:5 + out.answer_length[0]]
+    assert (cs[masked] == -2).any()  # never committed: the documented -2
+    assert ((cs == -2) <= (span == 63)).all()  # a never-committed position is a mask in the answer
+
+
+def test_llada2_masks_after_the_eos_stop_are_outside_the_answer_and_do_not_warn():
+    torch.manual_seed(1)
+    q = torch.randint(0, 60, (1, 5))
+    out, caught = _run_recording(_llada2(3), q, gen_length=8)
+    assert out.answer_length == [1] and out.tokens[0, 5] == 62  # EOS first: the answer is that one token
+    # the blocks after the one holding EOS never ran (block_length 4: positions 8.. of the canvas)
+    assert (out.tokens[0, 8:] == 63).all() and (out.trajectory.commit_step[0, 8:] == -2).all()
+    assert caught == []

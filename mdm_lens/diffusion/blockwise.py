@@ -172,6 +172,8 @@ class AlignedBlockSampler(CanvasSampler):
         records, meta = runner.records()
         n = prompt_length + s.gen_length
         tokens = x[:, :n]
+        arguments.warn_masked(tokens, prompt_length, [s.gen_length if a is None else a for a in answer],
+                              model.cfg.mask_token_id, self.name)
         texts = None
         if model.tokenizer is not None:
             stop = [prompt_length + (s.gen_length if a is None else a) for a in answer]
