@@ -110,3 +110,67 @@ def test_llada2_masks_after_the_eos_stop_are_outside_the_answer_and_do_not_warn(
     # the blocks after the one holding EOS never ran (block_length 4: positions 8.. of the canvas)
     assert (out.tokens[0, 8:] == 63).all() and (out.trajectory.commit_step[0, 8:] == -2).all()
     assert caught == []
+
+
+# --- finding 6: hooks bound to a phase the run never has ---------------------------------------------------------
+def _never(x, hook):
+    raise AssertionError("must not run")
+
+
+@pytest.mark.parametrize("how", ["hook_steps", "at_steps", "tuple_bound"])
+@pytest.mark.parametrize("phases, kw", [(("uncond",), {}), ("encoder", {}), (("uncond",), dict(sampler="dream"))])
+def test_a_hook_on_a_phase_that_never_runs_is_refused_as_cache_is(mdm, how, phases, kw):
+    from mdm_lens import at_steps, steps
+
+    sel = steps(phases=phases)
+    hooks = {"hook_steps": dict(fwd_hooks=[("blocks.0.hook_resid_pre", _never)], hook_steps=sel),
+             "at_steps": dict(fwd_hooks=[at_steps(_never, sel, name="blocks.0.hook_resid_pre")]),
+             "tuple_bound": dict(fwd_hooks=[("blocks.0.hook_resid_pre", at_steps(_never, steps(0, phases=phases)))])}
+    with pytest.raises(SamplerConfigError, match="never run under these settings") as e:
+        mdm.generate(PROMPT, steps=4, gen_length=4, **kw, **hooks[how])
+    assert e.value.argument == "phases"
+    assert not any(h.fwd_hooks for h in mdm.hook_dict.values())
+
+
+def test_hooks_on_phases_that_run_still_fire(mdm):
+    from mdm_lens import at_steps, steps
+
+    seen = []
+    spy = lambda x, hook: seen.append(mdm.state.phase)  # noqa: E731
+    mdm.generate(PROMPT, steps=2, gen_length=2, cfg_scale=0.5,
+                 fwd_hooks=[at_steps(spy, steps(phases=("uncond",)), name="hook_embed")])
+    assert seen == ["uncond", "uncond"]
+    seen.clear()
+    mdm.generate(PROMPT, steps=2, gen_length=2, fwd_hooks=[("hook_embed", spy)], hook_steps=steps(phases=("cond", "uncond")))
+    assert seen == ["cond", "cond"]  # a selection listing a phase that runs passes, and fires there
+
+
+# --- finding 7: another sampler's default is not a do-nothing value ----------------------------------------------
+@pytest.mark.parametrize("sampler, option, value", [
+    ("dream", "remasking", "low_confidence"), ("dream", "sampler_rule", "llada"), ("llada", "alg", "origin"),
+    ("llada", "eps", 1e-3), ("llada", "remasking_strategy", "low_confidence_dynamic"),
+    ("llada", "minimal_topk", 1)])
+def test_another_samplers_algorithm_choice_is_refused(mdm, sampler, option, value):
+    with pytest.raises(SamplerConfigError, match=f"unknown setting {option}=") as e:
+        mdm.generate(PROMPT, sampler=sampler, gen_length=4, **{option: value})
+    assert e.value.argument == option
+    if option == "remasking":
+        assert "alg='maskgit_plus'" in str(e.value)  # the hint to Dream's confidence order
+
+
+def test_true_no_op_values_of_other_samplers_still_pass(mdm):
+    out = mdm.generate(PROMPT, sampler="dream", gen_length=4, steps=4, cfg_scale=0.0, logits_eos_inf=False,
+                       stop_at_eos=False, kv_cache=None, threshold=None)
+    assert out.sampler == "dream"
+    assert mdm.generate(PROMPT, gen_length=4, alg_temp=None, top_k=None, top_p=None).sampler == "llada"
+
+
+def test_arm_filters_at_temperature_zero_are_refused_and_act_above_it(tiny):
+    arm = HookedMDM.from_pretrained("mdm-lens/tiny-arm")
+    p = torch.tensor([[1, 5, 6, 7]])
+    for kw in (dict(top_k=5), dict(top_p=0.01), dict(top_k=5, temperature=0)):
+        with pytest.raises(SamplerConfigError, match="no effect.*temperature > 0") as e:
+            arm.generate(p, gen_length=4, **kw)
+        assert e.value.argument in ("top_k", "top_p")
+    a = arm.generate(p, gen_length=4, temperature=1.0, top_k=1, seed=0)
+    assert torch.equal(a.tokens, arm.generate(p, gen_length=4).tokens)  # top-1 sampling is greedy: the filter acts

@@ -172,8 +172,11 @@ class AlignedBlockSampler(CanvasSampler):
         records, meta = runner.records()
         n = prompt_length + s.gen_length
         tokens = x[:, :n]
-        arguments.warn_masked(tokens, prompt_length, [s.gen_length if a is None else a for a in answer],
-                              model.cfg.mask_token_id, self.name)
+        # the returned span: up to the answer's end (LLaDA2: its first EOS) and the last block a forward decoded
+        # (blocks after a stop rule never ran: their masks are the reference's output, not a failed block)
+        decoded = max((f["block_slice"].stop for f in recorder.forwards if f["block_slice"] is not None), default=n)
+        arguments.warn_masked(tokens, prompt_length, [min(s.gen_length if a is None else a, decoded - prompt_length)
+                                                      for a in answer], model.cfg.mask_token_id, self.name)
         texts = None
         if model.tokenizer is not None:
             stop = [prompt_length + (s.gen_length if a is None else a) for a in answer]

@@ -182,7 +182,9 @@ def _block_settings(s: DreamSettings) -> dict[str, Any]:
 
 class DreamSampler(CanvasSampler):
     name, Settings = "dream", DreamSettings
-    neutral = dict(alg="origin", alg_temp=None, eps=1e-3, top_p=None, top_k=None, kv_cache=None, threshold=None,
+    # do-nothing values only: alg selects Dream's unmasking order and eps its schedule (not no-ops elsewhere)
+    renamed = dict(remasking="alg; LLaDA's low-confidence order is alg='maskgit_plus'")
+    neutral = dict(alg_temp=None, top_p=None, top_k=None, kv_cache=None, threshold=None,
                    factor=None)
 
     def plan(self, s: DreamSettings) -> Plan:

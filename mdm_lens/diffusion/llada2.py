@@ -120,7 +120,7 @@ _EDITING = dict(active=lambda s: s.editing_threshold is not None, when="editing_
                 on={"editing_threshold": 0.9})
 LLaDA2Settings.rules = {
     "steps": R.integer(1, none=True), "gen_length": R.integer(1), "block_length": R.integer(1, none=True),
-    "temperature": R.number(0), "top_p": R.number(0, 1, none=True, low_open=True), "top_k": R.integer(1, none=True),
+    "temperature": R.number(0), **R.sampling_filters(),
     "eos_early_stop": R.boolean(), "minimal_topk": R.integer(1), "threshold": R.number(0, 1),
     "editing_threshold": R.number(0, 1, none=True), "max_post_steps": R.integer(0, none=True, **_EDITING),
     "num_to_transfer": R.integer(1, none=True, **_EDITING),
@@ -128,7 +128,8 @@ LLaDA2Settings.rules = {
 
 class LLaDA2Sampler(AlignedBlockSampler):
     name, Settings = "llada2", LLaDA2Settings
-    neutral = dict(eos_early_stop=False, minimal_topk=1, top_p=None, top_k=None, editing_threshold=None,
+    # minimal_topk=1 caps steps at gen_length: LLaDA2's default, not a no-op elsewhere
+    neutral = dict(eos_early_stop=False, top_p=None, top_k=None, editing_threshold=None,
                    max_post_steps=None, num_to_transfer=None)
 
     def block_plan(self, s: LLaDA2Settings, first: int, num_blocks: int) -> Plan:

@@ -120,3 +120,11 @@ def steps_unless(switches: dict[str, Any], when: str, **kw: Any) -> Rule:
     first = next(iter(switches))
     return dataclasses.replace(integer(1, none=True, **kw), active=active, when=when, inert_by=inert_by,
                                off={first: 0.9})
+
+
+def sampling_filters() -> dict[str, Rule]:
+    """`top_p` / `top_k` of a sampler that decodes greedily at temperature 0 without reading the filtered
+    distribution there (the ARM, LLaDA2): the filters act only at temperature > 0."""
+    at_t = dict(active=lambda s: s.temperature is not None and s.temperature > 0, when="temperature > 0",
+                on={"temperature": 0.5})
+    return {"top_p": number(0, 1, none=True, low_open=True, **at_t), "top_k": integer(1, none=True, **at_t)}

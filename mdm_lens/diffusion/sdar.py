@@ -141,7 +141,7 @@ def transfer(strategy: str, mask_index: Tensor, x0_p: Tensor, count: int, confid
 
 class SDARSampler(AlignedBlockSampler):
     name, Settings = "sdar", SDARSettings
-    neutral = dict(remasking_strategy="low_confidence_dynamic", stopping_criteria_idx=None)
+    neutral = dict(stopping_criteria_idx=None)  # remasking_strategy selects SDAR's algorithm: never a no-op
     renamed = dict(denoising_steps="steps")
 
     def block_plan(self, s: SDARSettings, first: int, num_blocks: int) -> Plan:
