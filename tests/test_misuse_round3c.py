@@ -174,3 +174,14 @@ def test_arm_filters_at_temperature_zero_are_refused_and_act_above_it(tiny):
         assert e.value.argument in ("top_k", "top_p")
     a = arm.generate(p, gen_length=4, temperature=1.0, top_k=1, seed=0)
     assert torch.equal(a.tokens, arm.generate(p, gen_length=4).tokens)  # top-1 sampling is greedy: the filter acts
+
+
+# --- finding 10: targets=[] equals clean to fp32 rounding (README's claim), not bit for bit -----------------------
+def test_knockout_empty_targets_matches_clean_to_fp32_rounding(tiny):
+    from mdm_lens.probes import knockout
+
+    res = knockout(tiny, torch.tensor([[1, 5, 6, 7, 9]]), targets=[], n_random=0, gen_length=4, n_steps=4)
+    i, j = res.conditions.index("clean"), res.conditions.index("targets")
+    clean, empty = float(res.value[i]), float(res.value[j])
+    assert abs(clean - empty) <= 1e-5 * max(1.0, abs(clean))
+    assert float(res.agreement[j]) == 1.0
