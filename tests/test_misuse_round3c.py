@@ -185,3 +185,22 @@ def test_knockout_empty_targets_matches_clean_to_fp32_rounding(tiny):
     clean, empty = float(res.value[i]), float(res.value[j])
     assert abs(clean - empty) <= 1e-5 * max(1.0, abs(clean))
     assert float(res.agreement[j]) == 1.0
+
+
+# --- finding 15: block samplers on a bidirectional model without a block length -----------------------------------
+@pytest.mark.parametrize("sampler, kw", [("sdar", dict(temperature=1.0)), ("llada2", {})])
+def test_block_samplers_refuse_a_bidirectional_model_without_a_block_length(mdm, sampler, kw):
+    assert mdm.cfg.attention == "bidirectional" and mdm.cfg.extra.get("block_length") is None
+    with pytest.raises(SamplerConfigError, match="not trained under a block mask") as e:
+        mdm.generate(PROMPT, sampler=sampler, gen_length=4, **kw)
+    assert e.value.argument == "block_length" and "sampler='llada'" in str(e.value)
+    out = mdm.generate(PROMPT, sampler=sampler, gen_length=4, block_length=2, **kw)  # explicit: the caller's choice
+    assert out.settings["block_length"] == 2
+
+
+def test_block_samplers_take_a_block_causal_models_default():
+    cfg = MDMConfig(**CFG, attention="block_causal")
+    m = HookedMDM.from_config(cfg, seed=4, init_std=0.2, init="realistic")
+    assert m.generate(PROMPT, sampler="llada2", gen_length=4).settings["block_length"] == 32
+    m.cfg.extra["block_length"] = 2  # the checkpoint's value wins over the reference default
+    assert m.generate(PROMPT, sampler="sdar", gen_length=4, temperature=1.0).settings["block_length"] == 2

@@ -38,7 +38,8 @@ from torch import Tensor
 
 from mdm_lens.diffusion import rules as R
 from mdm_lens import validate
-from mdm_lens.diffusion.blockwise import (AlignedBlockSampler, BlockRecorder, end_step, layout, sample_tokens,
+from mdm_lens.diffusion.blockwise import (AlignedBlockSampler, BlockRecorder, block_length_for, end_step, layout,
+                                          sample_tokens,
                                           transfer_schedule)
 from mdm_lens.diffusion.canvas import Plan
 from mdm_lens.diffusion.registry import SamplerSettings, register, resolved
@@ -68,7 +69,7 @@ class LLaDA2Settings(SamplerSettings):
 
     def resolve(self, model: Any) -> "LLaDA2Settings":
         gen_length = validate.integer(self.gen_length, name="gen_length", min=1, error=SamplerConfigError)
-        bl = model.cfg.extra.get("block_length", 32) if self.block_length is None else self.block_length
+        bl = block_length_for(model, self.block_length, 32, "llada2")
         block_length = validate.integer(bl, name="block_length", min=1, error=SamplerConfigError)
         edit = self.editing(block_length)
         if edit["editing_threshold"] is not None and self.steps is not None:
