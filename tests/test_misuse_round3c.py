@@ -204,3 +204,40 @@ def test_block_samplers_take_a_block_causal_models_default():
     assert m.generate(PROMPT, sampler="llada2", gen_length=4).settings["block_length"] == 32
     m.cfg.extra["block_length"] = 2  # the checkpoint's value wins over the reference default
     assert m.generate(PROMPT, sampler="sdar", gen_length=4, temperature=1.0).settings["block_length"] == 2
+
+
+# --- unclear: the SAE export on Fast-dLLM v2 (no `steps`, its own length names) ----------------------------------
+def _fdv2():
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from mdm_lens.loading import read_config
+
+    c = dict(architectures=["Fast_dLLM_QwenForCausalLM"], model_type="Fast_dLLM_Qwen", bd_size=8, vocab_size=64,
+             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256, rope_theta=1e6, mask_token_id=63, pad_token_id=0)
+    d = Path(tempfile.mkdtemp())
+    (d / "config.json").write_text(json.dumps(c))
+    cfg, _ = read_config(d, "fdv2", None)
+    return HookedMDM.from_config(cfg, seed=0, init_std=0.3, init="realistic")
+
+
+def test_sae_export_runs_on_fastdllm_v2_under_either_length_name(tmp_path):
+    import numpy as np
+
+    from mdm_lens.sae import export_activations
+
+    fd = _fdv2()
+    kw = dict(small_block_size=4, stop_token=62)
+    a = export_activations(fd, [[1, 2, 3, 4, 5]], "blocks.1.hook_resid_post", out=tmp_path / "a",
+                           sampler_kwargs=dict(kw, max_new_tokens=16))
+    b = export_activations(fd, [[1, 2, 3, 4, 5]], "blocks.1.hook_resid_post", out=tmp_path / "b", gen_length=16,
+                           sampler_kwargs=kw)
+    assert a.num_rows == b.num_rows > 0
+    assert np.array_equal(np.asarray(a["blocks.1.hook_resid_post"]), np.asarray(b["blocks.1.hook_resid_post"]))
+    assert max(a["position"]) < 5 + 16
+    with pytest.raises(SamplerConfigError, match="no such setting") as e:
+        export_activations(fd, [[1, 2, 3]], "blocks.1.hook_resid_post", out=tmp_path / "c", n_steps=4,
+                           sampler_kwargs=dict(kw, max_new_tokens=16))
+    assert e.value.argument == "n_steps"
