@@ -241,3 +241,18 @@ def test_sae_export_runs_on_fastdllm_v2_under_either_length_name(tmp_path):
         export_activations(fd, [[1, 2, 3]], "blocks.1.hook_resid_post", out=tmp_path / "c", n_steps=4,
                            sampler_kwargs=dict(kw, max_new_tokens=16))
     assert e.value.argument == "n_steps"
+
+
+# --- unclear: features_from_cache's default layers are the cached ones --------------------------------------------
+def test_features_from_cache_defaults_to_the_cached_layers(mdm):
+    from mdm_lens import TrajectoryCache
+    from mdm_lens.errors import InputError
+    from mdm_lens.lens import features_from_cache
+
+    out = mdm.generate(PROMPT, steps=4, gen_length=4, cache=TrajectoryCache(["blocks.1.hook_resid_post"]))
+    f = features_from_cache(out.cache)
+    assert list(f.layers) == [1]
+    expect = out.cache.stack("blocks.1.hook_resid_post", align=True).mean(-2)  # [step, item, d], mean over positions
+    torch.testing.assert_close(f.acts[0].float(), expect.float(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(InputError, match="layers\\[0\\]"):  # an explicit uncached layer is still refused by name
+        features_from_cache(out.cache, layers=[0])
