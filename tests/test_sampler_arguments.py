@@ -100,8 +100,12 @@ def test_valid_dream_settings_never_raise(kw, prompt):
        st.sampled_from([None, 2]), st.booleans(), prompts())
 def test_valid_arm_settings_never_raise(gen, temperature, top_p, top_k, stop, prompt):
     ids, am = prompt
-    out = run("arm", ids, attention_mask=am, gen_length=gen, temperature=temperature, top_p=top_p, top_k=top_k,
-              stop_at_eos=stop)
+    kw = dict(gen_length=gen, temperature=temperature, top_p=top_p, top_k=top_k, stop_at_eos=stop)
+    if temperature == 0 and (top_p, top_k) != (None, None):  # greedy: the filters would be inert, so refused
+        with pytest.raises(SamplerConfigError, match="temperature > 0"):
+            run("arm", ids, attention_mask=am, **kw)
+        return
+    out = run("arm", ids, attention_mask=am, **kw)
     assert out.tokens.shape[1] <= ids.shape[1] + gen
 
 
@@ -273,8 +277,9 @@ def test_replay_reproduces_a_steps_state_hooks_and_logits(kind, kw):
         st_ = model.state
         seen.append((st_.step, st_.phase, st_.block, st_.x.clone(), st_.masked.clone(), x.clone()))
 
-    hooks = [at_steps(spy, [2], name="blocks.0.hook_resid_post"),
-             at_steps(spy, steps(2, phases=("uncond",)), name="blocks.0.hook_resid_post")]
+    hooks = [at_steps(spy, [2], name="blocks.0.hook_resid_post")]
+    if kw.get("cfg_scale"):  # an uncond-only hook on a run without CFG is refused (it would never fire)
+        hooks.append(at_steps(spy, steps(2, phases=("uncond",)), name="blocks.0.hook_resid_post"))
     out = model.generate(PROMPT, gen_length=4, steps=4, seed=1, **kw, fwd_hooks=hooks)
     inside = list(seen)
     seen.clear()

@@ -125,16 +125,18 @@ def test_settings_dataclasses_hold_the_reference_defaults(cls, defaults):
 
 def test_another_samplers_option_is_accepted_only_at_its_do_nothing_value():
     dream = tiny("dream")
-    out = dream.generate(PROMPT, gen_length=4, cfg_scale=0.0, remasking="low_confidence", block_length=4,
-                         stop_at_eos=False, temperature=0)
+    out = dream.generate(PROMPT, gen_length=4, cfg_scale=0.0, block_length=4, stop_at_eos=False, temperature=0)
     assert "cfg_scale" not in out.settings and out.settings["temperature"] == 0.0
-    for bad in (dict(cfg_scale=0.5), dict(block_length=2), dict(remasking="random"), dict(stop_at_eos=True)):
+    # another sampler's *default* that selects its algorithm is not a do-nothing value
+    for bad in (dict(cfg_scale=0.5), dict(block_length=2), dict(remasking="random"), dict(stop_at_eos=True),
+                dict(remasking="low_confidence")):
         with pytest.raises(SamplerConfigError) as info:
             dream.generate(PROMPT, gen_length=4, **bad)
         assert info.value.argument == next(iter(bad))
     llada = tiny("llada")
-    llada.generate(PROMPT, gen_length=4, top_k=None, top_p=None, alg="origin", eps=1e-3)
-    for bad in (dict(top_k=3), dict(top_p=0.5), dict(alg="entropy"), dict(eps=0.1)):
+    llada.generate(PROMPT, gen_length=4, top_k=None, top_p=None, alg_temp=None)
+    for bad in (dict(top_k=3), dict(top_p=0.5), dict(alg="entropy"), dict(eps=0.1), dict(alg="origin"),
+                dict(eps=1e-3)):
         with pytest.raises(SamplerConfigError) as info:
             llada.generate(PROMPT, gen_length=4, **bad)
         assert info.value.argument == next(iter(bad)) and "'llada'" in str(info.value)

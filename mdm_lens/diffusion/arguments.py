@@ -20,6 +20,24 @@ class IdleStepsWarning(UserWarning):
     """More steps than tokens: some denoising steps commit nothing (the reference runs them anyway)."""
 
 
+class MaskedAnswerWarning(UserWarning):
+    """A run ended with the mask id in its returned answer span: the model sampled the mask token itself, or the
+    block's steps ran out before every position was committed (LLaDA2 returns such a canvas, as its reference)."""
+
+
+def warn_masked(tokens: Tensor, prompt_length: int, answer: list[int], mask_id: int, sampler: str) -> None:
+    """One check per run (not per forward): name the answer positions that still hold `mask_id` and why."""
+    for row, length in enumerate(answer):
+        span = tokens[row, prompt_length:prompt_length + length]
+        where = (span == mask_id).nonzero().flatten().tolist()
+        if where:
+            warnings.warn(f"sampler={sampler!r}: the answer (row {row}, {length} tokens) still holds the mask id "
+                          f"{mask_id} at answer positions {_short(where)}: the model sampled the mask token, or the "
+                          "block's steps ran out first (their `trajectory.commit_step` is -2: never committed, or "
+                          "the step that committed the mask id). Raise steps or check the model.",
+                          MaskedAnswerWarning, stacklevel=5)
+
+
 def optional(value: Any, check: Callable[[Any], Any]) -> Any:
     return None if value is None else check(value)
 

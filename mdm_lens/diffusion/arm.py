@@ -83,7 +83,7 @@ class ARMSettings(CanvasSettings):
 
 
 ARMSettings.rules = {**CanvasSettings.rules, "temperature": R.number(0, none=True),
-                     "top_p": R.number(0, 1, none=True, low_open=True), "top_k": R.integer(1, none=True),
+                     **R.sampling_filters(),
                      "stop_at_eos": R.boolean()}
 
 class ARMSampler(CanvasSampler):

@@ -37,6 +37,23 @@ def layout(prompt_length: int, gen_length: int, block_length: int) -> tuple[int,
     return prompt_length // block_length, num_blocks, num_blocks * block_length
 
 
+def block_length_for(model: Any, given: Any, family_default: int, sampler: str) -> Any:
+    """The block length a block sampler decodes with: the caller's, else the checkpoint's (`cfg.extra`), else the
+    reference's default, but only on a block-causal model: a bidirectional model with no block length was never
+    trained under a block mask, so inventing one would decode it silently off-distribution."""
+    if given is not None:
+        return given  # explicit: the caller asks for block-causal decoding (checked by resolve)
+    if model.cfg.extra.get("block_length") is not None:
+        return model.cfg.extra["block_length"]
+    if model.cfg.attention != "block_causal":
+        raise SamplerConfigError(f"sampler={sampler!r} decodes block-causally, but {model.cfg.model_name} is "
+                                 f"{model.cfg.attention} with no block length (cfg.extra['block_length']): it was "
+                                 "not trained under a block mask. Use sampler='llada' (or 'auto'), or pass "
+                                 "block_length= to decode it block-causally anyway.", argument="block_length",
+                                 value=None, allowed="an explicit block_length on a model without one")
+    return family_default
+
+
 def transfer_schedule(block_length: int, steps: int) -> list[int]:
     """`get_num_transfer_tokens(block_length, steps)`: block_length // steps per step, the first
     block_length % steps steps one more (counts for a whole block, whatever it already holds)."""
@@ -172,6 +189,11 @@ class AlignedBlockSampler(CanvasSampler):
         records, meta = runner.records()
         n = prompt_length + s.gen_length
         tokens = x[:, :n]
+        # the returned span: up to the answer's end (LLaDA2: its first EOS) and the last block a forward decoded
+        # (blocks after a stop rule never ran: their masks are the reference's output, not a failed block)
+        decoded = max((f["block_slice"].stop for f in recorder.forwards if f["block_slice"] is not None), default=n)
+        arguments.warn_masked(tokens, prompt_length, [min(s.gen_length if a is None else a, decoded - prompt_length)
+                                                      for a in answer], model.cfg.mask_token_id, self.name)
         texts = None
         if model.tokenizer is not None:
             stop = [prompt_length + (s.gen_length if a is None else a) for a in answer]

@@ -118,6 +118,7 @@ class DreamSettings(CanvasSettings):
 
 DreamSettings.rules = {
     **CanvasSettings.rules, "temperature": R.number(0, none=True),
+    "steps": R.steps_unless({"threshold": None, "factor": None}, "threshold or factor is set"),
     "top_p": R.number(0, 1, none=True, low_open=True), "top_k": R.integer(1, none=True),
     "alg": R.anything("an algorithm name (checked by resolve: origin, maskgit_plus, topk_margin, entropy, "
                       "confidence_threshold with kv_cache)"),
@@ -181,7 +182,9 @@ def _block_settings(s: DreamSettings) -> dict[str, Any]:
 
 class DreamSampler(CanvasSampler):
     name, Settings = "dream", DreamSettings
-    neutral = dict(alg="origin", alg_temp=None, eps=1e-3, top_p=None, top_k=None, kv_cache=None, threshold=None,
+    # do-nothing values only: alg selects Dream's unmasking order and eps its schedule (not no-ops elsewhere)
+    renamed = dict(remasking="alg; LLaDA's low-confidence order is alg='maskgit_plus'")
+    neutral = dict(alg_temp=None, top_p=None, top_k=None, kv_cache=None, threshold=None,
                    factor=None)
 
     def plan(self, s: DreamSettings) -> Plan:

@@ -131,6 +131,8 @@ class LLaDASettings(CanvasSettings):
 
 LLaDASettings.rules = {
     **CanvasSettings.rules, "block_length": R.integer(1, none=True), "temperature": R.number(0, none=True),
+    "steps": R.steps_unless({"threshold": None, "factor": None, "sampler_rule": "llada"},
+                            "threshold, factor or sampler_rule='eb' is set"),
     "cfg_scale": R.number(0), "remasking": R.choice(REMASKING), "logits_eos_inf": R.boolean(),
     "confidence_eos_eot_inf": R.boolean(), "threshold": R.number(0, 1, none=True),
     "factor": R.number(0, none=True, low_open=True), "sampler_rule": R.choice(RULES),
@@ -227,8 +229,9 @@ def special_ids(model: Any, s: LLaDASettings) -> dict[str, Any]:
 
 class LLaDASampler(CanvasSampler):
     name, Settings = "llada", LLaDASettings
-    neutral = dict(cfg_scale=0.0, remasking="low_confidence", logits_eos_inf=False, confidence_eos_eot_inf=False,
-                   block_length=None, threshold=None, factor=None, sampler_rule="llada", gamma=None, kv_cache=None)
+    # do-nothing values only: remasking / sampler_rule select LLaDA's algorithms, which another sampler never runs
+    neutral = dict(cfg_scale=0.0, logits_eos_inf=False, confidence_eos_eot_inf=False,
+                   block_length=None, threshold=None, factor=None, gamma=None, kv_cache=None)
 
     def is_neutral(self, option: str, value: Any, given: dict[str, Any]) -> bool:
         gen_length = given.get("gen_length")

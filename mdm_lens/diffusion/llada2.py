@@ -38,7 +38,8 @@ from torch import Tensor
 
 from mdm_lens.diffusion import rules as R
 from mdm_lens import validate
-from mdm_lens.diffusion.blockwise import (AlignedBlockSampler, BlockRecorder, end_step, layout, sample_tokens,
+from mdm_lens.diffusion.blockwise import (AlignedBlockSampler, BlockRecorder, block_length_for, end_step, layout,
+                                          sample_tokens,
                                           transfer_schedule)
 from mdm_lens.diffusion.canvas import Plan
 from mdm_lens.diffusion.registry import SamplerSettings, register, resolved
@@ -68,7 +69,7 @@ class LLaDA2Settings(SamplerSettings):
 
     def resolve(self, model: Any) -> "LLaDA2Settings":
         gen_length = validate.integer(self.gen_length, name="gen_length", min=1, error=SamplerConfigError)
-        bl = model.cfg.extra.get("block_length", 32) if self.block_length is None else self.block_length
+        bl = block_length_for(model, self.block_length, 32, "llada2")
         block_length = validate.integer(bl, name="block_length", min=1, error=SamplerConfigError)
         edit = self.editing(block_length)
         if edit["editing_threshold"] is not None and self.steps is not None:
@@ -120,7 +121,7 @@ _EDITING = dict(active=lambda s: s.editing_threshold is not None, when="editing_
                 on={"editing_threshold": 0.9})
 LLaDA2Settings.rules = {
     "steps": R.integer(1, none=True), "gen_length": R.integer(1), "block_length": R.integer(1, none=True),
-    "temperature": R.number(0), "top_p": R.number(0, 1, none=True, low_open=True), "top_k": R.integer(1, none=True),
+    "temperature": R.number(0), **R.sampling_filters(),
     "eos_early_stop": R.boolean(), "minimal_topk": R.integer(1), "threshold": R.number(0, 1),
     "editing_threshold": R.number(0, 1, none=True), "max_post_steps": R.integer(0, none=True, **_EDITING),
     "num_to_transfer": R.integer(1, none=True, **_EDITING),
@@ -128,7 +129,8 @@ LLaDA2Settings.rules = {
 
 class LLaDA2Sampler(AlignedBlockSampler):
     name, Settings = "llada2", LLaDA2Settings
-    neutral = dict(eos_early_stop=False, minimal_topk=1, top_p=None, top_k=None, editing_threshold=None,
+    # minimal_topk=1 caps steps at gen_length: LLaDA2's default, not a no-op elsewhere
+    neutral = dict(eos_early_stop=False, top_p=None, top_k=None, editing_threshold=None,
                    max_post_steps=None, num_to_transfer=None)
 
     def block_plan(self, s: LLaDA2Settings, first: int, num_blocks: int) -> Plan:

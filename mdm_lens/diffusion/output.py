@@ -19,10 +19,15 @@ class Trajectory:
 
     `x_steps[s]` is the canvas *before* step s: the model input of step s, before that step's commits (so
     `x_steps[0]` is the prompt followed by masks, and the final tokens are `GenerateOutput.tokens`, not in
-    `x_steps`). ARM runs: the prefix of step s, padded with -1 where not yet generated."""
+    `x_steps`). ARM runs: the prefix of step s, padded with -1 where not yet generated.
+
+    `commit_step`: -1 = prompt; -2 = never committed: the run ended first (LLaDA2 stops after the block holding
+    EOS, leaving later blocks masked, and returns a block whose steps ran out with its masks, as its reference).
+    A position committed *as* the mask id (the model sampled the mask token) holds that step and the mask id.
+    A block run whose answer span still holds the mask id warns (`MaskedAnswerWarning`); SDAR refuses it."""
 
     x_steps: Int[Tensor, "step batch pos"]  # model input at each step, before its commits
-    commit_step: Int[Tensor, "batch pos"]  # step that committed each position; -1 for prompt positions
+    commit_step: Int[Tensor, "batch pos"]  # step that committed each position; -1: prompt; -2: never committed
     commit_confidence: Float[Tensor, "batch pos"]  # the sampler's confidence at commit (NaN: prompt/none)
     n_committed: Int[Tensor, "step batch"]  # positions whose commit_step is that step
     block_of_step: Int[Tensor, "step"]

@@ -26,6 +26,9 @@ class Rule:
     when: str = ""  # the option(s) under which it acts
     on: dict[str, Any] = dataclasses.field(default_factory=dict)  # other settings under which it acts (for tests)
     off: dict[str, Any] = dataclasses.field(default_factory=dict)  # other settings under which it is inert
+    # for an option that another one switches off (e.g. LLaDA's `steps` under `threshold`): names what makes it inert
+    # in these settings, so the refusal says "under threshold=0.9" rather than "set that too"
+    inert_by: Callable[[Any], str] | None = None
 
 
 def _or_none(none: bool, check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
@@ -77,6 +80,11 @@ def check_given(sampler_name: str, settings: Any, given: dict[str, Any]) -> None
     for name, value in given.items():
         rule = rules[name]
         if rule.active is not None and not rule.active(settings) and not _same(value, defaults[name]):
+            if rule.inert_by is not None:
+                raise SamplerConfigError(f"{name}={validate.describe(value)} has no effect on sampler "
+                                         f"{sampler_name!r} under {rule.inert_by(settings)}; {name} acts unless "
+                                         f"{rule.when}. Leave {name} at its default {defaults[name]!r}.",
+                                         argument=name, value=value, allowed=f"{defaults[name]!r} unless {rule.when}")
             raise SamplerConfigError(f"{name}={validate.describe(value)} has no effect on sampler {sampler_name!r} "
                                      f"unless {rule.when}; set that too, or leave {name} at its default "
                                      f"{defaults[name]!r}.", argument=name, value=value,
@@ -94,3 +102,29 @@ def undeclared(settings_cls: type) -> list[str]:
     """Caller-settable fields with no rule (a registry refusal names them)."""
     return [f.name for f in dataclasses.fields(settings_cls)
             if not f.metadata.get("resolved") and f.name not in getattr(settings_cls, "rules", {})]
+
+
+def steps_unless(switches: dict[str, Any], when: str, **kw: Any) -> Rule:
+    """`steps` for a sampler whose `switches` (option → its default) select a rule that decides the number of
+    forwards itself (Fast-dLLM's threshold / factor, EB-sampler): an explicit `steps` under one of them is refused
+    naming it. `steps` equal to an explicit `gen_length` is what it resolves to anyway (what `out.settings` shows),
+    so callers that always pass both (the probes) keep working."""
+    def active(s: Any) -> bool:
+        return all(_same(getattr(s, k), v) for k, v in switches.items()) or (
+            s.gen_length is not None and _same(s.steps, s.gen_length))
+
+    def inert_by(s: Any) -> str:
+        on = [f"{k}={getattr(s, k)!r}" for k, v in switches.items() if not _same(getattr(s, k), v)]
+        return " and ".join(on) + " (which decides how many forwards run: `out.trajectory.n_steps` counts them)"
+
+    first = next(iter(switches))
+    return dataclasses.replace(integer(1, none=True, **kw), active=active, when=when, inert_by=inert_by,
+                               off={first: 0.9})
+
+
+def sampling_filters() -> dict[str, Rule]:
+    """`top_p` / `top_k` of a sampler that decodes greedily at temperature 0 without reading the filtered
+    distribution there (the ARM, LLaDA2): the filters act only at temperature > 0."""
+    at_t = dict(active=lambda s: s.temperature is not None and s.temperature > 0, when="temperature > 0",
+                on={"temperature": 0.5})
+    return {"top_p": number(0, 1, none=True, low_open=True, **at_t), "top_k": integer(1, none=True, **at_t)}

@@ -39,7 +39,8 @@ from torch import Tensor
 
 from mdm_lens.diffusion import rules as R
 from mdm_lens import validate
-from mdm_lens.diffusion.blockwise import (AlignedBlockSampler, BlockRecorder, end_step, layout, sample_tokens,
+from mdm_lens.diffusion.blockwise import (AlignedBlockSampler, BlockRecorder, block_length_for, end_step, layout,
+                                          sample_tokens,
                                           transfer_schedule)
 from mdm_lens.diffusion.canvas import Plan
 from mdm_lens.diffusion.llada2 import _full
@@ -70,7 +71,7 @@ class SDARSettings(SamplerSettings):
 
     def resolve(self, model: Any) -> "SDARSettings":
         gen_length = validate.integer(self.gen_length, name="gen_length", min=1, error=SamplerConfigError)
-        bl = model.cfg.extra.get("block_length", 4) if self.block_length is None else self.block_length
+        bl = block_length_for(model, self.block_length, 4, "sdar")
         block_length = validate.integer(bl, name="block_length", min=1, error=SamplerConfigError)
         steps = validate.integer(block_length if self.steps is None else self.steps, name="steps", min=1,
                                  error=SamplerConfigError)
@@ -141,7 +142,7 @@ def transfer(strategy: str, mask_index: Tensor, x0_p: Tensor, count: int, confid
 
 class SDARSampler(AlignedBlockSampler):
     name, Settings = "sdar", SDARSettings
-    neutral = dict(remasking_strategy="low_confidence_dynamic", stopping_criteria_idx=None)
+    neutral = dict(stopping_criteria_idx=None)  # remasking_strategy selects SDAR's algorithm: never a no-op
     renamed = dict(denoising_steps="steps")
 
     def block_plan(self, s: SDARSettings, first: int, num_blocks: int) -> Plan:

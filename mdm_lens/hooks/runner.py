@@ -63,9 +63,11 @@ class StepRunner:
         CFG) are given by the samplers; None where not known (a replay), so that selection is not checked. A
         selection that can never fire (a block the run does not have, a phase it never runs) is an error, not
         an empty record."""
-        self.default_steps.resolve(n_steps)
-        for i, h in enumerate(self.user_hooks):
-            h.when.check(n_steps, n_blocks, None, what=f"the hook on {h.name[0]}")  # a hook may list phases of other runs
+        # hooks are checked as records and caches are: a hook bound only to phases the run never has would
+        # silently never fire (one listing several phases passes when one of them runs)
+        self.default_steps.check(n_steps, n_blocks, phases, what="hook_steps")
+        for h in self.user_hooks:
+            h.when.check(n_steps, n_blocks, phases, what=f"the hook on {h.name[0]}")
         for r in self.reducers:
             r.when.check(n_steps, n_blocks, phases, what=f"record {r.name!r}")
             r.begin(self.model, batch, max_pos, n_steps)

@@ -119,7 +119,8 @@ def _per_step(mask: Any, shape: tuple[int, int, int], *, name: str) -> Tensor:
 
 def features_from_cache(cache: Any, *, hook: str = "hook_resid_post", layers: Any = None, pool: str = "mean",
                         positions: Tensor | None = None, phase: str | None = None) -> ProbeFeatures:
-    """Per-layer, per-step features from a `TrajectoryCache` holding `blocks.{layer}.{hook}` at some steps.
+    """Per-layer, per-step features from a `TrajectoryCache` holding `blocks.{layer}.{hook}` at some steps
+    (`layers` None: every layer the cache holds for `hook`).
 
     `positions`: `[item, pos]` or `[step, item, pos]` (aligned with `cache.steps`) bool, canvas positions to pool
     or keep (default all); e.g. `out.trajectory.x_steps[cache.steps] == mask_id` for the still-masked ones (block
@@ -141,7 +142,8 @@ def features_from_cache(cache: Any, *, hook: str = "hook_resid_post", layers: An
         raise InputError(f"the cache holds no blocks.*.{hook}; it holds {cache.names}.", argument="hook", value=hook,
                          allowed="a hook the cache recorded")
     n_layers = cache.model.cfg.n_layers if getattr(cache, "model", None) is not None else max(have) + 1
-    layers = validate.indices(layers, n_layers, name="layers", what="layer")
+    # default: the layers the cache holds (not every model layer, which would blame a layers[0] never passed)
+    layers = have if layers is None else validate.indices(layers, n_layers, name="layers", what="layer")
     for i, layer in enumerate(layers):
         validate.choice(layer, have, name=f"layers[{i}]", error=InputError)
     # a TrajectoryCache aligns rows by position; a stand-in with `stack` only is taken to hold whole canvases

@@ -172,9 +172,8 @@ def make_plan(model: Any, hooks: Any, when: Steps, n_steps: int | None, gen_leng
 
     sampler = default_sampler(model)
     plugin = registry.get(sampler)
-    given: dict[str, Any] = dict(sampler_kwargs, steps=n_steps, gen_length=gen_length)
-    if block_length is not None:
-        given["block_length"] = block_length
+    given = dict(sampler_kwargs, **_lengths(plugin, n_steps=n_steps, gen_length=gen_length,
+                                            block_length=block_length))
     resolved = plugin.settings(model, given)  # the sampler's own checks, as generate runs them
     plugin.check_model(model)
     if not isinstance(plugin, CanvasSampler):
@@ -186,11 +185,28 @@ def make_plan(model: Any, hooks: Any, when: Steps, n_steps: int | None, gen_leng
                                  argument="steps", value=when.phases, allowed="steps(...) with phases=('cond',)")
     when.check(planned.n_steps, planned.n_blocks, ("cond",), what="steps")
     names = expand_names(model, hooks)
-    kw = dict(steps=resolved.steps, gen_length=resolved.gen_length, **sampler_kwargs)
-    if block_length is not None:
-        kw["block_length"] = block_length
+    kw = dict(given)  # generate resolves the same defaults (the plan above checked them)
     settings = dict(sampler=sampler, **resolved.as_dict())
+    settings.setdefault("gen_length", settings.get("max_new_tokens"))  # Fast-dLLM v2's name for it
     return Plan(hook_widths(model, names), when, kw, settings)
+
+
+def _lengths(plugin: Any, **lengths: Any) -> dict[str, Any]:
+    """The export's `n_steps` / `gen_length` / `block_length` under the sampler's own names (Fast-dLLM v2:
+    `max_new_tokens`, `block_size`, and no `steps`); unset ones are left to the sampler's defaults."""
+    own = registry.settings_names(plugin)
+    out: dict[str, Any] = {}
+    for name, value in lengths.items():
+        if value is None:
+            continue
+        key = "steps" if name == "n_steps" else name
+        key = plugin.renamed.get(key, key)
+        if key not in own:
+            raise SamplerConfigError(f"{name}={value!r}: sampler {plugin.name!r} has no such setting (it decides its "
+                                     "number of forwards itself); leave it unset.", argument=name, value=value,
+                                     allowed=f"None for sampler {plugin.name!r}")
+        out[key] = value
+    return out
 
 
 def render_prompts(model: Any, src: Source, template: str, gen_length: int) -> tuple[list[Prompt], str]:
