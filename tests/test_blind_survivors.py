@@ -81,3 +81,34 @@ def test_report_explorer_shows_the_first_shared_item():
     b = pd.DataFrame({"item_id": ["z", "y", "x"]})
     assert _choose_item([a, b]) == ["x", "x"]
     assert _choose_item([a, pd.DataFrame({"item_id": ["q"]})]) == ["x", "q"]   # nothing shared: each its first
+
+
+def test_sae_export_of_a_block_run_holds_only_rows_its_forwards_computed(tmp_path):
+    """export-uncomputed-rows: an SDAR step computes one block's rows; the others must not be exported as NaN."""
+    import numpy as np
+
+    from loss_family_models import family_model
+    from mdm_lens.sae import export_activations
+
+    model = family_model("sdar", tmp_path)
+    ds = export_activations(model, [[1, 2, 3, 4, 5]], "blocks.1.hook_resid_post", out=tmp_path / "x", gen_length=8,
+                            block_length=4, positions="all")
+    acts = np.asarray(ds["blocks.1.hook_resid_post"], dtype=np.float64)
+    assert ds.num_rows > 0 and np.isfinite(acts).all()
+
+
+def test_lens_from_a_block_runs_cache_equals_the_replayed_lens(tmp_path):
+    """trace-cache-rows-at-0: cached block rows start at their block, not at position 0."""
+    from loss_family_models import family_model
+    from mdm_lens.lens import lens_trace
+
+    model = family_model("sdar", tmp_path)
+    names = [f"blocks.{l}.hook_resid_post" for l in range(model.cfg.n_layers)]
+    out = model.generate(torch.tensor([[1, 2, 3, 4, 5]]), gen_length=8, block_length=4, cache=names)
+    cached = lens_trace(model, out, source="cache")
+    replayed = lens_trace(model, out, source="replay")
+    computed = torch.isfinite(cached.final_prob)
+    # the cache holds the block rows each forward computed; a replay recomputes the whole prefix (a superset)
+    assert computed.any() and bool((torch.isfinite(replayed.final_prob) | ~computed).all())
+    torch.testing.assert_close(cached.final_prob[computed], replayed.final_prob[computed], rtol=1e-4, atol=1e-6)
+    assert torch.equal(cached.top1[computed], replayed.top1[computed])

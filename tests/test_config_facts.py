@@ -48,7 +48,7 @@ def _tokens() -> torch.Tensor:
 # --- B: every value is type/range-checked; a bad one names the file, the key and the value -------------------
 BAD = [("llada2_moe", "block_length", 0), ("llada2_moe", "block_length", -4), ("llada2_moe", "block_size", 0),
        ("llada2_moe", "block_size", "8"), ("llada2_moe", "routed_scaling_factor", float("nan")),
-       ("llada2_moe", "routed_scaling_factor", -1.0), ("llada2_moe", "partial_rotary_factor", 1.5),
+       ("llada2_moe", "routed_scaling_factor", -1.0), ("llada2_moe", "routed_scaling_factor", 0.0), ("llada2_moe", "partial_rotary_factor", 1.5),
        ("llada2_moe", "n_group", "4"), ("llada2_moe", "first_k_dense_replace", -1),
        ("llada2_moe", "num_shared_experts", 1.5), ("llada2_moe", "use_qk_norm", "yes"),
        ("lladamoe", "clip_qkv", -1.0), ("lladamoe", "moe_layer_freq", [0, "1", 1]), ("lladamoe", "rms_norm_eps", -1e-5),
@@ -170,3 +170,13 @@ def test_lladamoe_keys_change_the_logits_as_the_reference(tmp_path, overrides):
     # norm_topk_prob and head_dim are read by no LLaDA-MoE reference code: the reference forward ignores them too
     assert (model(tokens) - lladamoe_forward(sd, config, tokens)).abs().max() <= TOL
     assert not math.isnan(float(model(tokens).detach().sum()))
+
+
+def test_sdar_moe_without_norm_topk_prob_takes_qwen3_moes_default(tmp_path):
+    """Qwen3MoeConfig's default is norm_topk_prob=False: an absent key must not renormalise the top-k weights."""
+    from transformers import Qwen3MoeConfig
+
+    base = {k: v for k, v in SDAR_MOE.items() if k != "norm_topk_prob"}
+    cfg = cfg_of(tmp_path, base)
+    assert cfg.extra["moe"]["renorm"] is False and Qwen3MoeConfig().norm_topk_prob is False
+    assert cfg_of(tmp_path, base, norm_topk_prob=True).extra["moe"]["renorm"] is True
