@@ -112,3 +112,24 @@ def test_lens_from_a_block_runs_cache_equals_the_replayed_lens(tmp_path):
     assert computed.any() and bool((torch.isfinite(replayed.final_prob) | ~computed).all())
     torch.testing.assert_close(cached.final_prob[computed], replayed.final_prob[computed], rtol=1e-4, atol=1e-6)
     assert torch.equal(cached.top1[computed], replayed.top1[computed])
+
+
+def test_block_causal_label_and_gqa_heads_in_repr(tmp_path):
+    """config-attention-label-wrong-key, repr-kv-heads."""
+    from loss_family_models import family_model
+
+    model = family_model("sdar", tmp_path)
+    bl = model.cfg.extra["block_length"]
+    assert f"block_length={bl}" in repr(model) and bl is not None
+    assert f"heads={model.cfg.n_heads}/{model.cfg.n_key_value_heads}" in repr(model)
+    assert model.cfg.n_heads != model.cfg.n_key_value_heads
+
+
+def test_count_hint_only_when_the_count_really_differs():
+    """diagnose-layer-count-offbyone: indices 0..n-1 hold n layers."""
+    from mdm_lens.loading.diagnose import _count_hint
+
+    assert _count_hint("layers", "num_hidden_layers", 2, {0, 1}, {"num_hidden_layers": 2}) == ""
+    assert _count_hint("layers", "num_hidden_layers", 1, {0}, {"num_hidden_layers": 1}) == ""
+    hint = _count_hint("layers", "num_hidden_layers", 3, {0, 1}, {"num_hidden_layers": 3})
+    assert "gives 3 layers" in hint and "0..1 (2)" in hint
