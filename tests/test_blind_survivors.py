@@ -133,3 +133,32 @@ def test_count_hint_only_when_the_count_really_differs():
     assert _count_hint("layers", "num_hidden_layers", 1, {0}, {"num_hidden_layers": 1}) == ""
     hint = _count_hint("layers", "num_hidden_layers", 3, {0, 1}, {"num_hidden_layers": 3})
     assert "gives 3 layers" in hint and "0..1 (2)" in hint
+
+
+def test_dream_temperature_none_is_the_references_one():
+    """dream-temperature-none-zero: temperature=None resolves to 1.0 (diffusion_generate's legacy default)."""
+    cfg = MDMConfig(d_model=16, n_layers=1, n_heads=2, d_mlp=16, d_vocab=20, mask_token_id=19, logit_shift=True,
+                    family="dream")
+    model = HookedMDM.from_config(cfg)
+    out = model.generate(torch.tensor([[1, 2, 3]]), sampler="dream", gen_length=2, steps=2, temperature=None, seed=0)
+    assert out.settings["temperature"] == 1.0
+
+
+def test_foreign_option_passes_only_when_every_owner_ignores_it():
+    """registry-neutral-any-owner: top_p=1.0 is not a no-op for every sampler that owns top_p."""
+    from mdm_lens.errors import SamplerConfigError
+
+    model = _model()
+    with pytest.raises(SamplerConfigError, match="top_p"):
+        model.generate(torch.tensor([[1, 2, 3]]), gen_length=2, steps=2, top_p=1.0)
+    model.generate(torch.tensor([[1, 2, 3]]), gen_length=2, steps=2, top_p=None)
+
+
+def test_an_inactive_option_equal_to_its_default_is_accepted(tmp_path):
+    """rules-same-identity-only: equal, not identical, to the default (0.85 parsed from text) is the default."""
+    from loss_family_models import family_model
+
+    model = family_model("sdar", tmp_path)
+    out = model.generate(torch.tensor([[1, 2, 3, 4, 5]]), gen_length=4, block_length=4,
+                         remasking_strategy="low_confidence_static", confidence_threshold=float("0.85"))
+    assert out.settings["confidence_threshold"] == 0.85
