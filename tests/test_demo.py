@@ -8,23 +8,6 @@ import pytest
 import torch
 
 import mdm_lens.demo as demo
-from mdm_lens import HookedMDM, MDMConfig
-from mdm_lens.loading import save_pretrained
-from mdm_lens.zoo import tokenizer as ZT
-
-
-@pytest.fixture
-def twins(tmp_path, monkeypatch):
-    names = {}
-    for kind, attention in (("MDM", "bidirectional"), ("ARM", "causal")):
-        cfg = MDMConfig(d_model=32, n_layers=2, n_heads=2, d_mlp=64, d_vocab=ZT.vocab_size(), n_ctx=128,
-                        attention=attention, mask_token_id=ZT.MASK_ID, bos_token_id=ZT.BOS_ID,
-                        eos_token_id=ZT.EOS_ID, pad_token_id=ZT.PAD_ID, family="mdm_lens",
-                        model_name=f"stand-in-{kind.lower()}", extra={"gen_length": 4, "prepend_bos": False})
-        model = HookedMDM.from_config(cfg, seed=0, init_std=0.2, tokenizer=ZT.load_tokenizer())
-        names[kind] = str(save_pretrained(model, tmp_path / kind))
-    monkeypatch.setattr(demo, "TWINS", names)
-    return names
 
 
 def test_demo_writes_an_offline_report(tmp_path, twins, capsys):

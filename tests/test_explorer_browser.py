@@ -96,19 +96,7 @@ def test_two_runs_side_by_side_map_steps(tmp_path, runs):
     assert "step counts differ" in page.raw
 
 
-def test_demo_report_embeds_a_working_explorer(tmp_path, monkeypatch):
-    names = {}
-    from mdm_lens.loading import save_pretrained
-    from mdm_lens.zoo import tokenizer as ZT
-
-    for kind, attention in (("MDM", "bidirectional"), ("ARM", "causal")):
-        cfg = MDMConfig(d_model=32, n_layers=2, n_heads=2, d_mlp=64, d_vocab=ZT.vocab_size(), n_ctx=128,
-                        attention=attention, mask_token_id=ZT.MASK_ID, bos_token_id=ZT.BOS_ID,
-                        eos_token_id=ZT.EOS_ID, pad_token_id=ZT.PAD_ID, family="mdm_lens",
-                        model_name=f"stand-in-{kind.lower()}", extra={"gen_length": 4, "prepend_bos": False})
-        model = HookedMDM.from_config(cfg, seed=0, init_std=0.2, tokenizer=ZT.load_tokenizer(), init="realistic")
-        names[kind] = str(save_pretrained(model, tmp_path / kind))
-    monkeypatch.setattr(demo, "TWINS", names)
+def test_demo_report_embeds_a_working_explorer(tmp_path, twins):
     index = demo.run_demo(str(tmp_path / "report"), n=2)
     assert index.stat().st_size < 10 * 2**20
     page = browser.load(index, "step=2&layer=1")
