@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 import torch
 
 import mdm_lens.demo as demo
