@@ -61,6 +61,16 @@ def token_ids(tokens: Any, cfg: MDMConfig, device: torch.device | str) -> Int[Te
     return tokens.to(device=device, dtype=torch.long)
 
 
+def like_tokens(value: Tensor, tokens: Tensor, name: str, meaning: str) -> Tensor:
+    """A per-position tensor of the tokens' shape (`[pos]` is taken as one row when the batch is one row)."""
+    if value.ndim == 1 and tokens.shape[0] == 1:
+        value = value[None]
+    if tuple(value.shape) != tuple(tokens.shape):
+        raise InputError(f"{name} shape {tuple(value.shape)} must equal tokens shape {tuple(tokens.shape)} "
+                         f"({meaning}).", argument=name, value=value, allowed=f"shape {tuple(tokens.shape)}")
+    return value
+
+
 def attention_mask(mask: Any, tokens: Tensor, cfg: MDMConfig) -> Int[Tensor, "batch pos"] | None:
     """The `[batch, pos]` padding mask as a long 0/1 tensor on the tokens' device; None = no padding."""
     if mask is None:
@@ -75,12 +85,7 @@ def attention_mask(mask: Any, tokens: Tensor, cfg: MDMConfig) -> Int[Tensor, "ba
     else:
         raise InputTypeError(f"attention_mask has dtype {mask.dtype}; expected bool or integer 0/1.",
                              argument="attention_mask", value=mask, allowed="a bool or integer tensor")
-    if mask.ndim == 1 and tokens.shape[0] == 1:
-        mask = mask[None]
-    if tuple(mask.shape) != tuple(tokens.shape):
-        raise InputError(f"attention_mask shape {tuple(mask.shape)} must equal tokens shape {tuple(tokens.shape)} "
-                         "(1 = real token, 0 = padding).", argument="attention_mask", value=mask,
-                         allowed=f"shape {tuple(tokens.shape)}")
+    mask = like_tokens(mask, tokens, "attention_mask", "1 = real token, 0 = padding")
     if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
         raise InputError(f"attention_mask holds values other than 0 and 1 ({sorted(set(mask.unique().tolist()))[:6]})"
                          "; it marks real tokens (1) and padding (0).", argument="attention_mask", value=mask,

@@ -36,6 +36,7 @@ from torch import Tensor
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
 from mdm_lens.errors import InputError, InputTypeError
+from mdm_lens.inputs import like_tokens
 
 Weighting = Literal["none", "1/t"]
 LOSS_RETURN_TYPES = ("loss", "both")
@@ -53,12 +54,7 @@ def _targets(targets: Any, tokens: Tensor) -> Int[Tensor, "batch pos"]:
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
         raise InputTypeError(f"targets has dtype {targets.dtype}; expected integer token ids.", argument="targets",
                              value=targets, allowed="an integer tensor")
-    if targets.ndim == 1 and tokens.shape[0] == 1:
-        targets = targets[None]
-    if tuple(targets.shape) != tuple(tokens.shape):
-        raise InputError(f"targets shape {tuple(targets.shape)} must equal tokens shape {tuple(tokens.shape)} (one "
-                         "clean token per input position).", argument="targets", value=targets,
-                         allowed=f"shape {tuple(tokens.shape)}")
+    targets = like_tokens(targets, tokens, "targets", "one clean token per input position")
     return targets.to(device=tokens.device, dtype=torch.long)
 
 
