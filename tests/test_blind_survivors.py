@@ -162,3 +162,17 @@ def test_an_inactive_option_equal_to_its_default_is_accepted(tmp_path):
     out = model.generate(torch.tensor([[1, 2, 3, 4, 5]]), gen_length=4, block_length=4,
                          remasking_strategy="low_confidence_static", confidence_threshold=float("0.85"))
     assert out.settings["confidence_threshold"] == 0.85
+
+
+def test_answer_totals_sum_logprobs_and_average_ranks():
+    """answer-rank-not-averaged: answer_logprob sums over the answer's tokens, answer_rank is their mean rank."""
+    import math
+
+    from mdm_lens.probes._knockout_hooks import _answer_totals
+
+    lp = torch.tensor([[-1.0, -2.0, -4.0], [-0.5, -9.0, -9.0]], dtype=torch.float64)
+    rank = torch.tensor([[0.0, 3.0, 6.0], [2.0, 7.0, 7.0]], dtype=torch.float64)
+    have = torch.tensor([[True, True, True], [True, False, False]])
+    total_lp, mean_rank = _answer_totals(lp, rank, have)
+    assert total_lp == pytest.approx((-7.0 + -0.5) / 2) and mean_rank == pytest.approx((3.0 + 2.0) / 2)
+    assert all(math.isnan(v) for v in _answer_totals(lp, rank, torch.zeros_like(have)))
