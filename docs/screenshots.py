@@ -27,7 +27,12 @@ def main() -> int:
         print(f"report {index.stat().st_size / 2**20:.2f} MB, explorer rendered in {root.attrs['data-render-ms']} ms, "
               f"{len(page.console_errors)} console errors, {len(page.resources)} requests")
         section = next(e.attrs["id"] for e in page.dom.find_all("section") if "step-explorer" in e.attrs.get("id", ""))
-        browser.screenshot(index, HERE / "report.png", fragment=section, size=(1200, 900))
+        # the report's own page with every other section hidden, so the shot shows its explorer (a #fragment
+        # scroll is not kept by a headless screenshot)
+        only = index.parent / "explorer_section.html"
+        only.write_text(index.read_text().replace(
+            "</head>", f"<style>main > :not(#{section}):not(h1){{display:none}}</style></head>", 1))
+        browser.screenshot(only, HERE / "report.png", size=(1200, 700))
         mdm = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
         arm = HookedMDM.from_pretrained("mdm-lens/tiny-arm")
         prompt = mdm.to_tokens("[1] the owl lives in elvasta. question: where does the owl live? answer:")
