@@ -38,3 +38,14 @@ def family_model(name: str, folder: Path, seed: int = 0) -> HookedMDM:
     """The family's real config (mask id, logit shift, block length, MoE layout…), realistic random weights."""
     loaded = HookedMDM.from_pretrained(str(_checkpoint(name, folder)), load_tokenizer=False)
     return HookedMDM.from_config(loaded.cfg, seed=seed, init_std=0.08, init="realistic")
+
+
+def family_getter(root: Path, seed: int):
+    """`get(name)`: each family's model built once under `root` (a module-scoped fixture's memo)."""
+    cache: dict[str, HookedMDM] = {}
+
+    def get(name: str) -> HookedMDM:
+        if name not in cache:
+            cache[name] = family_model(name, root / name, seed=seed)
+        return cache[name]
+    return get

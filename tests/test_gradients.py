@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from loss_family_models import FAMILIES, family_model
+from loss_family_models import FAMILIES, family_getter
 from mdm_lens.diffusion.state import DenoisingState
 
 B, T = 2, 12
@@ -20,14 +20,7 @@ BLOCK = {"llada2": 4}  # LLaDA2's default block (32) would span the whole canvas
 
 @pytest.fixture(scope="module")
 def fam(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grad_families")
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = family_model(name, root / name, seed=5)
-        return cache[name]
-    return get
+    return family_getter(tmp_path_factory.mktemp("grad_families"), seed=5)
 
 
 def canvas(model, seed=0):

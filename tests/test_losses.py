@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformer_lens.utilities.lm_utils import lm_cross_entropy_loss
 
-from loss_family_models import FAMILIES, family_model
+from loss_family_models import FAMILIES, family_getter
 from mdm_lens import HookedMDM
 from mdm_lens.errors import ArgumentTypeError, InputError, InputTypeError
 from mdm_lens.loss import UndefinedLossWarning
@@ -22,14 +22,7 @@ B, T = 2, 10
 
 @pytest.fixture(scope="module")
 def fam(tmp_path_factory):
-    root = tmp_path_factory.mktemp("loss_families")
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = family_model(name, root / name, seed=3)
-        return cache[name]
-    return get
+    return family_getter(tmp_path_factory.mktemp("loss_families"), seed=3)
 
 
 def clean_tokens(model, seed=0, shape=(B, T)):
