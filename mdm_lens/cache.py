@@ -18,7 +18,7 @@ from transformer_lens import ActivationCache
 from transformer_lens.utilities import get_act_name
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentTypeError, HookNameError, OutOfRangeError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, HookNameError, OutOfRangeError
 
 __all__ = ["MDMActivationCache"]
 
@@ -75,6 +75,28 @@ class MDMActivationCache(ActivationCache):
     def get_full_resid_decomposition(self, layer: Any = None, *args: Any, **kwargs: Any) -> Any:
         return super().get_full_resid_decomposition(self._resid_layer(layer, "get_full_resid_decomposition"),
                                                     *args, **kwargs)
+
+    def logit_attrs(self, residual_stack: Any, tokens: Any, incorrect_tokens: Any = None, *args: Any,
+                    **kwargs: Any) -> Tensor:
+        """TL's logit attributions, with the stack checked first and a shape mismatch between the stack and the
+        tokens named (TL lets torch's broadcasting fail with a bare ``RuntimeError`` deep inside)."""
+        d_model = self.model.cfg.d_model
+        validate.tensor(residual_stack, name="residual_stack", dtype="float")
+        if residual_stack.ndim < 2 or residual_stack.shape[-1] != d_model:
+            raise ArgumentError(f"residual_stack has shape {tuple(residual_stack.shape)}: expected [components, "
+                                f"*batch_and_pos, d_model={d_model}] (e.g. from decompose_resid).",
+                                argument="residual_stack", value=residual_stack,
+                                allowed=f"[components, *batch_and_pos, {d_model}]")
+        try:
+            return super().logit_attrs(residual_stack, tokens, incorrect_tokens, *args, **kwargs)
+        except RuntimeError as e:
+            if "size of tensor" not in str(e) and "must match" not in str(e):
+                raise
+            shape = tuple(getattr(tokens, "shape", ()))
+            raise ArgumentError(f"logit_attrs: tokens of shape {shape} do not line up with residual_stack of shape "
+                                f"{tuple(residual_stack.shape)} (after pos_slice/batch_slice): pass one id, [batch], "
+                                "[pos], [1, pos] or [batch, pos] ids sliced like the stack.", argument="tokens",
+                                value=tokens, allowed="ids shaped like the stack's batch/pos axes") from e
 
     def stack_head_results(self, layer: Any = -1, *args: Any, **kwargs: Any) -> Any:
         return super().stack_head_results(self._resid_layer(layer, "stack_head_results"), *args, **kwargs)

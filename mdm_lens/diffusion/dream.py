@@ -116,13 +116,25 @@ class DreamSettings(CanvasSettings):
                                          or s.factor is not None else _plain_settings(s)))
 
 
+def _parallel_rule(s: DreamSettings) -> str:
+    on = [f"{k}={getattr(s, k)!r}" for k in ("threshold", "factor") if getattr(s, k) is not None]
+    return " and ".join(on) + " (Fast-dLLM's parallel rule commits by confidence, without a schedule or sampling)"
+
+
+_UNLESS_PARALLEL = dict(active=lambda s: s.threshold is None and s.factor is None,
+                        when="threshold and factor are unset", off={"threshold": 0.9, "kv_cache": "prefix"},
+                        inert_by=_parallel_rule)
+
+
 DreamSettings.rules = {
     **CanvasSettings.rules, "temperature": R.number(0, none=True),
     "steps": R.steps_unless({"threshold": None, "factor": None}, "threshold or factor is set"),
     "top_p": R.number(0, 1, none=True, low_open=True), "top_k": R.integer(1, none=True),
     "alg": R.anything("an algorithm name (checked by resolve: origin, maskgit_plus, topk_margin, entropy, "
                       "confidence_threshold with kv_cache)"),
-    "alg_temp": R.number(0, none=True), "eps": R.number(0, 1, low_open=True, high_open=True),
+    # the threshold / factor rules commit by confidence alone: no timestep schedule (eps), no sampled order (alg_temp)
+    "alg_temp": R.number(0, none=True, **_UNLESS_PARALLEL),
+    "eps": R.number(0, 1, low_open=True, high_open=True, **_UNLESS_PARALLEL),
     "kv_cache": R.choice(("prefix", "dual"), none=True), "block_length": R.integer(1, none=True),
     "threshold": R.number(0, 1, none=True), "factor": R.number(0, none=True, low_open=True),
 }
