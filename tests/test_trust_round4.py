@@ -94,3 +94,31 @@ def test_random_control_draws_are_independent_on_diffusion_gemma():
     bridge = TransformersBridge(tiny_diffusion_gemma(seed=0, vocab_size=322, sliding_window=16))
     prompt = torch.randint(2, 300, (1, 10), generator=torch.Generator().manual_seed(3))
     _check_mean_of_draws(bridge, prompt, targets=[1, 2, 3], queries="all", gen_length=8, n_steps=4)
+
+
+def test_a_hash_comment_inside_a_code_fence_is_not_a_heading():
+    from mdm_lens.views.report import markdown_lite
+
+    html = markdown_lite("## First\n\n```\n# a comment\n```\n\n## Second")
+    assert [t[:4] for t in html.split("\n") if t.startswith("<h")] == ["<h3>", "<h3>"]
+    assert "# a comment" in html                        # still shown, as code
+    # a fence left open to the end hides the rest from the outline, as the renderer does
+    assert [t[:4] for t in markdown_lite("## a\n\n```\n# x\n## y").split("\n") if t.startswith("<h")] == ["<h3>"]
+
+
+def test_summaries_average_finite_values_and_count_inf_as_excluded():
+    import math
+
+    import pandas as pd
+
+    from mdm_lens.sweep.summary import mean_std
+    from mdm_lens.views.stats import per_item
+
+    df = pd.DataFrame({"g": ["a"] * 4 + ["b"], "value": [1.0, 3.0, float("inf"), float("nan"), float("-inf")],
+                       "item_id": [0, 0, 1, 2, 3]})
+    out = mean_std(df, ["g"]).set_index("g")
+    assert out.loc["a", "mean"] == 2.0 and out.loc["a", "std"] == 1.0
+    assert out.loc["a", "n"] == 2 and out.loc["a", "n_excluded"] == 2
+    assert math.isnan(out.loc["b", "mean"]) and out.loc["b", "n"] == 0 and out.loc["b", "n_excluded"] == 1
+    df2 = pd.DataFrame({"item_id": [0, 0, 1], "value": [1.0, float("inf"), 4.0]})
+    assert per_item(df2).tolist() == [1.0, 4.0]         # the inf row is skipped, not the whole item

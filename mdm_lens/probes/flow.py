@@ -363,15 +363,15 @@ def flow(attn: Float[Tensor, "... layer query key"], regions: Sequence[Region], 
         R_tok = rollout(A, residual)                                       # [..., L, T, T]
         flow_by_layer = pool(R_tok, regs)
         layer_flow = pool(A, regs)
-        ans_tok = torch.zeros(T, dtype=torch.float64)
+        ans_tok = torch.zeros(T, dtype=torch.float64, device=A.device)  # attention may live on an accelerator
         for r in regs:
             if r.kind == "answer":
                 ans_tok[r.start:r.end] = 1
-        P = assignment_matrix(regs, T)
+        P = assignment_matrix(regs, T, device=A.device)
         if ans_tok.sum() > 0:
             ans_by_layer = einsum(ans_tok / ans_tok.sum(), R_tok, P, "r, ... l r c, c b -> ... l b")
         else:
-            ans_by_layer = torch.full(flow_by_layer.shape[:-1], torch.nan, dtype=torch.float64)
+            ans_by_layer = torch.full(flow_by_layer.shape[:-1], torch.nan, dtype=torch.float64, device=A.device)
         bos_tok = [t for r in regs if r.kind == "bos" for t in range(r.start, r.end)] or [0]
         bos_share = R_tok[..., -1, :, :][..., bos_tok].sum(-1).mean(-1)
     elif mode == "paper":
@@ -384,7 +384,7 @@ def flow(attn: Float[Tensor, "... layer query key"], regions: Sequence[Region], 
         flow_by_layer = rownorm(rollout(layer_flow, residual=0.5))          # rownorm(P + I) ≡ (P + I)/2
         ans = [a for a, r in enumerate(regs) if r.kind == "answer"]
         ans_by_layer = (flow_by_layer[..., ans, :].mean(-2) if ans
-                        else torch.full(flow_by_layer.shape[:-1], torch.nan, dtype=torch.float64))
+                        else torch.full(flow_by_layer.shape[:-1], torch.nan, dtype=torch.float64, device=A.device))
         bos_reg = [a for a, r in enumerate(regs) if r.kind == "bos"] or [0]
         bos_share = flow_by_layer[..., -1, :, :][..., bos_reg].sum(-1).mean(-1) if n else torch.tensor(torch.nan)
     else:
@@ -392,14 +392,14 @@ def flow(attn: Float[Tensor, "... layer query key"], regions: Sequence[Region], 
 
     F = flow_by_layer[..., -1, :, :]
     answer_row = ans_by_layer[..., -1, :]
-    sizes = torch.tensor([len(r) for r in regs], dtype=torch.float64)
+    sizes = torch.tensor([len(r) for r in regs], dtype=torch.float64, device=A.device)
     density = answer_row / (sizes / sizes.sum())
-    is_bos = torch.tensor([r.kind == "bos" for r in regs])
+    is_bos = torch.tensor([r.kind == "bos" for r in regs], device=A.device)
     no_bos = answer_row.masked_fill(is_bos, 0)
     no_bos = (no_bos / no_bos.sum(-1, keepdim=True)).masked_fill(is_bos, torch.nan)
     gold = [a for a, r in enumerate(regs) if r.kind == "gold"]
     docs = [a for a, r in enumerate(regs) if r.kind == "doc"]
-    spread = (F.amax(-2) - F.amin(-2)).amax(-1) if len(regs) > 1 else torch.zeros(F.shape[:-2], dtype=F.dtype)
+    spread = (F.amax(-2) - F.amin(-2)).amax(-1) if len(regs) > 1 else torch.zeros(F.shape[:-2], dtype=F.dtype, device=F.device)
     bos_absorbing = torch.as_tensor(bos_share >= bos_tol) & causal
 
     if warn and len(regs) > 1 and bool((spread < collapse_tol).any()):

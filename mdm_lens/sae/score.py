@@ -108,7 +108,8 @@ def diffusion_ce_score(model: Any, sae: Any, hook_name: str, tokens: Tensor, *,
             den = ce_z - ce_c
             if n and den == 0:
                 recovered = math.nan
-                note = "ce_zero == ce_clean: zero-ablating this hook does not change the loss, so nothing to recover"
+                note = (note + "; " if note else "") + ("ce_zero == ce_clean: zero-ablating this hook does not change "
+                                                        "the loss, so nothing to recover")
             else:
                 recovered = (ce_z - ce_s) / den if n else math.nan
             x, recon = seen["x"][real].double(), seen["recon"][real].double()

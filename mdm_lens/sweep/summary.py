@@ -23,8 +23,11 @@ POSITION_METRICS = {"temporal": ("top1_key", "modal_anchor"), "qk": ("anchor",)}
 
 
 def mean_std(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
-    """Mean, population std, count (``n``) and NaN count (``n_excluded``) of ``value`` per group."""
-    g = df.groupby(by, dropna=False, sort=True)["value"]
+    """Mean, population std, count (``n``) and excluded count (``n_excluded``: NaN or ±inf) of the finite ``value``s
+    per group."""
+    # the schema's `n` counts items with a *finite* value: ±inf is excluded like NaN, not averaged into an inf mean
+    finite = pd.to_numeric(df["value"], errors="coerce").replace([np.inf, -np.inf], np.nan)
+    g = df.assign(value=finite).groupby(by, dropna=False, sort=True)["value"]
     n = g.count()
     out = pd.DataFrame({"mean": g.mean(), "std": g.std(ddof=0), "n": n, "n_excluded": g.size() - n}).reset_index()
     return out

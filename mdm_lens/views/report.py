@@ -178,11 +178,23 @@ def markdown_lite(text: str) -> str:
     return "\n".join(html)
 
 
+def _outside_fences(lines: Sequence[str]) -> list[str]:
+    """The lines a heading may be on: not inside a fenced code block (a `# comment` there is code, not a heading)."""
+    out, fenced = [], False
+    for line in lines:
+        if line.strip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            out.append(line)
+    return out
+
+
 def _outline(lines: Sequence[str]) -> Callable[[int], int]:
     """Map markdown heading depths to HTML levels under a section's h2: the distinct depths used rank h3, h4, h5
     (so a text whose only headings are `##` gets h3, not h4), and a heading never goes more than one level below
     the one before it (a `###` straight after the h2 is an h3), so the page outline skips no level."""
-    depths = sorted({len(m.group(1)) for m in (re.match(r"(#{1,3})\s+", l.strip()) for l in lines) if m})
+    depths = sorted({len(m.group(1)) for m in (re.match(r"(#{1,3})\s+", l.strip()) for l in _outside_fences(lines))
+                     if m})
     rank = {d: 3 + i for i, d in enumerate(depths)}
     previous = [2]
 

@@ -96,7 +96,8 @@ def per_item(df: pd.DataFrame, value: str = "value", item: str = "item_id") -> p
         if col not in df.columns:
             raise ArgumentError(f"{name}={col!r} is not a column of df (columns: {', '.join(map(str, df.columns))}).",
                                 argument=name, value=col, allowed="a column of df")
-    return pd.to_numeric(df[value], errors="coerce").groupby(df[item], sort=False).mean()
+    finite = pd.to_numeric(df[value], errors="coerce").replace([np.inf, -np.inf], np.nan)  # skip an inf row only
+    return finite.groupby(df[item], sort=False).mean()
 
 
 def _values(x: Any, name: str) -> tuple[np.ndarray, int]:
