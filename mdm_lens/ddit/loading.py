@@ -76,7 +76,6 @@ def ddit_plan(cfg: MDMConfig) -> dict[str, str]:
 
 def load_ddit(cls: type, name_or_path: str | os.PathLike, *, dtype: Any = torch.float32, device: Any = "cpu",
               allow_download: bool = False, load_tokenizer: bool = True, **options: Any) -> Any:
-    from mdm_lens.loading import parse_device, parse_dtype
     from mdm_lens.loading.readers import CheckpointReader
     from mdm_lens.loading.resolve import load_tokenizer as read_tokenizer
     from mdm_lens.loading.resolve import resolve
@@ -85,7 +84,7 @@ def load_ddit(cls: type, name_or_path: str | os.PathLike, *, dtype: Any = torch.
         raise ArgumentTypeError(f"from_pretrained got {sorted(options)}: DDiT checkpoints take dtype, device, "
                                 "allow_download, load_tokenizer.", argument=sorted(options)[0], value=options,
                                 allowed="dtype, device, allow_download, load_tokenizer")
-    dtype, device = parse_dtype(dtype), parse_device(device)
+    dtype, device = _dtype(dtype), validate.device(device, name="device")
     folder, known = resolve(name_or_path, allow_download=validate.boolean(allow_download, name="allow_download"))
     path = folder / "config.json"
     raw = json.loads(path.read_text())
@@ -101,6 +100,16 @@ def load_ddit(cls: type, name_or_path: str | os.PathLike, *, dtype: Any = torch.
     if validate.boolean(load_tokenizer, name="load_tokenizer"):
         model.tokenizer = read_tokenizer(folder)
     return model.eval()
+
+
+def _dtype(dtype: Any) -> torch.dtype:
+    """A floating torch dtype or its torch name ("float32", "bfloat16"); `HookedMDM.from_pretrained` accepts the
+    wider list of aliases and passes a torch.dtype here."""
+    value = getattr(torch, dtype.strip().removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ArgumentTypeError(f"dtype={validate.describe(dtype)} is invalid: expected a floating torch dtype.",
+                                argument="dtype", value=dtype, allowed="torch.float32, torch.bfloat16, ...")
+    return value
 
 
 def read_state(reader: Any, plan: dict[str, str], model: Any, cfg: MDMConfig) -> dict[str, torch.Tensor]:
