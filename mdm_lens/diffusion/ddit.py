@@ -63,6 +63,17 @@ class DDiTSampler(CanvasSampler):
     def plan(self, s: Any) -> Plan:
         return Plan(s.steps + (1 if s.noise_removal in (True, "greedy") else 0))
 
+    def generate(self, model: Any, prompt: Any, s: Any, obs: Any) -> Any:
+        # steps discretise time here, not a token budget (MDLM runs 1000 steps over 1024 tokens; a step may commit
+        # nothing, or with Duo change tokens anywhere): the canvas samplers' idle-step warning does not apply
+        import warnings
+
+        from mdm_lens.diffusion.arguments import IdleStepsWarning
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", IdleStepsWarning)
+            return super().generate(model, prompt, s, obs)
+
     def check_run(self, ids: Tensor, am: Tensor, s: Any, obs: Any) -> None:
         if not bool(am.all()):
             raise SamplerConfigError("a padded prompt batch: DDiT models attend to every position (no padding mask); "

@@ -84,3 +84,103 @@ def reference_subs(logits: torch.Tensor, xt: torch.Tensor, mask_index: int) -> t
     logits[unmasked_indices] = -1000000.0
     logits[unmasked_indices, xt[unmasked_indices]] = 0
     return logits
+
+
+# --- the reference sampling loops (global torch RNG, as `L.seed_everything` + `rand_like` give them) -------------
+def _sample_categorical(categorical_probs: torch.Tensor) -> torch.Tensor:
+    gumbel_norm = 1e-10 - (torch.rand_like(categorical_probs) + 1e-10).log()
+    return (categorical_probs / gumbel_norm).argmax(dim=-1)
+
+
+def _total_noise(t: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
+    return -torch.log1p(-(1 - eps) * t)
+
+
+def reference_mdlm_sample(sd: dict, n_heads: int, x: torch.Tensor, mask_index: int, steps: int, predictor: str,
+                          noise_removal: bool, time_conditioning: bool = False, eps: float = 1e-5) -> torch.Tensor:
+    """`Diffusion._sample` from a given initial canvas `x` (the reference's is all masks)."""
+
+    def forward(x, sigma):
+        sigma = sigma.squeeze(-1) if sigma.ndim > 1 else sigma
+        return reference_subs(reference_forward(sd, n_heads, x, sigma, time_conditioning), x, mask_index)
+
+    timesteps = torch.linspace(1, eps, steps + 1)
+    dt = (1 - eps) / steps
+    p_x0_cache = None
+    for i in range(steps):
+        t = timesteps[i] * torch.ones(x.shape[0], 1)
+        if predictor == "ddpm":
+            sigma_t, sigma_s = _total_noise(t).squeeze(-1), _total_noise(t - dt).squeeze(-1)
+            move_chance_t = (1 - torch.exp(-sigma_t))[:, None, None]
+            move_chance_s = (1 - torch.exp(-sigma_s))[:, None, None]
+            q_xs = forward(x, sigma_t).exp() * (move_chance_t - move_chance_s)
+            q_xs[:, :, mask_index] = move_chance_s[:, :, 0]
+            _x = _sample_categorical(q_xs)
+            copy_flag = (x != mask_index).to(x.dtype)
+            x = copy_flag * x + (1 - copy_flag) * _x
+            continue
+        sigma_t = _total_noise(t)
+        tt = t.squeeze(-1)
+        move_chance_t, move_chance_s = tt[:, None, None], (tt - dt)[:, None, None]
+        p_x0 = p_x0_cache if p_x0_cache is not None else forward(x, sigma_t).exp()
+        q_xs = p_x0 * (move_chance_t - move_chance_s)
+        q_xs[:, :, mask_index] = move_chance_s[:, :, 0]
+        _x = _sample_categorical(q_xs)
+        copy_flag = (x != mask_index).to(x.dtype)
+        x_next = copy_flag * x + (1 - copy_flag) * _x
+        p_x0_cache = None if (not torch.allclose(x_next, x) or time_conditioning) else p_x0
+        x = x_next
+    if noise_removal:
+        t = timesteps[-1] * torch.ones(x.shape[0], 1)
+        x = forward(x, _total_noise(t)).argmax(dim=-1)
+    return x
+
+
+def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_logits, sorted_indices = torch.sort(logits, descending=True)
+    cumulative_probs = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
+    sorted_indices_to_remove = cumulative_probs > top_p
+    sorted_indices_to_remove[..., 1:] = sorted_indices_to_remove[..., :-1].clone()
+    sorted_indices_to_remove[..., 0] = 0
+    indices_to_remove = sorted_indices_to_remove.scatter(-1, sorted_indices, sorted_indices_to_remove)
+    return logits.masked_fill(indices_to_remove, float("-inf"))
+
+
+def reference_duo_sample(sd: dict, n_heads: int, prompt: torch.Tensor, gen_length: int, vocab: int, steps: int,
+                         noise_removal: str | None, use_float64: bool, p_nucleus: float, eps: float = 1e-5
+                         ) -> torch.Tensor:
+    """Duo ch-1 `generate_samples` (prior `randint` over the generated positions, prompt restored each update)."""
+    B, P = prompt.shape
+    x = torch.cat([prompt, torch.randint(0, vocab, (B, gen_length))], dim=1)
+
+    def alpha(t):
+        return 1 - (1 - 1e-3) * t
+
+    def update(x, t, alpha_s):
+        alpha_t = alpha(t)
+        x0 = torch.log_softmax(reference_forward(sd, n_heads, x, -torch.log(alpha_t).squeeze(-1)), -1).exp()
+        if use_float64:
+            x0 = x0.to(torch.float64)
+        a_t, a_s = alpha_t[:, :, None].to(x0.dtype), alpha_s[:, :, None].to(x0.dtype)
+        xt_one_hot = F.one_hot(x, vocab).to(x0.dtype)
+        nums = (a_t * vocab * x0 * xt_one_hot + (a_t / a_s - a_t) * xt_one_hot + (a_s - a_t) * x0
+                + (1 - a_t / a_s) * (1 - a_s) / vocab)
+        q = nums / (a_t * vocab * torch.gather(x0, -1, x[..., None]) + (1 - a_t))
+        if p_nucleus < 1:
+            q = _top_p(q.log(), p_nucleus)
+        new = _sample_categorical(q)
+        new[:, :P] = prompt
+        return new
+
+    timesteps = torch.linspace(1, eps, steps + 1)
+    dt = (1 - eps) / steps
+    for i in range(steps):
+        t = timesteps[i] * torch.ones(B, 1)
+        x = update(x, t, alpha(t - dt))
+    t = timesteps[-1] * torch.ones(B, 1)
+    if noise_removal == "ancestral":
+        x = update(x, t, torch.ones_like(t))
+    elif noise_removal == "greedy":
+        out = reference_forward(sd, n_heads, x, -torch.log(alpha(t)).squeeze(-1)).argmax(-1)
+        x = torch.cat([prompt, out[:, P:]], dim=1)
+    return x
