@@ -202,6 +202,13 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
 
         return load_bridge(TransformersBridge, str(folder), dtype=dtype, device=device, device_map=device_map,
                            load_tokenizer=load_tokenizer)
+    from mdm_lens.ddit.loading import folder_family
+
+    if folder_family(folder) is not None and device_map is None:  # MDLM / Duo load into HookedDDiT (mdm_lens.ddit)
+        from mdm_lens.ddit.loading import load_ddit
+        from mdm_lens.ddit.model import HookedDDiT
+
+        return load_ddit(HookedDDiT, folder, dtype=dtype, device=device, load_tokenizer=load_tokenizer)
     if device_map is not None:
         raise ConfigError("device_map applies to transformers-native checkpoints (the bridge); "
                           f"{folder} loads into HookedMDM: pass device= instead.")

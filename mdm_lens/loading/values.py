@@ -115,10 +115,16 @@ SDAR_MOE_SCHEMA: dict[str, Check] = {
     "num_local_experts": nonnegative_int, "num_experts_per_tok": positive_int, "moe_intermediate_size": positive_int,
     "norm_topk_prob": is_bool, "mlp_only_layers": _or_null(layer_list),
 }
+# the DDiT hub configs (MDLMConfig, DUOConfig; families-2.md §2.2, §4.1)
+DDIT_SCHEMA: dict[str, Check] = {
+    "vocab_size": positive_int, "model_length": positive_int, "hidden_dim": positive_int, "cond_dim": positive_int,
+    "n_blocks": positive_int, "n_heads": positive_int, "dropout": nonnegative_number, "time_conditioning": is_bool,
+    "causal": is_bool,
+}
 SCHEMAS: dict[str, dict[str, Check]] = {
     "llama": HF_SCHEMA, "qwen2": HF_SCHEMA, "dream": HF_SCHEMA, "fastdllm_v2": FASTDLLM_V2_SCHEMA,
     "llada": LLADA_SCHEMA, "llada2_moe": LLADA2_SCHEMA, "lladamoe": LLADAMOE_SCHEMA, "sdar": SDAR_SCHEMA,
-    "sdar_moe": SDAR_MOE_SCHEMA,
+    "sdar_moe": SDAR_MOE_SCHEMA, "mdlm": DDIT_SCHEMA, "duo": DDIT_SCHEMA,
 }
 _WHAT = {positive_int: "an int > 0", nonnegative_number: "a finite number >= 0", is_bool: "true or false",
          token_id: "an int >= 0", token_ids: "an int >= 0 or a list of them", finite_positive: "a finite number > 0",

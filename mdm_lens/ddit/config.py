@@ -1,0 +1,38 @@
+"""Config facts of the DDiT families: how an `MDMConfig` describes one, and the keys each hub config class reads
+with its class defaults (a key absent from config.json takes that default, as `from_pretrained` of the reference
+class would)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mdm_lens.config import MDMConfig
+
+DDIT_FAMILIES = ("mdlm", "duo")
+
+# hub `MDLMConfig.__init__` defaults (families-2.md §2.2, verbatim class). cond_dim 129 is the class default; the
+# released mdlm-owt config.json says 128 — a tiny config without the key must get 129, like the reference.
+MDLM_DEFAULTS: dict[str, Any] = dict(vocab_size=50258, model_length=1024, hidden_dim=768, cond_dim=129, n_blocks=12,
+                                     n_heads=12, dropout=0.1, time_conditioning=False)
+# hub `DUOConfig` (families-2.md §4.1: the exact defaults are unconfirmed [U]); the research `model=small` values
+# and GPT-2 + [PAD] = 50258 ids. `causal` selects the AR baseline, which is not a diffusion model (refused).
+DUO_DEFAULTS: dict[str, Any] = dict(vocab_size=50258, model_length=1024, hidden_dim=768, cond_dim=128, n_blocks=12,
+                                    n_heads=12, dropout=0.1, causal=False)
+DEFAULTS = {"mdlm": MDLM_DEFAULTS, "duo": DUO_DEFAULTS}
+
+
+def ddit_config(family: str, *, d_vocab: int, n_ctx: int, d_model: int, cond_dim: int, n_layers: int, n_heads: int,
+                time_conditioning: bool, model_name: str = "custom", dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu", **extra: Any) -> MDMConfig:
+    """An `MDMConfig` for a DDiT model. MDLM's mask id is the last vocabulary entry (`tokenizer.vocab_size` of
+    GPT-2 = vocab_size − 1); Duo is uniform-state and has none. `extra` carries cond_dim, time_conditioning and
+    the output parameterisation ("subs" for MDLM, "log_softmax" for Duo)."""
+    mask = d_vocab - 1 if family == "mdlm" else None
+    facts = dict(cond_dim=cond_dim, time_conditioning=bool(time_conditioning),
+                 parameterization="subs" if family == "mdlm" else "log_softmax", gen_length=min(n_ctx, 32), **extra)
+    return MDMConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_mlp=4 * d_model, d_vocab=d_vocab,
+                     n_ctx=n_ctx, rope_theta=10000.0, norm_eps=1e-5, attention="bidirectional",
+                     mask_token_id=mask, family=family, model_name=model_name, dtype=dtype, device=device,
+                     extra=facts, normalization_type="LN", act_fn="gelu_new")

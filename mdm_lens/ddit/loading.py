@@ -1,0 +1,142 @@
+"""Loading MDLM (`kuleshov-group/mdlm-owt`) and Duo (`s-sahoo/duo`, `duo-distilled`) from their hub layouts.
+
+The family is read from config.json (`model_type` "mdlm"/"duo", or `architectures` ["MDLM"]/["DUO"]); keys the file
+lacks take the hub config class's defaults (`ddit/config.py`). Weights are `backbone.` + the DDiT names, read from
+model.safetensors or pytorch_model.bin (`torch.load(weights_only=True)`); nothing from the checkpoint runs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mdm_lens import validate
+from mdm_lens.config import MDMConfig
+from mdm_lens.ddit.config import DEFAULTS, ddit_config
+from mdm_lens.errors import ArgumentTypeError, CheckpointError, ConfigError
+from mdm_lens.loading.values import SCHEMAS, check_raw
+
+ARCHITECTURES = {"MDLM": "mdlm", "DUO": "duo"}
+MODEL_TYPES = {"mdlm": "mdlm", "duo": "duo"}
+
+
+def ddit_family(raw: dict[str, Any]) -> str | None:
+    for arch in raw.get("architectures") or []:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    return MODEL_TYPES.get(str(raw.get("model_type", "")).lower())
+
+
+def folder_family(folder: Path) -> str | None:
+    """The DDiT family a checkpoint folder holds, or None (another family, or no readable config.json)."""
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return ddit_family(raw) if isinstance(raw, dict) else None
+
+
+def config_from_ddit(raw: dict[str, Any], family: str, name: str, path: Path) -> MDMConfig:
+    check_raw(raw, SCHEMAS[family], path)
+    v = {**DEFAULTS[family], **{k: raw[k] for k in DEFAULTS[family] if k in raw}}
+    if v.get("causal"):
+        raise ConfigError(f"{path}: causal=true is Duo's autoregressive baseline (no adaLN, causal attention), not a "
+                          "diffusion model; it is not supported.")
+    if v["hidden_dim"] % v["n_heads"] or (v["hidden_dim"] // v["n_heads"]) % 2:
+        raise ConfigError(f"{path}: hidden_dim={v['hidden_dim']} must split into n_heads={v['n_heads']} heads of an "
+                          "even size (rotary).")
+    # Duo's network is always time-conditioned (its trainer passes σ = −log α_t); MDLM reads the key
+    tc = v["time_conditioning"] if family == "mdlm" else True
+    return ddit_config(family, d_vocab=v["vocab_size"], n_ctx=v["model_length"], d_model=v["hidden_dim"],
+                       cond_dim=v["cond_dim"], n_layers=v["n_blocks"], n_heads=v["n_heads"], time_conditioning=tc,
+                       model_name=name, dropout=v["dropout"])
+
+
+def ddit_plan(cfg: MDMConfig) -> dict[str, str]:
+    """Our parameter name → the hub's (`backbone.` + the reference module names, families-2.md §1.1)."""
+    plan = {"W_E": "vocab_embed.embedding", "time_embed.fc1.weight": "sigma_map.mlp.0.weight",
+            "time_embed.fc1.bias": "sigma_map.mlp.0.bias", "time_embed.fc2.weight": "sigma_map.mlp.2.weight",
+            "time_embed.fc2.bias": "sigma_map.mlp.2.bias", "ln_final.w": "output_layer.norm_final.weight",
+            "unembed.weight": "output_layer.linear.weight", "unembed.bias": "output_layer.linear.bias",
+            "final_adaLN.linear.weight": "output_layer.adaLN_modulation.weight",
+            "final_adaLN.linear.bias": "output_layer.adaLN_modulation.bias"}
+    for i in range(cfg.n_layers):
+        b = f"blocks.{i}."
+        plan.update({b + "ln1.w": b + "norm1.weight", b + "ln2.w": b + "norm2.weight",
+                     b + "attn.qkv.weight": b + "attn_qkv.weight", b + "attn.out.weight": b + "attn_out.weight",
+                     b + "mlp.fc_in.weight": b + "mlp.0.weight", b + "mlp.fc_in.bias": b + "mlp.0.bias",
+                     b + "mlp.fc_out.weight": b + "mlp.2.weight", b + "mlp.fc_out.bias": b + "mlp.2.bias",
+                     b + "adaLN.linear.weight": b + "adaLN_modulation.weight",
+                     b + "adaLN.linear.bias": b + "adaLN_modulation.bias"})
+    return {ours: "backbone." + theirs for ours, theirs in plan.items()}
+
+
+def load_ddit(cls: type, name_or_path: str | os.PathLike, *, dtype: Any = torch.float32, device: Any = "cpu",
+              allow_download: bool = False, load_tokenizer: bool = True, **options: Any) -> Any:
+    from mdm_lens.loading.readers import CheckpointReader
+    from mdm_lens.loading.resolve import load_tokenizer as read_tokenizer
+    from mdm_lens.loading.resolve import resolve
+
+    if options:
+        raise ArgumentTypeError(f"from_pretrained got {sorted(options)}: DDiT checkpoints take dtype, device, "
+                                "allow_download, load_tokenizer.", argument=sorted(options)[0], value=options,
+                                allowed="dtype, device, allow_download, load_tokenizer")
+    dtype, device = _dtype(dtype), validate.device(device, name="device")
+    folder, known = resolve(name_or_path, allow_download=validate.boolean(allow_download, name="allow_download"))
+    path = folder / "config.json"
+    raw = json.loads(path.read_text())
+    family = ddit_family(raw)
+    if family is None:
+        raise ConfigError(f"{path}: model_type={raw.get('model_type')!r} is not a DDiT family (mdlm, duo).")
+    cfg = config_from_ddit(raw, family, known.name if known else str(name_or_path), path)
+    cfg.dtype, cfg.device = dtype, device
+    with torch.device("meta"):
+        model = cls(cfg)
+    state = read_state(CheckpointReader(folder), ddit_plan(cfg), model, cfg)
+    model.load_state_dict({k: t.to(device=device, dtype=dtype) for k, t in state.items()}, strict=True, assign=True)
+    if validate.boolean(load_tokenizer, name="load_tokenizer"):
+        model.tokenizer = read_tokenizer(folder)
+    return model.eval()
+
+
+def _dtype(dtype: Any) -> torch.dtype:
+    """A floating torch dtype or its torch name ("float32", "bfloat16"); `HookedMDM.from_pretrained` accepts the
+    wider list of aliases and passes a torch.dtype here."""
+    value = getattr(torch, dtype.strip().removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ArgumentTypeError(f"dtype={validate.describe(dtype)} is invalid: expected a floating torch dtype.",
+                                argument="dtype", value=dtype, allowed="torch.float32, torch.bfloat16, ...")
+    return value
+
+
+def read_state(reader: Any, plan: dict[str, str], model: Any, cfg: MDMConfig) -> dict[str, torch.Tensor]:
+    """Every tensor the plan names, with the shape our model expects; an unknown key is an error (a layout this
+    loader does not understand must not load silently). `rotary_emb.inv_freq` must equal the fp32 formula."""
+    keys = set(reader.keys())
+    inv = "backbone.rotary_emb.inv_freq"
+    missing, extra = sorted(set(plan.values()) - keys), sorted(keys - set(plan.values()) - {inv})
+    if missing or extra:
+        raise CheckpointError(f"{reader.folder}: the weights do not match a {cfg.family} layout with n_blocks="
+                              f"{cfg.n_layers}: missing {missing[:6]}{'…' if len(missing) > 6 else ''}, unexpected "
+                              f"{extra[:6]}{'…' if len(extra) > 6 else ''}.")
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    out = {}
+    for ours, theirs in plan.items():
+        if reader.shape(theirs) != expected[ours]:
+            raise CheckpointError(f"{reader.folder}: {theirs} has shape {reader.shape(theirs)}, expected "
+                                  f"{expected[ours]} from config.json (hidden_dim, cond_dim, vocab_size, n_heads).")
+        t = reader.get(theirs)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{reader.folder}: {theirs} holds NaN or inf values; the checkpoint is corrupt.")
+        out[ours] = t
+    if inv in keys:
+        d = cfg.d_head
+        want = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        got = reader.get(inv).float()
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-2):
+            raise CheckpointError(f"{reader.folder}: {inv} does not hold the base-10000 frequencies of head size {d}; "
+                                  "config.json's hidden_dim / n_heads disagree with the weights.")
+    return out

@@ -1,0 +1,133 @@
+"""`HookedDDiT`: the DDiT diffusion LMs (MDLM, Duo; BD3LM and GIDD build on it) as a TransformerLens
+`HookedRootModule` with the same surface as `HookedMDM` (run_with_cache / run_with_hooks / hooks / ActivationCache /
+generate). `HookedMDM.from_pretrained(folder)` returns one for a folder whose config.json names a DDiT family.
+
+The forward takes the conditioning scalar σ per batch row: `model(tokens, sigma=...)`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from mdm_lens import validate
+from mdm_lens.config import MDMConfig
+from mdm_lens.ddit.components import AdaLN, DDiTBlock, TimestepEmbedder, WeightLayerNorm, modulate, rotary_tables
+from mdm_lens.ddit.outputs import RETURN_TYPES, check_sigma, check_tokens, finish
+from mdm_lens.hook_surface import CheckedHookSurface
+
+
+class HookedDDiT(CheckedHookSurface):
+    """A DDiT model with TL hook points.
+
+    Conditioning: `hook_sigma` [batch] (the σ the network uses: zeros when `time_conditioning` is off, as the
+    reference zeroes it), `time_embed.hook_freqs` [batch, 256], `hook_time_embed` [batch, cond] (the embedder MLP's
+    output), `hook_cond` [batch, cond] (after the outer SiLU: what every adaLN reads). Per block: see `DDiTBlock`.
+    Final layer: `ln_final.hook_normalized`, `final_adaLN.hook_shift/hook_scale`, `hook_final_modulated`."""
+
+    hook_name_hint = "names follow TransformerLens, e.g. 'blocks.0.attn.hook_pattern', 'hook_cond'."
+
+    def __init__(self, cfg: MDMConfig, tokenizer: Any = None):
+        super().__init__()
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.chat_template: Any = None
+        self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model, dtype=cfg.dtype))
+        self.time_embed = TimestepEmbedder(cfg)
+        self.blocks = nn.ModuleList(DDiTBlock(cfg, layer) for layer in range(cfg.n_layers))
+        self.ln_final = WeightLayerNorm(cfg)
+        self.final_adaLN = AdaLN(cfg, ("shift", "scale"))
+        self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, dtype=cfg.dtype)
+        for name in ("sigma", "time_embed", "cond", "embed", "final_modulated"):
+            setattr(self, f"hook_{name}", HookPoint())
+        self.state: Any = None  # the sampler's DenoisingState while a denoising step runs
+        self.setup()
+
+    @classmethod
+    def from_config(cls, cfg: MDMConfig, seed: int | None = 0, init_std: float = 0.02, tokenizer: Any = None,
+                    init: Literal["normal", "realistic"] = "realistic") -> "HookedDDiT":
+        """Random weights: normal(0, init_std) matrices and embeddings; `init="realistic"` (default) draws norm
+        weights log-normal around 1 and every bias (adaLN ones included) non-zero (`mdm_lens.init.realistic_`)."""
+        from mdm_lens.init import realistic_
+
+        init = validate.choice(init, ("normal", "realistic"), name="init")
+        init_std = validate.number(init_std, name="init_std", min=0, min_open=True)
+        model = cls(cfg, tokenizer=tokenizer)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".w"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(init_std * torch.randn(p.shape, generator=gen).to(p.dtype))
+        if init == "realistic":
+            realistic_(model, seed=0 if seed is None else seed)
+        return model.eval()
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, **kwargs: Any) -> "HookedDDiT":
+        from mdm_lens.ddit.loading import load_ddit
+
+        return load_ddit(cls, name_or_path, **kwargs)
+
+    # --- TL views ------------------------------------------------------------------------------------
+    @property
+    def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
+        return self.unembed.weight.T
+
+    @property
+    def b_U(self) -> Float[Tensor, "d_vocab"]:
+        return self.unembed.bias
+
+    @property
+    def input_device(self) -> torch.device:
+        return self.W_E.device
+
+    # --- forward -------------------------------------------------------------------------------------
+    def conditioning(self, sigma: Float[Tensor, "batch"]) -> Float[Tensor, "batch cond"]:
+        if not self.cfg.extra["time_conditioning"]:
+            sigma = torch.zeros_like(sigma)  # the reference zeroes σ; the adaLN path still runs on c(0)
+        sigma = self.hook_sigma(sigma)
+        emb = self.hook_time_embed(self.time_embed(sigma))
+        return self.hook_cond(torch.nn.functional.silu(emb))
+
+    def forward(self, tokens: Int[Tensor, "batch pos"], sigma: Any = None, return_type: str | None = "logits",
+                attention_mask: Tensor | None = None) -> Any:
+        """Logits of the DDiT network at conditioning σ.
+
+        Args:
+            tokens: ids `[batch, pos]` (pos ≤ n_ctx, the checkpoint's `model_length`).
+            sigma: a number or a `[batch]` tensor of σ ≥ 0 (MDLM: the log-linear total noise, zeroed inside when
+                `time_conditioning` is off, so it may be omitted there; Duo: −log α_t, required).
+            return_type: "logits" / "aligned" (raw logits: position i predicts token i), "log_probs" (the family's
+                output parameterisation: MDLM SUBS — −1e6 at the mask id, log-softmax, unmasked rows one-hot at
+                their own token (0 there, −1e6 elsewhere); Duo log-softmax), "subs", "log_softmax", or None.
+            attention_mask: accepted for the sampler interface only; DDiT attends everywhere (must be all ones).
+        """
+        return_type = validate.choice(return_type, RETURN_TYPES, name="return_type")
+        tokens = check_tokens(tokens, self.cfg, attention_mask)
+        sigma = check_sigma(sigma, tokens.shape[0], self.cfg, tokens.device)
+        c = self.conditioning(sigma)
+        resid = self.hook_embed(self.W_E[tokens])
+        cos, sin = rotary_tables(tokens.shape[1], self.cfg.d_head, self.cfg.rope_theta, tokens.device)
+        for block in self.blocks:
+            resid = block(resid, c, cos, sin)
+        if return_type is None:
+            return None
+        m = self.final_adaLN(c)
+        z = self.hook_final_modulated(modulate(self.ln_final(resid), m["shift"], m["scale"]))
+        return finish(self.unembed(z), tokens, return_type, self.cfg)
+
+    def generate(self, prompt: Any, **kwargs: Any) -> Any:
+        """Run a registered sampler ("mdlm" for MDLM, "duo" for Duo); see `mdm_lens.diffusion.generate`."""
+        from mdm_lens.diffusion.generate import generate
+
+        return generate(self, prompt, **kwargs)
+
+    def __repr__(self) -> str:
+        c = self.cfg
+        return (f"HookedDDiT({c.family} {c.model_name!r}: {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads, "
+                f"cond {c.extra['cond_dim']}, vocab {c.d_vocab}, time_conditioning={c.extra['time_conditioning']})")
