@@ -55,13 +55,14 @@ CHAT_BLOCK_LENGTH = 32  # chat/chat_dlm.py and the config class's block_size
 class NemotronSettings(SamplerSettings):
     """`generate`'s settings: `gen_length` (its `max_new_tokens`, the card's 512; a multiple of block_length),
     `block_length` None = the checkpoint's `block_size`, `threshold` None = LLaDA's even schedule (the card passes
-    0.9), `temperature` 0 = greedy. `eos_id` is the checkpoint's EOS (config.json, default 2)."""
+    0.9), `temperature` 0 = greedy, `steps` None or gen_length (block_length per block). `eos_id` is the checkpoint's EOS (config.json, default 2)."""
 
     gen_length: int = 512
     block_length: int | None = None
     threshold: float | None = None
     temperature: float = 0.0
     causal_context: bool = True
+    steps: int | None = None
     eos_id: int | None = resolved()
 
     def resolve(self, model: Any) -> "NemotronSettings":
@@ -77,8 +78,12 @@ class NemotronSettings(SamplerSettings):
             raise err("causal_context=False is not reproduced: its prefill and commit forwards depend on the unseen "
                       "modified modeling_ministral.py of the hub checkpoint.", argument="causal_context",
                       value=False, allowed="True")
+        if self.steps is not None and validate.integer(self.steps, name="steps", min=1, error=err) != gl:
+            raise err(f"steps={self.steps}: the reference runs block_length steps per block at most, i.e. gen_length="
+                      f"{gl} in all (the sweeps' and LLaDA's meaning of steps); other budgets are not its algorithm.",
+                      argument="steps", value=self.steps, allowed=f"None or {gl}")
         thr = None if self.threshold is None else validate.number(self.threshold, name="threshold", error=err)
-        return dataclasses.replace(self, gen_length=gl, block_length=bl, threshold=thr,
+        return dataclasses.replace(self, gen_length=gl, block_length=bl, threshold=thr, steps=gl,
                                    temperature=validate.number(self.temperature, name="temperature", min=0,
                                                                error=err),
                                    eos_id=model.cfg.eos_token_id)
@@ -86,7 +91,7 @@ class NemotronSettings(SamplerSettings):
 
 NemotronSettings.rules = {"gen_length": R.integer(1), "block_length": R.integer(1, none=True),
                           "threshold": R.number(0, 1, none=True), "temperature": R.number(0),
-                          "causal_context": R.boolean()}
+                          "causal_context": R.boolean(), "steps": R.integer(1, none=True)}
 
 
 @dataclass
@@ -177,6 +182,13 @@ class _Run:
                 logits = self.runner.forward(state, x[:, :hi], position_ids=positions, attn_mask=causal)
         return state, logits
 
+    def seed(self, pos: int, token: Tensor) -> Tensor:
+        """Write the AR seed `[batch, 1]` at `pos` (a block's slot 0); the commit mask of that step."""
+        self.x[:, pos] = token[:, 0]
+        committed = torch.zeros_like(self.prompt)
+        committed[:, pos] = True
+        return committed
+
     def end(self, state: DenoisingState, committed: Tensor | None = None, confidence: Tensor | None = None) -> None:
         committed = torch.zeros_like(self.prompt) if committed is None else committed
         end_step(self.runner, self.recorder, state, state.x, committed, confidence, self.bar)
@@ -185,7 +197,7 @@ class _Run:
 
 class NemotronSampler(CanvasSampler):
     name, Settings = "nemotron", NemotronSettings
-    renamed = {"max_new_tokens": "gen_length", "steps": "block_length (one step per block position)"}
+    renamed = {"max_new_tokens": "gen_length"}
 
     def plan(self, s: Any, prompt_length: int | None = None) -> Plan:
         n_blocks = s.gen_length // s.block_length
@@ -200,11 +212,10 @@ class NemotronSampler(CanvasSampler):
     def loop(self, run: _Run, s: NemotronSettings, generator: torch.Generator | None) -> list[int] | None:
         x, bl, mask_id, p = run.x, s.block_length, run.model.cfg.mask_token_id, int(run.prompt[0].sum())
         state, logits = run.forward("prefill", 0, p, 0)
-        run.end(state)
-        next_token = pick_next(logits[:, -1], s.temperature, generator)
-        for nb in range(s.gen_length // bl):
+        run.end(state, run.seed(p, pick_next(logits[:, -1], s.temperature, generator)))
+        n_blocks = s.gen_length // bl
+        for nb in range(n_blocks):
             lo, hi = p + nb * bl, p + (nb + 1) * bl
-            x[:, lo] = next_token[:, 0]
             counts = even_split(x[:, lo:hi] == mask_id, bl)
             for i in range(bl):
                 masked = x[:, lo:hi] == mask_id
@@ -220,8 +231,8 @@ class NemotronSampler(CanvasSampler):
                 if s.eos_id is not None and _eos_ends_block(x[:, lo:hi], s.eos_id, mask_id):
                     break
             state, logits = run.forward("commit", lo, hi, nb)
-            run.end(state)
             next_token = pick_next(logits[:, -1], s.temperature, generator)
+            run.end(state, run.seed(hi, next_token) if nb + 1 < n_blocks else None)  # the last seed is dropped
             if s.eos_id is not None:
                 is_eos = x[:, p:hi] == s.eos_id
                 if bool(is_eos.any(dim=1).all()):

@@ -142,7 +142,7 @@ def test_stops_at_eos_as_the_reference(ckpt):
     want, _ = reference_generate(sd, config, row, 12, 4, eos_token_id=stop)
     n = want.shape[1] - 7
     assert n <= 6 and out.answer_length == [n] and torch.equal(out.tokens[:, : 7 + n], want)
-    assert int(out.tokens[0, 6 + n]) == stop and (out.tokens[0, 7 + 8:] == MASK_ID).all()  # block 3 never ran
+    assert int(out.tokens[0, 6 + n]) == stop and (out.tokens[0, 7 + 9:] == MASK_ID).all()  # block 3: its seed only
 
 
 @pytest.mark.parametrize("temperature, seed", [(0.0, 0), (0.9, 3)])
