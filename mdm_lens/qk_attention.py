@@ -2,7 +2,7 @@
 output bias, and dense-or-MoE feed-forward layers. `make_block` picks the block for a layer.
 
 Which options apply comes from `cfg.extra` (written by the loaders in `mdm_lens.loading`):
-`arch` (llada2_moe | lladamoe | sdar | sdar_moe), `qk_norm`, `rotary_dim` (the first dims of each head
+`arch` (llada2_moe | lladamoe | sdar | sdar_moe | nemotron_dllm), `qk_norm`, `rotary_dim` (the first dims of each head
 are rotated, rotate-half style, the rest pass through), `clip_qkv`, `o_bias`, `moe` (see `mdm_lens.moe`)
 and `moe_layers` (one bool per layer).
 
@@ -22,8 +22,9 @@ from mdm_lens.components import Attention, Block, GatedMLP, RMSNorm, apply_rotar
 from mdm_lens.config import MDMConfig
 from mdm_lens.errors import ConfigError
 from mdm_lens.moe import MoEMLP
+from mdm_lens.rotary import QScaledCos
 
-FAMILY_ARCHES = ("llada2_moe", "lladamoe", "sdar", "sdar_moe")
+FAMILY_ARCHES = ("llada2_moe", "lladamoe", "sdar", "sdar_moe", "nemotron_dllm")
 
 
 class HeadRMSNorm(nn.Module):
@@ -66,13 +67,19 @@ class FamilyAttention(Attention):
         return torch.cat([apply_rotary(x[..., :r], cos, sin, full), x[..., r:]], dim=-1)
 
     def rotate(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q_scale = None
+        if isinstance(cos, QScaledCos):  # llama-4 query scale (Nemotron-Labs-Diffusion): after q's rotation
+            cos, q_scale = cos
         if self.q_norm is not None:
             q = self.hook_q_normed(self.q_norm(q))
             k = self.hook_k_normed(self.k_norm(k))
         if self.clip_qkv is not None:
             c = float(self.clip_qkv)
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
-        return self.hook_rot_q(self._rotate_part(q, cos, sin)), self.hook_rot_k(self._rotate_part(k, cos, sin)), v
+        q = self._rotate_part(q, cos, sin)
+        if q_scale is not None:
+            q = q * q_scale.to(q.dtype)
+        return self.hook_rot_q(q), self.hook_rot_k(self._rotate_part(k, cos, sin)), v
 
 
 class FamilyBlock(Block):

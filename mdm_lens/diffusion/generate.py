@@ -20,6 +20,7 @@ from mdm_lens.diffusion import arm, diffusion_gemma, dream, llada, registry  # n
 from mdm_lens.diffusion import llada2, sdar  # noqa: F401  (block diffusion: LLaDA2.x, SDAR)
 from mdm_lens.diffusion import fastdllm_v2  # noqa: F401  (block diffusion: Fast-dLLM v2)
 from mdm_lens.diffusion import ddit  # noqa: F401  (MDLM, Duo)
+from mdm_lens.diffusion import nemotron  # noqa: F401  (Nemotron-Labs-Diffusion: block diffusion + AR mode)
 from mdm_lens.diffusion.canvas import CanvasSampler, Plan
 from mdm_lens.diffusion.output import GenerateOutput
 from mdm_lens.diffusion.registry import Observation
@@ -39,6 +40,8 @@ def default_sampler(model: Any) -> str:
         return "fastdllm_v2"
     if model.cfg.family in ("mdlm", "duo"):
         return model.cfg.family
+    if model.cfg.family == "nemotron_dllm":
+        return "nemotron_ar" if model.cfg.attention == "causal" else "nemotron"
     if model.cfg.attention == "causal":
         return "arm"
     return "dream" if model.cfg.logit_shift else "llada"

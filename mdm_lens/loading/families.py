@@ -1,4 +1,4 @@
-"""Dispatch for the 2026 families (LLaDA2.x, LLaDA-MoE, SDAR, SDAR-MoE).
+"""Dispatch for the 2026 families (LLaDA2.x, LLaDA-MoE, SDAR, SDAR-MoE, Nemotron-Labs-Diffusion).
 
 `family_of(config)` names the family from `architectures` first (LLaDA-MoE's `model_type` is `llada`, like
 LLaDA-8B's), `family_config` builds the `MDMConfig` and `family_plan` the weight plan. Nothing from the
@@ -16,12 +16,14 @@ from mdm_lens.loading.family_parts import (MASK_NAMES, attention_plan, dense_wid
                                            mask_token_id, mlp_plan, moe_plan)
 from mdm_lens.loading.llada2 import config_from_llada2, llada2_plan
 from mdm_lens.loading.lladamoe import config_from_lladamoe, lladamoe_plan
+from mdm_lens.loading.nemotron import config_from_nemotron, nemotron_plan
 from mdm_lens.loading.plan import Plan
 from mdm_lens.loading.sdar import config_from_sdar, sdar_plan
 
 ARCHITECTURES = {"LLaDA2MoeModelLM": "llada2_moe", "LLaDAMoEModelLM": "lladamoe", "SDARForCausalLM": "sdar",
-                 "SDARMoeForCausalLM": "sdar_moe"}
-MODEL_TYPES = {"llada2_moe": "llada2_moe", "lladamoe": "lladamoe", "sdar": "sdar", "sdar_moe": "sdar_moe"}
+                 "SDARMoeForCausalLM": "sdar_moe", "NemotronLabsDiffusionModel": "nemotron_dllm"}
+MODEL_TYPES = {"llada2_moe": "llada2_moe", "lladamoe": "lladamoe", "sdar": "sdar", "sdar_moe": "sdar_moe",
+               "nemotron_labs_diffusion": "nemotron_dllm"}
 
 
 def family_of(config: dict[str, Any]) -> str | None:
@@ -37,9 +39,12 @@ def family_config(config: dict[str, Any], family: str, name: str, folder: Path) 
         return config_from_llada2(config, name, folder)
     if family == "lladamoe":
         return config_from_lladamoe(config, name, folder)
+    if family == "nemotron_dllm":
+        return config_from_nemotron(config, name, folder)
     return config_from_sdar(config, family, name, folder)
 
 
 def family_plan(cfg: MDMConfig, keys: list[str]) -> Plan:
 
-    return {"llada2_moe": llada2_plan, "lladamoe": lladamoe_plan}.get(cfg.family, sdar_plan)(cfg, keys)
+    plans = {"llada2_moe": llada2_plan, "lladamoe": lladamoe_plan, "nemotron_dllm": nemotron_plan}
+    return plans.get(cfg.family, sdar_plan)(cfg, keys)

@@ -22,7 +22,7 @@ from mdm_lens.errors import ConfigError
 # End-of-turn token names, most specific first: Llama-3 / LLaDA chat, then Qwen / Dream chat.
 EOT_NAMES = ("<|eot_id|>", "<|im_end|>")
 # Reference constants of the samplers (used only for a checkpoint whose files name no such token).
-FAMILY_EOS = {"llada": 126081}
+FAMILY_EOS = {"llada": 126081, "nemotron_dllm": 2}  # Nemotron: NemotronLabsDiffusionConfig's eos default
 FAMILY_EOT = {"llada": 126348}
 
 

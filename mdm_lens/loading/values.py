@@ -121,15 +121,27 @@ DDIT_SCHEMA: dict[str, Check] = {
     "n_blocks": positive_int, "n_heads": positive_int, "dropout": nonnegative_number, "time_conditioning": is_bool,
     "causal": is_bool,
 }
+
+
+def nemotron_mask_id(value: Any) -> bool:
+    """An int >= 0, or -1 (NemotronLabsDiffusionConfig's default: no mask token)."""
+    return _int(value) and value >= -1
+
+
+NEMOTRON_SCHEMA: dict[str, Check] = {
+    **_SIZES, **_IDS, "intermediate_size": positive_int, "num_key_value_heads": _or_null(positive_int),
+    "attention_bias": is_bool, "mlp_bias": is_bool, "block_size": positive_int,
+    "mask_token_id": _or_null(nemotron_mask_id), "sliding_window": _or_null(positive_int),
+}
 SCHEMAS: dict[str, dict[str, Check]] = {
     "llama": HF_SCHEMA, "qwen2": HF_SCHEMA, "dream": HF_SCHEMA, "fastdllm_v2": FASTDLLM_V2_SCHEMA,
     "llada": LLADA_SCHEMA, "llada2_moe": LLADA2_SCHEMA, "lladamoe": LLADAMOE_SCHEMA, "sdar": SDAR_SCHEMA,
-    "sdar_moe": SDAR_MOE_SCHEMA, "mdlm": DDIT_SCHEMA, "duo": DDIT_SCHEMA,
+    "sdar_moe": SDAR_MOE_SCHEMA, "mdlm": DDIT_SCHEMA, "duo": DDIT_SCHEMA, "nemotron_dllm": NEMOTRON_SCHEMA,
 }
 _WHAT = {positive_int: "an int > 0", nonnegative_number: "a finite number >= 0", is_bool: "true or false",
          token_id: "an int >= 0", token_ids: "an int >= 0 or a list of them", finite_positive: "a finite number > 0",
          unit_fraction: "a number in (0, 1]", nonnegative_int: "an int >= 0",
-         layer_list: "a list of ints >= 0"}
+         layer_list: "a list of ints >= 0", nemotron_mask_id: "an int >= -1 (-1: no mask token)"}
 
 
 def _describe(check: Check) -> str:
@@ -154,6 +166,8 @@ def check_ids_in_vocab(raw: dict[str, Any], d_vocab: int, path: Path) -> None:
     for key in _IDS:
         value = raw.get(key)
         for i in value if isinstance(value, list) else [value]:
+            if key == "mask_token_id" and i == -1:  # Nemotron's "no mask token" (other schemas refuse -1)
+                continue
             if i is not None and not 0 <= i < d_vocab:
                 raise ConfigError(f"{key}={value!r} from config.json ({path}) is outside the vocabulary [0, "
                                   f"{d_vocab}) of this checkpoint (its embedding has that many rows); fix the id.")
