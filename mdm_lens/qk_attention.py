@@ -2,7 +2,7 @@
 output bias, and dense-or-MoE feed-forward layers. `make_block` picks the block for a layer.
 
 Which options apply comes from `cfg.extra` (written by the loaders in `mdm_lens.loading`):
-`arch` (llada2_moe | lladamoe | sdar | sdar_moe), `qk_norm`, `rotary_dim` (the first dims of each head
+`arch` (llada2_moe | lladamoe | sdar | sdar_moe | rnd1 | coda), `qk_norm`, `rotary_dim` (the first dims of each head
 are rotated, rotate-half style, the rest pass through), `clip_qkv`, `o_bias`, `moe` (see `mdm_lens.moe`)
 and `moe_layers` (one bool per layer).
 
@@ -23,7 +23,7 @@ from mdm_lens.config import MDMConfig
 from mdm_lens.errors import ConfigError
 from mdm_lens.moe import MoEMLP
 
-FAMILY_ARCHES = ("llada2_moe", "lladamoe", "sdar", "sdar_moe")
+FAMILY_ARCHES = ("llada2_moe", "lladamoe", "sdar", "sdar_moe", "rnd1", "coda")
 
 
 class HeadRMSNorm(nn.Module):

@@ -1,4 +1,4 @@
-"""Dispatch for the 2026 families (LLaDA2.x, LLaDA-MoE, SDAR, SDAR-MoE).
+"""Dispatch for the 2026 families (LLaDA2.x, LLaDA-MoE, SDAR, SDAR-MoE, RND1, CoDA).
 
 `family_of(config)` names the family from `architectures` first (LLaDA-MoE's `model_type` is `llada`, like
 LLaDA-8B's), `family_config` builds the `MDMConfig` and `family_plan` the weight plan. Nothing from the
@@ -16,12 +16,15 @@ from mdm_lens.loading.family_parts import (MASK_NAMES, attention_plan, dense_wid
                                            mask_token_id, mlp_plan, moe_plan)
 from mdm_lens.loading.llada2 import config_from_llada2, llada2_plan
 from mdm_lens.loading.lladamoe import config_from_lladamoe, lladamoe_plan
+from mdm_lens.loading.coda import coda_plan, config_from_coda
 from mdm_lens.loading.plan import Plan
+from mdm_lens.loading.rnd1 import config_from_rnd1, rnd1_plan
 from mdm_lens.loading.sdar import config_from_sdar, sdar_plan
 
 ARCHITECTURES = {"LLaDA2MoeModelLM": "llada2_moe", "LLaDAMoEModelLM": "lladamoe", "SDARForCausalLM": "sdar",
-                 "SDARMoeForCausalLM": "sdar_moe"}
-MODEL_TYPES = {"llada2_moe": "llada2_moe", "lladamoe": "lladamoe", "sdar": "sdar", "sdar_moe": "sdar_moe"}
+                 "SDARMoeForCausalLM": "sdar_moe", "RND1LM": "rnd1", "CoDALanguageModel": "coda"}
+MODEL_TYPES = {"llada2_moe": "llada2_moe", "lladamoe": "lladamoe", "sdar": "sdar", "sdar_moe": "sdar_moe", "rnd1": "rnd1",
+               "CoDA": "coda"}
 
 
 def family_of(config: dict[str, Any]) -> str | None:
@@ -37,9 +40,13 @@ def family_config(config: dict[str, Any], family: str, name: str, folder: Path) 
         return config_from_llada2(config, name, folder)
     if family == "lladamoe":
         return config_from_lladamoe(config, name, folder)
+    if family == "rnd1":
+        return config_from_rnd1(config, name, folder)
+    if family == "coda":
+        return config_from_coda(config, name, folder)
     return config_from_sdar(config, family, name, folder)
 
 
 def family_plan(cfg: MDMConfig, keys: list[str]) -> Plan:
 
-    return {"llada2_moe": llada2_plan, "lladamoe": lladamoe_plan}.get(cfg.family, sdar_plan)(cfg, keys)
+    return {"llada2_moe": llada2_plan, "lladamoe": lladamoe_plan, "rnd1": rnd1_plan, "coda": coda_plan}.get(cfg.family, sdar_plan)(cfg, keys)
