@@ -118,6 +118,8 @@ def rnd1_sample(runner: Any, x: Tensor, maskable: Tensor, prompt_length: int, *,
                 top_k: int | None, top_p: float | None, greedy: bool, eb_gamma: float | None,
                 generator: torch.Generator | None, progress: Any = None) -> tuple[Tensor, TrajectoryRecorder]:
     recorder = TrajectoryRecorder(1, x.shape[1], prompt_length, x.device)
+    # positions never maskable (the reserved EOS/PAD slot) are fixed input like the prompt: commit step -1
+    recorder.commit_step[~maskable & (torch.arange(x.shape[1]) >= prompt_length)[None].to(maskable.device)] = -1
     prompt = torch.zeros_like(maskable)
     prompt[:, :prompt_length] = True
     visible = torch.ones_like(maskable)
