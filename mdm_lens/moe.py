@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward layers for the 2026 families (LLaDA2.x, LLaDA-MoE, SDAR-MoE).
+"""Mixture-of-experts feed-forward layers for the 2026 families (LLaDA2.x, LLaDA-MoE, SDAR-MoE, RND1).
 
 One module, `MoEMLP`, covers the three routers; `cfg.extra["moe"]` says which (written by the loaders):
 
@@ -8,8 +8,9 @@ One module, `MoEMLP`, covers the three routers; `cfg.extra["moe"]` says which (w
   and scaled by `routed_scaling_factor`; the weighted sum runs in fp32.
 - `score="softmax"` (LLaDA-MoE, Qwen3-MoE / SDAR-MoE): softmax in fp32, plain top-k. LLaDA-MoE's reference
   adds `expert_bias` to the probabilities themselves, so the bias changes the weights too (reproduced);
-  Qwen3-MoE renormalises only with `norm_topk_prob`. Weights are cast to the activation dtype and the
-  experts are summed in expert order (`index_add_`), as the references do.
+  Qwen3-MoE renormalises only with `norm_topk_prob`. Weights are cast to the activation dtype (RND1 keeps them
+  fp32 until the product: `fp32_weights`) and the experts are summed in expert order (`index_add_`), as the
+  references do.
 
 Hooks (names shared with the DiffusionGemma bridge): `hook_router_logits` `[batch, pos, expert]`,
 `hook_expert_indices` / `hook_expert_weights` `[batch, pos, top_k]` (the weights after renormalisation and
@@ -79,6 +80,8 @@ class MoEMLP(nn.Module):
         self.scaling = float(spec.get("scaling", 1.0))
         self.renorm = bool(spec.get("renorm", False))
         self.renorm_eps = float(spec.get("renorm_eps", 0.0))
+        # RND1 keeps the softmax weights fp32 up to the product with the expert output (Qwen3-MoE casts them first)
+        self.fp32_weights = bool(spec.get("fp32_weights", False))
         self.bias_mode = spec.get("expert_bias")  # None | "selection" (LLaDA2) | "weights" (LLaDA-MoE)
         self.router_weight = nn.Parameter(torch.empty(self.n_experts, cfg.d_model, dtype=cfg.dtype))
         if self.bias_mode is not None:
@@ -131,7 +134,10 @@ class MoEMLP(nn.Module):
         weights = source.gather(1, index)
         if self.renorm and (self.top_k > 1 or self.score != "sigmoid"):  # LLaDA2 skips it for top_k = 1
             weights = weights / (weights.sum(dim=-1, keepdim=True) + self.renorm_eps)
-        weights = weights * self.scaling if self.score == "sigmoid" else weights.to(flat.dtype)
+        if self.score == "sigmoid":
+            weights = weights * self.scaling
+        elif not self.fp32_weights:
+            weights = weights.to(flat.dtype)
         weights = self.hook_expert_weights(weights.view(b, p, -1)).reshape(b * p, -1)
         return index, weights
 

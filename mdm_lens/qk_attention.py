@@ -2,8 +2,8 @@
 output bias, and dense-or-MoE feed-forward layers. `make_block` picks the block for a layer.
 
 Which options apply comes from `cfg.extra` (written by the loaders in `mdm_lens.loading`):
-`arch` (llada2_moe | lladamoe | sdar | sdar_moe | nemotron_dllm), `qk_norm`, `rotary_dim` (the first dims of each head
-are rotated, rotate-half style, the rest pass through), `clip_qkv`, `o_bias`, `moe` (see `mdm_lens.moe`)
+`arch` (llada2_moe | lladamoe | sdar | sdar_moe | nemotron_dllm | rnd1 | coda), `qk_norm`, `rotary_dim` (the
+first dims of each head are rotated, rotate-half style, the rest pass through), `clip_qkv`, `o_bias`, `moe` (see `mdm_lens.moe`)
 and `moe_layers` (one bool per layer).
 
 Order inside attention, as in the references: `hook_q/hook_k/hook_v` (projections) → q/k norm
@@ -24,7 +24,7 @@ from mdm_lens.errors import ConfigError
 from mdm_lens.moe import MoEMLP
 from mdm_lens.rotary import QScaledCos
 
-FAMILY_ARCHES = ("llada2_moe", "lladamoe", "sdar", "sdar_moe", "nemotron_dllm")
+FAMILY_ARCHES = ("llada2_moe", "lladamoe", "sdar", "sdar_moe", "nemotron_dllm", "rnd1", "coda")
 
 
 class HeadRMSNorm(nn.Module):

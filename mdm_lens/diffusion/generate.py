@@ -21,6 +21,7 @@ from mdm_lens.diffusion import llada2, sdar  # noqa: F401  (block diffusion: LLa
 from mdm_lens.diffusion import fastdllm_v2  # noqa: F401  (block diffusion: Fast-dLLM v2)
 from mdm_lens.diffusion import ddit  # noqa: F401  (MDLM, Duo)
 from mdm_lens.diffusion import nemotron  # noqa: F401  (Nemotron-Labs-Diffusion: block diffusion + AR mode)
+from mdm_lens.diffusion import coda, rnd1  # noqa: F401  (CoDA, RND1)
 from mdm_lens.diffusion.canvas import CanvasSampler, Plan
 from mdm_lens.diffusion.output import GenerateOutput
 from mdm_lens.diffusion.registry import Observation
@@ -42,6 +43,8 @@ def default_sampler(model: Any) -> str:
         return model.cfg.family
     if model.cfg.family == "nemotron_dllm":
         return "nemotron_ar" if model.cfg.attention == "causal" else "nemotron"
+    if model.cfg.family in ("rnd1", "coda"):
+        return model.cfg.family
     if model.cfg.attention == "causal":
         return "arm"
     return "dream" if model.cfg.logit_shift else "llada"
@@ -65,7 +68,8 @@ def generate(model: Any, prompt: Any, *, sampler: SamplerName = "auto", attentio
             right-padded batch is refused: the canvas is appended after the prompt).
         sampler: a registered sampler (`mdm_lens.diffusion.registry.names()`: "llada", "dream", "arm",
             "diffusion_gemma", "llada2", "sdar", ...) or "auto" (the model family's own: "llada2" for LLaDA2.x,
-            "sdar" for SDAR / SDAR-MoE, "llada" for LLaDA and LLaDA-MoE).
+            "sdar" for SDAR / SDAR-MoE, "rnd1" for RND1, "coda" for CoDA, "llada" for LLaDA and
+            LLaDA-MoE).
         fwd_hooks: a list of TL `(name, fn)` pairs (names may be globs or filters) or `at_steps(fn, [...], name=...)`.
         hook_steps: the steps at which plain `fwd_hooks` fire (default every step), e.g. `[0, -1]` or `steps(every=4)`.
         record: a list of streaming reducers, e.g. `[ReceivedAttention(), KeyValueNorms()]`.

@@ -14,16 +14,19 @@ from mdm_lens.lens.logit import SOURCES, LensTrace, check_model, reduce_layer, r
 from mdm_lens.lens.tuned import TunedLens
 
 
+MASKED_SAMPLERS = ("llada", "dream", "llada2", "sdar", "rnd1", "coda")  # samplers over a masked canvas
+
+
 def _check_run(model: Any, out: Any) -> None:
     from mdm_lens.diffusion.output import GenerateOutput
 
     if not isinstance(out, GenerateOutput):
         raise ArgumentTypeError(f"out={validate.describe(out)} is not what model.generate returns.", argument="out",
                                 value=out, allowed="a GenerateOutput")
-    if out.causal or out.sampler not in ("llada", "dream", "llada2", "sdar"):
+    if out.causal or out.sampler not in MASKED_SAMPLERS:
         raise InputError(f"out is a {out.sampler!r} run; the lens over denoising steps reads masked diffusion runs "
-                         "(sampler 'llada', 'dream', 'llada2' or 'sdar'): an autoregressive step has no masked canvas.",
-                         argument="out", value=out.sampler, allowed="a 'llada', 'dream', 'llada2' or 'sdar' run")
+                         f"(sampler one of {MASKED_SAMPLERS}): an autoregressive step has no masked canvas.",
+                         argument="out", value=out.sampler, allowed=f"a run of {MASKED_SAMPLERS}")
     out.check_model(model)
     if out.settings.get("kv_cache") is not None:  # window forwards: neither a replay nor the cache rows cover them
         raise InputError(f"out is a kv_cache={out.settings['kv_cache']!r} run: its window forwards attended to stale "

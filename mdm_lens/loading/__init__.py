@@ -79,7 +79,7 @@ def _family(raw: dict[str, Any], path: Path) -> str:
         raise ConfigError(f"{path}: architectures={raw.get('architectures')} model_type="
                           f"{raw.get('model_type')!r} is not a supported family (LLaDAModelLM, DreamModel, "
                           "LlamaForCausalLM, Qwen2ForCausalLM, LLaDA2MoeModelLM, LLaDAMoEModelLM, SDARForCausalLM, "
-                          "SDARMoeForCausalLM, Fast_dLLM_QwenForCausalLM).")
+                          "SDARMoeForCausalLM, Fast_dLLM_QwenForCausalLM, RND1LM, CoDALanguageModel).")
     return family
 
 

@@ -1,4 +1,4 @@
-"""Dispatch for the 2026 families (LLaDA2.x, LLaDA-MoE, SDAR, SDAR-MoE, Nemotron-Labs-Diffusion).
+"""Dispatch for the 2026 families (LLaDA2.x, LLaDA-MoE, SDAR, SDAR-MoE, Nemotron-Labs-Diffusion, RND1, CoDA).
 
 `family_of(config)` names the family from `architectures` first (LLaDA-MoE's `model_type` is `llada`, like
 LLaDA-8B's), `family_config` builds the `MDMConfig` and `family_plan` the weight plan. Nothing from the
@@ -17,13 +17,16 @@ from mdm_lens.loading.family_parts import (MASK_NAMES, attention_plan, dense_wid
 from mdm_lens.loading.llada2 import config_from_llada2, llada2_plan
 from mdm_lens.loading.lladamoe import config_from_lladamoe, lladamoe_plan
 from mdm_lens.loading.nemotron import config_from_nemotron, nemotron_plan
+from mdm_lens.loading.coda import coda_plan, config_from_coda
 from mdm_lens.loading.plan import Plan
+from mdm_lens.loading.rnd1 import config_from_rnd1, rnd1_plan
 from mdm_lens.loading.sdar import config_from_sdar, sdar_plan
 
 ARCHITECTURES = {"LLaDA2MoeModelLM": "llada2_moe", "LLaDAMoEModelLM": "lladamoe", "SDARForCausalLM": "sdar",
-                 "SDARMoeForCausalLM": "sdar_moe", "NemotronLabsDiffusionModel": "nemotron_dllm"}
+                 "SDARMoeForCausalLM": "sdar_moe", "NemotronLabsDiffusionModel": "nemotron_dllm", "RND1LM": "rnd1",
+                 "CoDALanguageModel": "coda"}
 MODEL_TYPES = {"llada2_moe": "llada2_moe", "lladamoe": "lladamoe", "sdar": "sdar", "sdar_moe": "sdar_moe",
-               "nemotron_labs_diffusion": "nemotron_dllm"}
+               "nemotron_labs_diffusion": "nemotron_dllm", "rnd1": "rnd1", "CoDA": "coda"}
 
 
 def family_of(config: dict[str, Any]) -> str | None:
@@ -41,10 +44,15 @@ def family_config(config: dict[str, Any], family: str, name: str, folder: Path) 
         return config_from_lladamoe(config, name, folder)
     if family == "nemotron_dllm":
         return config_from_nemotron(config, name, folder)
+    if family == "rnd1":
+        return config_from_rnd1(config, name, folder)
+    if family == "coda":
+        return config_from_coda(config, name, folder)
     return config_from_sdar(config, family, name, folder)
 
 
 def family_plan(cfg: MDMConfig, keys: list[str]) -> Plan:
 
-    plans = {"llada2_moe": llada2_plan, "lladamoe": lladamoe_plan, "nemotron_dllm": nemotron_plan}
+    plans = {"llada2_moe": llada2_plan, "lladamoe": lladamoe_plan, "nemotron_dllm": nemotron_plan, "rnd1": rnd1_plan,
+             "coda": coda_plan}
     return plans.get(cfg.family, sdar_plan)(cfg, keys)

@@ -133,10 +133,21 @@ NEMOTRON_SCHEMA: dict[str, Check] = {
     "attention_bias": is_bool, "mlp_bias": is_bool, "block_size": positive_int,
     "mask_token_id": _or_null(nemotron_mask_id), "sliding_window": _or_null(positive_int),
 }
+RND1_SCHEMA: dict[str, Check] = {
+    **_SIZES, "intermediate_size": positive_int, "num_key_value_heads": positive_int, "attention_bias": is_bool,
+    "use_sliding_window": is_bool, "decoder_sparse_step": positive_int, "num_experts": positive_int,
+    "num_experts_per_tok": positive_int, "moe_intermediate_size": positive_int, "norm_topk_prob": is_bool,
+    "mlp_only_layers": _or_null(layer_list), **_IDS,
+}
+CODA_SCHEMA: dict[str, Check] = {
+    **_SIZES, "intermediate_size": positive_int, "num_key_value_heads": _or_null(positive_int),
+    "attention_bias": is_bool, "use_sliding_window": is_bool, **_IDS,
+}
 SCHEMAS: dict[str, dict[str, Check]] = {
     "llama": HF_SCHEMA, "qwen2": HF_SCHEMA, "dream": HF_SCHEMA, "fastdllm_v2": FASTDLLM_V2_SCHEMA,
     "llada": LLADA_SCHEMA, "llada2_moe": LLADA2_SCHEMA, "lladamoe": LLADAMOE_SCHEMA, "sdar": SDAR_SCHEMA,
     "sdar_moe": SDAR_MOE_SCHEMA, "mdlm": DDIT_SCHEMA, "duo": DDIT_SCHEMA, "nemotron_dllm": NEMOTRON_SCHEMA,
+    "rnd1": RND1_SCHEMA, "coda": CODA_SCHEMA,
 }
 _WHAT = {positive_int: "an int > 0", nonnegative_number: "a finite number >= 0", is_bool: "true or false",
          token_id: "an int >= 0", token_ids: "an int >= 0 or a list of them", finite_positive: "a finite number > 0",
