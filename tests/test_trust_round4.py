@@ -122,3 +122,48 @@ def test_summaries_average_finite_values_and_count_inf_as_excluded():
     assert math.isnan(out.loc["b", "mean"]) and out.loc["b", "n"] == 0 and out.loc["b", "n_excluded"] == 1
     df2 = pd.DataFrame({"item_id": [0, 0, 1], "value": [1.0, float("inf"), 4.0]})
     assert per_item(df2).tolist() == [1.0, 4.0]         # the inf row is skipped, not the whole item
+
+
+# --- config facts the fresh blind list found untested (loaders) ---------------------------------------------------
+
+def _families_dir():
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).parent / "families")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+
+
+@pytest.mark.parametrize("key", ["pad_token_id", "bos_token_id"])
+@pytest.mark.parametrize("writer", ["write_llada2", "write_lladamoe"])
+def test_list_valued_pad_and_bos_ids_are_refused_naming_the_key(tmp_path, writer, key):
+    """Only eos_token_id may be a list (transformers' generation config); a list pad/bos id is refused at load
+    rather than guessed (first or last entry)."""
+    _families_dir()
+    import family_checkpoints as fc
+    from mdm_lens.errors import ConfigError
+    from mdm_lens.loading.family_parts import in_vocab
+
+    folder = getattr(fc, writer)(tmp_path / "m", **{key: [97, 96]})[0]
+    with pytest.raises(ConfigError, match=rf"{key}=\[97, 96\] is invalid"):
+        HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
+    with pytest.raises(ConfigError, match="not the list"):
+        in_vocab([97, 96], 101)
+    assert in_vocab(97, 101) == 97 and in_vocab(126081, 101) is None and in_vocab(True, 101) is None
+
+
+def test_llada2_shared_expert_width_is_num_shared_times_the_expert_width(tmp_path):
+    """LLaDA2's shared expert is one MLP of width moe_intermediate_size × num_shared_experts (2 here, not the
+    fixture's 1, so a loader that drops the count fails to load the hub tensors or differs from the reference)."""
+    _families_dir()
+    from family_checkpoints import block_additive_mask, write_llada2
+    from family_reference import llada2_forward
+
+    folder, config, sd = write_llada2(tmp_path / "m", num_shared_experts=2)
+    model = HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
+    assert model.cfg.extra["moe"]["d_shared"] == 2 * config["moe_intermediate_size"]
+    tokens = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = model(tokens, block_length=4)
+    assert (got - llada2_forward(sd, config, tokens, block_additive_mask(9, 4))).abs().max() <= 1e-4

@@ -31,9 +31,11 @@ def mask_token_id(config: dict[str, Any], folder: Path, d_vocab: int) -> int | N
 
 def in_vocab(value: Any, d_vocab: int) -> int | None:
     """A pad/bos id from config.json or a reference default; dropped (None) when it is not an id of this
-    vocabulary (the defaults belong to the released vocabularies, e.g. LLaDA2's pad 126081)."""
+    vocabulary (the defaults belong to the released vocabularies, e.g. LLaDA2's pad 126081). A list is not a
+    pad/bos id (config.json values are checked first, mdm_lens.loading.values): refused, never guessed."""
     if isinstance(value, list):
-        value = value[0] if value else None
+        raise ConfigError(f"a pad/bos token id must be one int, not the list {value!r} (only eos_token_id may be a "
+                          "list).")
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < d_vocab:
         return None
     return value
