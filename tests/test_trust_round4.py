@@ -167,3 +167,16 @@ def test_llada2_shared_expert_width_is_num_shared_times_the_expert_width(tmp_pat
     with torch.no_grad():
         got = model(tokens, block_length=4)
     assert (got - llada2_forward(sd, config, tokens, block_additive_mask(9, 4))).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("family,d_head", [("sdar", 128), ("sdar_moe", 16)])
+def test_sdar_head_dim_absent_takes_the_reference_class_default(tmp_path, family, d_head):
+    """SDARConfig's head_dim defaults to 128 whatever hidden_size says; Qwen3MoeConfig's (SDAR-MoE) to
+    hidden_size // heads. A tiny config without head_dim tells them apart (64 // 4 = 16)."""
+    from mdm_lens.loading.sdar import config_from_sdar
+
+    config = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, mask_token_id=100, moe_intermediate_size=24, num_experts=4,
+                  num_experts_per_tok=2)
+    assert config_from_sdar(config, family, "tiny", tmp_path).d_head == d_head
+    assert config_from_sdar({**config, "head_dim": 24}, family, "tiny", tmp_path).d_head == 24
