@@ -251,3 +251,18 @@ def test_a_model_without_the_expand_token_or_of_another_family_is_refused():
     llada = HookedMDM.from_config(cfg, seed=0, init_std=0.3, init="realistic")
     with pytest.raises(SamplerConfigError, match="Dream-family"):
         llada.generate(PREFIX, sampler="dreamon", suffix=SUFFIX, steps=4)
+
+
+def test_probes_refuse_a_variable_length_run_with_a_typed_error():
+    from mdm_lens.errors import InputError as LensError
+    from mdm_lens.lens import trace  # noqa: F401
+    from mdm_lens.probes._runtools import step_canvas
+
+    model = dreamon_model()
+    out = model.generate(PREFIX, sampler="dreamon", suffix=SUFFIX, steps=40, min_gen_len=3, max_gen_len=10, seed=0)
+    with pytest.raises(SamplerConfigError, match="did not exist at a step") as info:
+        step_canvas(out, 0)
+    assert info.value.argument == "out"
+    with pytest.raises(LensError, match="dreamon"):
+        trace._check_run(model, out)
+    model.generate(PREFIX, steps=4, gen_length=4)  # the fixed-length Dream sampler is untouched

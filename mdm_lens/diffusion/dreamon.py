@@ -195,6 +195,8 @@ class DreamOnSampler(Sampler):
     """`generate(model, prefix, sampler="dreamon", suffix=...)` on a Dream-family model with an expand token."""
 
     name, Settings = "dreamon", DreamOnSettings
+    # do-nothing values, so one set of keywords may go to every sampler (registry.Sampler.neutral)
+    neutral = dict(top_p=None, top_k=None, alg_temp=None)
 
     def check_model(self, model: Any) -> None:
         if not model.cfg.logit_shift or model.cfg.attention == "causal" or model.cfg.mask_token_id is None:

@@ -115,6 +115,10 @@ def step_canvas(out: Any, step: int) -> tuple[Tensor, Tensor]:
     forward is the one the sampler ran, not one under the checkpoint's default block length.
 
     ``step`` in [-n_steps, n_steps) (negatives count from the end); out of range raises ``OutOfRangeError``."""
+    from mdm_lens.diffusion.varlen import require_fixed_length
+
+    require_fixed_length(out, "patching / knockout (step_canvas)", "a patched or knocked-out position would be a "
+                         "different token at another step; replay a step with out.replay(model, s) instead")
     s = validate.index(step, out.n_steps, name="step", what="step")
     if getattr(out, "sampler", None) in BLOCK_SAMPLERS:
         state = state_at(out, s)
