@@ -19,7 +19,7 @@ from mdm_lens import validate
 from mdm_lens.diffusion import arm, diffusion_gemma, dream, llada, registry  # noqa: F401  (each registers itself)
 from mdm_lens.diffusion import llada2, sdar  # noqa: F401  (block diffusion: LLaDA2.x, SDAR)
 from mdm_lens.diffusion import fastdllm_v2  # noqa: F401  (block diffusion: Fast-dLLM v2)
-from mdm_lens.diffusion import dreamon  # noqa: F401  (variable-length: DreamOn)
+from mdm_lens.diffusion import dreamon, indel  # noqa: F401  (variable-length: DreamOn, LLaDA2.2 InDel)
 from mdm_lens.diffusion.canvas import CanvasSampler, Plan
 from mdm_lens.diffusion.output import GenerateOutput
 from mdm_lens.diffusion.registry import Observation

@@ -93,9 +93,10 @@ def _length_state(out: Any, s: int, phase: str) -> DenoisingState:
                                  argument="phase", value=phase, allowed="'cond'")
     f = out.trajectory.forwards[s]
     extra = dict(f["extra"], n_run=out.trajectory.n_steps)
-    return DenoisingState(s, f["n_steps"], f["block"], f["n_blocks"], f["x"].clone(), f["masked"].clone(),
-                          f["prompt"].clone(), torch.ones_like(f["masked"]), f["block_slice"], extra=extra,
-                          slot=f["slot"].clone(), n_original=out.trajectory.length.n_original)
+    state = DenoisingState(s, f["n_steps"], f["block"], f["n_blocks"], f["x"].clone(), f["masked"].clone(),
+                           f["prompt"].clone(), torch.ones_like(f["masked"]), f["block_slice"], extra=extra,
+                           slot=f["slot"].clone(), n_original=out.trajectory.length.n_original)
+    return state.computes(0, int(extra["query_end"])) if "query_end" in extra else state
 
 
 def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
@@ -149,6 +150,10 @@ def step_inputs(out: Any, model: Any, step: int, phase: str = "cond") -> tuple[D
         if value is not None:
             setattr(state, name, value.to(device))
     if getattr(out.trajectory, "length", None) is not None:  # variable-length: the step's own window, unpadded
+        if "query_end" in state.extra:  # InDel: the canvas prefix up to the block's end, block-causal
+            end = int(state.extra["query_end"])
+            return state, state.x[:, :end], {"position_ids": torch.arange(end, device=device)[None],
+                                             "block_length": state.extra["block_length"]}
         return state, state.x, {}
     if out.sampler in BLOCK_SAMPLERS:  # the canvas up to the forward's end, block-causal (module docstring)
         end = int(state.extra["query_end"])

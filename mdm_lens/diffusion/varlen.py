@@ -24,7 +24,7 @@ from torch import Tensor
 
 from mdm_lens.errors import SamplerConfigError
 
-REMOVED_HOW = {0: "present", 1: "deleted", 2: "replaced"}  # codes of LengthTrace.removed_how
+REMOVED_HOW = {0: "present", 1: "deleted", 2: "replaced", 3: "truncated"}  # codes of LengthTrace.removed_how
 
 
 class Slots:
@@ -71,7 +71,7 @@ class LengthTrace:
     commit_token: Int[Tensor, "batch slot"]  # the token it was committed as (−1: prompt / never)
     n_commits: Int[Tensor, "batch slot"]  # mask → token commits of the slot (0 or 1: a slot is masked once)
     removed_step: Int[Tensor, "batch slot"]  # step after which the slot left the canvas; −1: still there
-    removed_how: Int[Tensor, "batch slot"]  # REMOVED_HOW code: 0 present, 1 deleted, 2 replaced (expansion)
+    removed_how: Int[Tensor, "batch slot"]  # REMOVED_HOW: 0 present, 1 deleted, 2 replaced (expansion), 3 truncated
     edit_steps: list[list[int]] | None = None  # InDel: per slot, the steps that rewrote its token (T2T edits)
 
     @property
@@ -126,7 +126,7 @@ class LengthRecorder:
                                   masked=state.masked.detach().cpu().clone(),
                                   prompt=state.prompt.detach().cpu().clone(), n_steps=state.n_steps,
                                   block=state.block, n_blocks=state.n_blocks, block_slice=state.block_slice,
-                                  extra={k: v for k, v in state.extra.items() if k in ("kind", "block_length")}))
+                                  extra={k: v for k, v in state.extra.items() if k in ("kind", "block_length", "query_start", "query_end")}))
 
     def commit(self, step: int, slot: int, token: int, confidence: float = float("nan")) -> None:
         self.n_commits[slot] = self.n_commits.get(slot, 0) + 1
