@@ -215,7 +215,7 @@ def test_replay_reproduces_the_logits_each_step_read():
         out.replay(model, s, fwd_hooks=[("blocks.1.hook_resid_post", lambda t, hook: again.setdefault(s, t))])
         assert torch.allclose(again[s], got[s], atol=1e-5, rtol=1e-5)
         assert torch.equal(out.state_at(s).origin, out.trajectory.length.origin_steps[s, :, :got[s].shape[1]])
-    with pytest.raises(SamplerConfigError, match="changed its canvas length"):
+    with pytest.raises(SamplerConfigError, match="inserted and deleted rows mid-run"):
         require_fixed_length(out, "probe X")
 
 

@@ -195,6 +195,7 @@ class DreamOnSampler(Sampler):
     """`generate(model, prefix, sampler="dreamon", suffix=...)` on a Dream-family model with an expand token."""
 
     name, Settings = "dreamon", DreamOnSettings
+    variable_length = True  # rows are inserted / deleted: consumers check it (varlen.refuse_variable_sampler)
     # do-nothing values, so one set of keywords may go to every sampler (registry.Sampler.neutral)
     neutral = dict(top_p=None, top_k=None, alg_temp=None)
 

@@ -270,6 +270,7 @@ class InDelSampler(AlignedBlockSampler):
     """`generate(model, prompt, sampler="indel")` on a LLaDA2.x model with DELETE / SPLIT ids."""
 
     name, Settings = "indel", InDelSettings
+    variable_length = True  # rows are inserted / deleted: consumers check it (varlen.refuse_variable_sampler)
     whole_canvas = True
 
     def check_model(self, model: Any) -> None:

@@ -22,6 +22,7 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
+from mdm_lens.diffusion.fixed_length import refuse_variable_sampler, require_fixed_length  # noqa: F401
 from mdm_lens.errors import SamplerConfigError
 
 REMOVED_HOW = {0: "present", 1: "deleted", 2: "replaced", 3: "truncated"}  # codes of LengthTrace.removed_how
@@ -172,17 +173,3 @@ class LengthRecorder:
         return Trajectory(torch.stack(self.x_steps), commit[:, final[0]], conf[:, final[0]],
                           torch.tensor(self.n_committed, dtype=torch.long)[:, None], blocks,
                           forwards=self.forwards, length=trace)
-
-
-def require_fixed_length(out: Any, what: str, would: str = "") -> None:
-    """Refuse a variable-length run where a consumer assumes canvas column j is one position at every step."""
-    trace = getattr(getattr(out, "trajectory", None), "length", None)
-    if trace is None:
-        return
-    widths = sorted(set(trace.widths.tolist()))
-    raise SamplerConfigError(
-        f"{what} reads canvas column j as one position across steps, but this {out.sampler!r} run changed its "
-        f"canvas length mid-run (widths {widths[:6]}{' …' if len(widths) > 6 else ''}; rows were inserted and "
-        f"deleted){': ' + would if would else ''}. Positions that did not exist at a step have no value there. "
-        "Map columns to original positions with out.trajectory.length.origin_steps (−1: inserted), or use a "
-        "fixed-length sampler.", argument="out", value=out.sampler, allowed="a fixed-length run")
