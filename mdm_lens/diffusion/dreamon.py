@@ -96,6 +96,11 @@ def expand_token_id(model: Any) -> int:
 
 
 def _eos(model: Any) -> int:
+    """The tokenizer's EOS, which deletes and closes the canvas: `cfg.extra["delete_token_id"]` (the loader reads
+    it from a DreamOn checkpoint's tokenizer files, mdm_lens.loading.dreamon), else `cfg.eos_token_id`."""
+    if model.cfg.extra.get("delete_token_id") is not None:
+        return validate.integer(model.cfg.extra["delete_token_id"], name="cfg.extra['delete_token_id']", min=0,
+                                max=model.cfg.d_vocab - 1, error=SamplerConfigError)
     if model.cfg.eos_token_id is None:
         raise SamplerConfigError("sampler 'dreamon' deletes at EOS and closes the canvas with it; this model has no "
                                  "cfg.eos_token_id.", argument="eos_token_id", value=None, allowed="a token id")
