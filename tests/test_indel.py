@@ -65,8 +65,20 @@ def test_indel_matches_the_reference_token_for_token(folder, boost, eos_boost, k
     assert out.answer_length == [int(eos[0, 0]) + 1 if len(eos) else kw["gen_length"]]
 
 
-def test_the_exact_cases_exercise_deletion_insertion_truncation_and_eos(folder):
-    hows, inserted, stopped = [], 0, False
+def test_the_exact_cases_exercise_deletion_insertion_truncation_and_eos(folder, monkeypatch):
+    import mdm_lens.diffusion.indel as indel
+
+    hows, inserted, stopped, calls = [], 0, False, {"anti_loop": 0, "scrubbed_rows": 0}
+    plain = indel._without
+
+    def counting(logits, x, rows, banned):  # rows None: the anti-loop resample; else the post-edit scrub
+        if rows is None:
+            calls["anti_loop"] += 1
+        else:
+            calls["scrubbed_rows"] += int(rows.sum())
+        return plain(logits, x, rows, banned)
+
+    monkeypatch.setattr(indel, "_without", counting)
     for boost, eos_boost, kw in CASES:
         out = indel_model(folder, boost, eos_boost).generate(PROMPT, sampler="indel", **kw)
         L = out.trajectory.length
@@ -75,6 +87,7 @@ def test_the_exact_cases_exercise_deletion_insertion_truncation_and_eos(folder):
         stopped |= bool((out.tokens[0, PROMPT.shape[1]:] == MASK_ID).any()) and out.answer_length[0] < kw["gen_length"]
     how = torch.cat(hows)
     assert int((how == 1).sum()) >= 10 and int((how == 3).sum()) >= 5 and inserted >= 20 and stopped
+    assert calls["anti_loop"] >= 3 and calls["scrubbed_rows"] >= 10  # both rare branches are in the exact cases
 
 
 def _planted(model, plan):
