@@ -23,9 +23,9 @@ Decoding stops after a block whose generated part holds EOS; `out.answer_length`
 SPLIT id are refused (the reference would decode / apply them).
 
 Exactness notes. SGLang forwards each block against a KV cache of the earlier blocks; this sampler forwards the
-canvas prefix as LLaDA2's `generate` does (the same keys under a block-causal mask, provided the cache holds the
-final tokens of each block [I]: at the pinned commit the last forward of a block precedes its last write, later
-SGLang adds a "persist" forward). SGLang's first forward of a block that holds no mask, and the forward after the
+canvas prefix as LLaDA2's `generate` does: the same keys under a block-causal mask when the cache holds each
+block's final tokens. Whether it does at the pinned commit is [U] (there a block's last forward precedes its last
+write; later SGLang adds a "persist" forward so that it does). SGLang's first forward of a block that holds no mask, and the forward after the
 step budget is spent, read logits nobody uses: they are not run here. Rows move, so the run is variable-length
 (`mdm_lens.diffusion.varlen`): `model.state.slot` / `.origin` name each column, `out.trajectory.length` keeps every
 step's slot map (canvas width is constant, the rows are not), `state.extra` carries this step's `edited` (T2T),
