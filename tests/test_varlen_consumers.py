@@ -124,15 +124,23 @@ def test_linear_probe_features_stack_only_steps_with_the_same_rows(dreamon_run):
 
 
 def test_router_stats_follow_each_steps_prompt_rows(folder):  # noqa: F811
+    """DreamOn's loop on a MoE model (the LLaDA2 checkpoint read as shifted, with an expand id): its prompt is the
+    prefix AND the suffix + EOS, wherever the span's growth put them; the router's prompt / canvas classes count
+    those slots at every step (a prefix-only rule would count 5 prompt rows)."""
     from mdm_lens.probes.router import router_stats
 
-    model = indel_model(folder, 2.0)
-    out = model.generate(PROMPT, sampler="indel", gen_length=10, max_post_edit_steps=3)
-    table = router_stats(model, out, steps=[0, out.n_steps - 1]).table
-    pos = table[table.metric == "positions"]
-    for s in (0, out.n_steps - 1):
-        state = out.state_at(s)
-        end = int(state.extra["query_end"])
+    model = indel_model(folder, 1.0)
+    model.cfg.logit_shift = True
+    model.cfg.extra["expand_token_id"] = 95
+    with torch.no_grad():
+        model.unembed.weight[95] *= 3
+        model.unembed.weight[98] *= 2
+    out = model.generate(PROMPT, sampler="dreamon", suffix=[7, 30, 8], steps=20, min_gen_len=3, max_gen_len=8)
+    widths = out.trajectory.length.widths.tolist()
+    last = out.n_steps - 1
+    assert widths[0] != widths[last]
+    pos = router_stats(model, out, steps=[0, last]).table
+    pos = pos[pos.metric == "positions"]
+    for s in (0, last):
         got = dict(zip(pos[pos.step == s]["class"], pos[pos.step == s].value))  # the same in every MoE layer
-        n_prompt = int(state.prompt[0, :end].sum())
-        assert (got["prompt"], got["canvas"]) == (n_prompt, end - n_prompt) and n_prompt == PROMPT.shape[1]
+        assert (got["prompt"], got["canvas"]) == (PROMPT.shape[1] + 3 + 1, widths[s] - PROMPT.shape[1] - 4)
