@@ -129,7 +129,10 @@ class BlockRecorder:
 
 class AlignedBlockSampler(CanvasSampler):
     """A block-diffusion sampler over the aligned canvas (see the module docstring). Subclasses give
-    `block_plan(s, first, num_blocks)` and `run(...)`, which returns (canvas, recorder, answer lengths)."""
+    `block_plan(s, first, num_blocks)` and `run(...)`, which returns (canvas, recorder, answer lengths).
+    `whole_canvas`: `out.tokens` is the whole block canvas (a variable-length run's trajectory covers all of it)."""
+
+    whole_canvas = False
 
     def is_neutral(self, option: str, value: Any, given: dict[str, Any]) -> bool:
         gen_length = given.get("gen_length")
@@ -188,7 +191,7 @@ class AlignedBlockSampler(CanvasSampler):
         runner.warn_unreached(len(recorder.x_steps))
         records, meta = runner.records()
         n = prompt_length + s.gen_length
-        tokens = x[:, :n]
+        tokens = x if self.whole_canvas else x[:, :n]
         # the returned span: up to the answer's end (LLaDA2: its first EOS) and the last block a forward decoded
         # (blocks after a stop rule never ran: their masks are the reference's output, not a failed block)
         decoded = max((f["block_slice"].stop for f in recorder.forwards if f["block_slice"] is not None), default=n)

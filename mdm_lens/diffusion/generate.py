@@ -22,6 +22,7 @@ from mdm_lens.diffusion import fastdllm_v2  # noqa: F401  (block diffusion: Fast
 from mdm_lens.diffusion import ddit  # noqa: F401  (MDLM, Duo)
 from mdm_lens.diffusion import nemotron  # noqa: F401  (Nemotron-Labs-Diffusion: block diffusion + AR mode)
 from mdm_lens.diffusion import coda, rnd1  # noqa: F401  (CoDA, RND1)
+from mdm_lens.diffusion import dreamon, indel  # noqa: F401  (variable-length: DreamOn, LLaDA2.2 InDel)
 from mdm_lens.diffusion.canvas import CanvasSampler, Plan
 from mdm_lens.diffusion.output import GenerateOutput
 from mdm_lens.diffusion.registry import Observation

@@ -40,6 +40,10 @@ class Trajectory:
     # key columns (`DenoisingState.query_rows` / `key_cols`) and, where the sampler sets them otherwise than
     # `replay` would rebuild them (fastdllm_v2), its masked / prompt / key_visible sets
     forwards: list[dict] | None = None
+    # variable-length samplers only (dreamon, indel; None elsewhere): the slot map of every step's canvas and
+    # each slot's commit / removal (mdm_lens.diffusion.varlen.LengthTrace). There x_steps[s] column j is a column of
+    # step s's canvas (−1 beyond it), not one position across steps; commit_step indexes the final tokens.
+    length: Any = None
 
     @property
     def n_steps(self) -> int:

@@ -86,7 +86,23 @@ def _block_state(out: Any, s: int, phase: str) -> DenoisingState:
     return state.computes(0, int(extra["query_end"]))
 
 
+def _length_state(out: Any, s: int, phase: str) -> DenoisingState:
+    """A variable-length run's state at step s: its canvas that step (the window it forwarded) and slot map."""
+    if validate.choice(phase, ("cond", "uncond"), name="phase") != "cond":
+        raise SamplerConfigError(f"phase={phase!r}: sampler={out.sampler!r} runs one forward per step (no CFG).",
+                                 argument="phase", value=phase, allowed="'cond'")
+    f = out.trajectory.forwards[s]
+    extra = dict(f["extra"], n_run=out.trajectory.n_steps)
+    state = DenoisingState(s, f["n_steps"], f["block"], f["n_blocks"], f["x"].clone(), f["masked"].clone(),
+                           f["prompt"].clone(), torch.ones_like(f["masked"]), f["block_slice"], extra=extra,
+                           slot=f["slot"].clone(), n_original=out.trajectory.length.n_original)
+    return state.computes(0, int(extra["query_end"])) if "query_end" in extra else state
+
+
 def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
+    if getattr(out.trajectory, "length", None) is not None:
+        n = out.trajectory.n_steps
+        return _length_state(out, validate.index(step, n, name="step", what=f"step of this {n}-step run"), phase)
     if out.sampler in BLOCK_SAMPLERS:
         n = out.trajectory.n_steps
         return _block_state(out, validate.index(step, n, name="step", what=f"step of this {n}-step run"), phase)
@@ -129,10 +145,16 @@ def step_inputs(out: Any, model: Any, step: int, phase: str = "cond") -> tuple[D
     out.check_model(model)
     state = state_at(out, step, phase)
     device = model.input_device
-    for name in ("x", "masked", "prompt", "key_visible", "query_position"):
+    for name in ("x", "masked", "prompt", "key_visible", "query_position", "slot"):
         value = getattr(state, name)
         if value is not None:
             setattr(state, name, value.to(device))
+    if getattr(out.trajectory, "length", None) is not None:  # variable-length: the step's own window, unpadded
+        if "query_end" in state.extra:  # InDel: the canvas prefix up to the block's end, block-causal
+            end = int(state.extra["query_end"])
+            return state, state.x[:, :end], {"position_ids": torch.arange(end, device=device)[None],
+                                             "block_length": state.extra["block_length"]}
+        return state, state.x, {}
     if out.sampler in BLOCK_SAMPLERS:  # the canvas up to the forward's end, block-causal (module docstring)
         end = int(state.extra["query_end"])
         kwargs = {"position_ids": torch.arange(end, device=device)[None],

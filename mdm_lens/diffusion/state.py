@@ -12,7 +12,14 @@ computes, in the order hooks see them (row r of a hooked tensor is position `que
 of `x`. Positions are indices into the state's canvas `x`: the absolute sequence positions for every `HookedMDM`
 sampler (prompt at 0, left pads included); DiffusionGemma's decoder canvas starts at `block_slice.start` of its
 sequence. Pad positions are computed rows like any other: consumers drop them through `key_visible`.
-`query_positions` / `key_positions` give the same facts as `[batch, rows]` / `[batch, keys]` index tensors."""
+`query_positions` / `key_positions` give the same facts as `[batch, rows]` / `[batch, keys]` index tensors.
+
+Variable-length runs (DreamOn's expand / delete, LLaDA2.2's InDel: `mdm_lens.diffusion.varlen`) insert and remove
+rows mid-run, so column j of `x` is not the same token slot at every step. `slot` names each column's slot (an id
+that follows the token through every shift: the slots of step 0's canvas are their positions `0..n_original-1`,
+inserted rows get `n_original, n_original+1, ...` in creation order) and `origin` maps each column to its ORIGINAL
+position (step 0's canvas), −1 for an inserted row. Fixed-length runs leave `slot` None: `origin` is then the
+identity."""
 
 from __future__ import annotations
 
@@ -45,6 +52,19 @@ class DenoisingState:
     extra: dict = field(default_factory=dict)
     query_rows: slice | None = None  # canvas positions whose rows this forward computes (None: all of x)
     key_cols: slice | None = None  # canvas positions its attention keys cover, cached ones included (None: all)
+    slot: Int[Tensor, "batch pos"] | None = None  # variable-length runs: the slot id of each column of x
+    n_original: int | None = None  # variable-length runs: the width of step 0's canvas (slots below it are original)
+
+    @property
+    def variable_length(self) -> bool:
+        return self.slot is not None
+
+    @property
+    def origin(self) -> Int[Tensor, "batch pos"]:
+        """Each column's position in step 0's canvas; −1 for a row inserted during the run (module docstring)."""
+        if self.slot is None:
+            return torch.arange(self.x.shape[1], device=self.x.device).expand(self.x.shape[0], -1)
+        return torch.where(self.slot < int(self.n_original), self.slot, torch.full_like(self.slot, -1))
 
     def computes(self, lo: int, hi: int, key_end: int | None = None) -> "DenoisingState":
         """Set the forward's rows to positions [lo, hi) and its keys to [0, key_end) (default [0, hi));

@@ -54,6 +54,7 @@ class StepRunner:
         if len(set(names)) != len(names):
             raise InputError(f"two reducers share a record name ({names}); give one a name=.")
         self.cache = None if cache is None else TrajectoryCache.from_request(cache)
+        self.origins: dict[int, Tensor] = {}  # variable-length runs: step → original position of each row
 
     def begin(self, batch: int, max_pos: int, n_steps: int, *, n_blocks: int | None = None,
               phases: Sequence[str] | None = None) -> None:
@@ -131,6 +132,8 @@ class StepRunner:
         return logits
 
     def end_step(self, state: DenoisingState) -> None:
+        if state.variable_length:
+            self.origins[state.step] = state.origin.detach().cpu()
         for r in self.reducers:
             if r.active(state):
                 r.end_step(state)
@@ -141,7 +144,19 @@ class StepRunner:
             for key, value in r.results().items():
                 records[key] = value
                 meta[key] = r.meta
+                if self.origins:  # column k of a variable-length step is no fixed position: say which it is
+                    meta[key] = dict(meta[key], origin=self._origin_rows(r.steps_seen, int(r.max_pos)))
         return records, meta
+
+
+    def _origin_rows(self, steps: Sequence[int], width: int) -> Tensor:
+        """`[step, batch, pos]` original position of each record column (−1: inserted; −2: beyond that step's
+        canvas, where the records hold padding)."""
+        rows = []
+        for s in steps:
+            o = self.origins[s]
+            rows.append(torch.cat([o, o.new_full((o.shape[0], width - o.shape[1]), -2)], dim=1))
+        return torch.stack(rows)
 
 
 def check_logits(logits: Tensor, state: DenoisingState, hooked: Sequence[str] = ()) -> None:

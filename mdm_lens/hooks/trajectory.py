@@ -59,6 +59,8 @@ class TrajectoryCache:
         self._phases: dict[str, dict[int, dict[str, Tensor]]] = {}
         # per phase and step: (query rows, key columns, canvas width, non-pad set [batch, pos]) of its forward
         self._where: dict[str, dict[int, tuple[slice, slice, int, Tensor]]] = {}
+        # variable-length runs (DreamOn, InDel): per phase and step, the original position of each row (−1 inserted)
+        self._origin: dict[str, dict[int, Tensor]] = {}
         self.estimated_bytes = 0
         self.model: Any = None
 
@@ -80,6 +82,7 @@ class TrajectoryCache:
                                             self.budget_bytes)
         self._phases = {p: {} for p in self.when.phases}
         self._where = {p: {} for p in self.when.phases}
+        self._origin = {p: {} for p in self.when.phases}
 
     def active(self, state: DenoisingState) -> bool:
         return self.when.matches(state.step, state.n_steps, state.block, state.phase)
@@ -88,6 +91,9 @@ class TrajectoryCache:
         store = self._phases.setdefault(state.phase, {}).setdefault(state.step, {})
         self._where.setdefault(state.phase, {})[state.step] = (state.rows, state.keys, int(state.x.shape[1]),
                                                                state.key_visible.detach().bool().cpu())
+        if state.variable_length:  # slot ids: two inserted rows share origin −1 but are different tokens
+            self._origin.setdefault(state.phase, {})[state.step] = state.slot.detach().cpu()
+            self._n_original = int(state.n_original)
 
         def save(tensor: Tensor, hook: Any) -> None:
             store[hook.name] = tensor.detach().to(self.device)
@@ -161,6 +167,7 @@ class TrajectoryCache:
         steps = sorted(store)
         tensors = [store[s][name] for s in steps]
         where = self._where.get(self._phase(phase), {})
+        self._check_same_rows(name, steps, phase)
         if align:
             return aligned(name, tensors, [where[s] for s in steps], steps)
         moved = [(s, where[s][0]) for s in steps if s in where and where[s][0].start != 0]
@@ -183,6 +190,30 @@ class TrajectoryCache:
         return torch.stack(tensors)
 
     # --- positions ----------------------------------------------------------------------------------
+    def origin_of(self, step: int, phase: str | None = None) -> Tensor:
+        """`[batch, pos]`: the original position (step 0's canvas) of each row cached at `step`, −1 for a row
+        inserted during the run; the identity for a fixed-length run."""
+        self._where_of(step, phase)
+        slot = self._origin.get(self._phase(phase), {}).get(step)
+        if slot is None:
+            r = self.rows_of(step, phase)
+            return torch.arange(r.start, r.stop)[None]
+        return torch.where(slot < self._n_original, slot, torch.full_like(slot, -1))
+
+    def _check_same_rows(self, name: str, steps: list[int], phase: str | None) -> None:
+        """A variable-length run stacks only steps whose rows are the same slots (nothing inserted or deleted
+        between them); otherwise row k is a different token at different steps."""
+        origins = self._origin.get(self._phase(phase), {})
+        got = [origins[s] for s in steps if s in origins]
+        if not got or all(o.shape == got[0].shape and torch.equal(o, got[0]) for o in got):
+            return
+        widths = sorted({int(o.shape[1]) for o in got})
+        raise InputError(f"{name}: this run inserted or deleted rows between the cached steps (canvas widths "
+                         f"{widths}), so row k is not the same token at every step and a [step, ...] stack (padded "
+                         "or aligned) would mix tokens. Read cache[step] with cache.origin_of(step) (original "
+                         "position of each row, −1: inserted), or cache steps between which the length does not "
+                         "change.", argument="name", value=name, allowed="steps with the same rows")
+
     def _where_of(self, step: int, phase: str | None) -> tuple[slice, slice, int, Tensor]:
         where = self._where.get(self._phase(phase), {})
         if step not in where:

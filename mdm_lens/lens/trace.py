@@ -23,6 +23,10 @@ def _check_run(model: Any, out: Any) -> None:
     if not isinstance(out, GenerateOutput):
         raise ArgumentTypeError(f"out={validate.describe(out)} is not what model.generate returns.", argument="out",
                                 value=out, allowed="a GenerateOutput")
+    from mdm_lens.diffusion.fixed_length import require_fixed_length
+
+    require_fixed_length(out, "lens_trace", "the lens reads answer position p at every step, and a row inserted or "
+                         "deleted before p puts another token (or none) in that column at earlier steps")
     if out.causal or out.sampler not in MASKED_SAMPLERS:
         raise InputError(f"out is a {out.sampler!r} run; the lens over denoising steps reads masked diffusion runs "
                          f"(sampler one of {MASKED_SAMPLERS}): an autoregressive step has no masked canvas.",

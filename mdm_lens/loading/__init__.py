@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from mdm_lens.config import MDMConfig
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, CheckpointError, CheckpointNotFoundError, ConfigError
+from mdm_lens.loading.dreamon import apply_dreamon_tokens
 from mdm_lens.loading.diagnose import causes, listing, mismatch_report
 from mdm_lens.loading.families import family_config, family_of, family_plan
 from mdm_lens.loading.fastdllm_v2 import config_from_fastdllm_v2, is_fastdllm_v2
@@ -65,6 +66,7 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
         raise ConfigError(f"{path}: {e}") from e
     _apply_registry_facts(cfg, known, family)
     apply_special_tokens(cfg, folder, raw, family, known)
+    apply_dreamon_tokens(cfg, folder, family)  # after EOS: DreamOn deletes at the tokenizer's EOS
     return cfg, family
 
 

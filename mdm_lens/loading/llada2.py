@@ -78,7 +78,9 @@ def _check_routing(config: dict[str, Any]) -> None:
 
 def config_from_llada2(config: dict[str, Any], name: str, folder: Path) -> MDMConfig:
     from mdm_lens.loading.family_parts import dense_width, in_vocab, mask_token_id
+    from mdm_lens.loading.llada22 import apply_edit_tokens, check_llada22
 
+    check_llada22(config, name)  # LLaDA2.2's block routing: refused, its config facts are unknown
     if _get(config, "hidden_act") != "silu":
         raise ConfigError(f"LLaDA2 hidden_act={_get(config, 'hidden_act')!r}; only SiLU-gated MLPs are supported.")
     if _get(config, "rope_scaling"):
@@ -118,6 +120,7 @@ def config_from_llada2(config: dict[str, Any], name: str, folder: Path) -> MDMCo
         family="llada2_moe", model_name=name, extra=extra,
     )
     cfg.mask_token_id = mask_token_id(config, folder, cfg.d_vocab)
+    apply_edit_tokens(cfg, config)  # LLaDA2.2's InDel edit tokens, when config.json names them
     return cfg
 
 

@@ -115,6 +115,10 @@ def step_canvas(out: Any, step: int) -> tuple[Tensor, Tensor]:
     forward is the one the sampler ran, not one under the checkpoint's default block length.
 
     ``step`` in [-n_steps, n_steps) (negatives count from the end); out of range raises ``OutOfRangeError``."""
+    from mdm_lens.diffusion.fixed_length import require_fixed_length
+
+    require_fixed_length(out, "patching / knockout (step_canvas)", "a patched or knocked-out position would be a "
+                         "different token at another step; replay a step with out.replay(model, s) instead")
     s = validate.index(step, out.n_steps, name="step", what="step")
     if getattr(out, "sampler", None) in BLOCK_SAMPLERS:
         state = state_at(out, s)
@@ -144,6 +148,11 @@ def generate_final(model: Any, prompts: Sequence[Any], gen_length: int | None = 
     Returns ``(tokens [batch, T], attention_mask [batch, T], prompt_lengths)``; the layout the zoo twins
     were trained on (pads hidden as keys; a causal model never sees right padding).
     """
+    from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
+
+    refuse_variable_sampler(generate_kwargs, "generate_final (floating / absorption / qk / flow of final sequences)",
+                            "the final sequences would be scored with the item's fixed-length regions (prompt, "
+                            "answer span), which a variable-length run moves")
     prompts = [_tokens(p, f"prompts[{i}]")[0] for i, p in enumerate(_nonempty(prompts, "prompts"))]
     g = _optional_length(gen_length, "gen_length") or int(model.cfg.extra.get("gen_length", 4))
     steps = _optional_length(steps, "steps")

@@ -13,6 +13,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, OutOfRangeError
 
@@ -100,6 +101,8 @@ def mask_heads(model: Any, heads: Sequence[tuple[int, int]], method: Literal["ze
 def answer_accuracy(model: Any, items: Sequence[Any], fwd_hooks: Sequence[Any] = (), gen_length: int | None = None,
                     steps: int | None = None, seed: int = 0, decode: Any = None, **generate_kwargs: Any) -> float:
     """Mean :func:`answer_correct` of each item generated alone with ``fwd_hooks``."""
+    refuse_variable_sampler(generate_kwargs, 'answer_accuracy',
+                            "the answer would be read at fixed positions after the prompt, where a variable-length run's span has moved")
     items = _nonempty(items, "items")
     g = _optional_length(gen_length, "gen_length") or int(model.cfg.extra.get("gen_length", 4))
     steps = _optional_length(steps, "steps")

@@ -30,6 +30,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion.fixed_length import refuse_variable_sampler, require_fixed_length
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentTypeError, InputError
 
@@ -258,6 +259,10 @@ def attribution_patching(model: Any, out_or_clean: Any, corrupt: Any, *, steps: 
     or ``"denoising"`` (see the module docstring).  Refuses block-diffusion models (DiffusionGemma) and
     KV-cached runs (``InputError``), out-of-range steps and layers (``OutOfRangeError``).  A step that commits
     no position gets NaN estimates with reason :data:`NOTHING_COMMITTED`."""
+    refuse_variable_sampler(generate_kwargs, 'attribution_patching',
+                            'an attribution at column j would sum over different tokens across steps')
+    require_fixed_length(out_or_clean, 'attribution_patching', 'an attribution at column j would sum over '
+                         'different tokens across steps')
     require_single_stack(model, "attribution_patching", "it replays a step as one forward of the whole canvas.")
     comps = _components(components)
     validate.choice(direction, DIRECTIONS, name="direction")

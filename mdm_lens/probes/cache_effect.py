@@ -114,6 +114,10 @@ def cache_effect(model: Any, out: Any, *, layers: Sequence[int] | None = None, s
                  patch: bool = True, fwd_hooks: Sequence[Any] = ()) -> CacheEffect:
     """The cache's effect at each window step of the cached run `out` (see the module docstring); `steps` limits
     the steps (indices of the run), `fwd_hooks` are applied to every forward (e.g. the ones the run used)."""
+    from mdm_lens.diffusion.fixed_length import require_fixed_length
+
+    require_fixed_length(out, "cache_effect", "a window's cached keys would belong to rows that moved since they "
+                         "were cached")
     kv = out.settings.get("kv_cache") if hasattr(out, "settings") else None
     if kv not in MODES:
         raise InputError(f"cache_effect needs a KV-cached run (generate(..., kv_cache='prefix'|'dual')); this run "

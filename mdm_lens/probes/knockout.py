@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 from mdm_lens import validate
 from mdm_lens.errors import InputError
 from mdm_lens.hooks import at_steps
@@ -206,6 +207,8 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
     outside the run, ``ArgumentError`` / ``ArgumentTypeError`` for other invalid arguments, and
     ``NonFiniteError`` when the model's logits are NaN or inf.
     """
+    refuse_variable_sampler(generate_kwargs, 'knockout',
+                            'a knocked-out key column would be a different token at another step, and the answer positions scored at the end would not be the ones knocked out')
     dev = model.input_device
     prompt = C.prompt_batch(prompt_ids, "prompt_ids", dev)
     g = validate.integer(gen_length if gen_length is not None else model.cfg.extra.get("gen_length", 4),

@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 from mdm_lens.hooks import TopKKeys
 from mdm_lens.hooks.names import expand_names
 from mdm_lens.hooks.steps import _Bound
@@ -151,6 +152,8 @@ def retrieval_scores(model: Any, items: Sequence[Any], method: Method = "copy@co
     ``cfg.extra["gen_length"]``); ``fwd_hooks`` are passed to the sampler (and to the final forward of
     ``copy@final``).  ``only_correct=False`` scores every sample.
     """
+    refuse_variable_sampler(generate_kwargs, 'retrieval_scores',
+                            'a retrieval head would be scored on the key that held the copied token at its commit step, which has moved since')
     method = validate.choice(method, METHODS, name="method")
     if method == "wu" and model.cfg.attention != "causal":
         raise ArgumentError("method='wu' is Wu et al.'s autoregressive protocol; use copy@commit for an MDM.",

@@ -103,8 +103,8 @@ def router_stats(model: Any, out: Any, *, steps: Sequence[int] | None = None, la
         state = out.state_at(step)
         # a block run's replay covers the canvas up to its step's block end (`out.replay`): its positions only
         visible = state.key_visible[:, :got[names[0]].shape[1]].to(got[names[0]].device)
-        prompt = torch.zeros_like(visible)
-        prompt[:, :out.prompt_length] = True
+        # the step's own prompt rows: a variable-length run's prompt (DreamOn: prefix and suffix) follows its slots
+        prompt = state.prompt[:, :visible.shape[1]].to(visible.device) & torch.ones_like(visible)
         for l in chosen:
             rows.extend(_layer_rows(model.blocks[l].mlp, step, l, got, visible, prompt))
     table = pd.DataFrame(rows, columns=["step", "layer", "class", "expert", "metric", "value", "reason"])

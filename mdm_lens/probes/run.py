@@ -27,6 +27,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from mdm_lens import validate
+from mdm_lens.diffusion.fixed_length import require_fixed_length
 from mdm_lens.errors import ArgumentError, ArgumentTypeError
 
 from . import _checks as C
@@ -115,6 +116,9 @@ def _recorded_layer(layer: Any, rec_layers: list[int]) -> int:
 
 
 def _series(out: Any, layer: int | None, head: Any, record: str) -> tuple[Tensor, Tensor, list[int], list[int], tuple]:
+    require_fixed_length(out, "anchors_over_steps / drift_from_output", "the received-attention series of key "
+                         "column j would join different tokens across steps (a row inserted at step s would continue "
+                         "the series of the row it displaced), and anchor persistence would count those as one key")
     rec = _record(out, record)                                             # [step, batch, layer, head, key]
     # a block sampler's record covers its whole canvas; keys past prompt + gen_length (the last block's tail) are
     # canvas, not answer, and the trajectory (commit steps) stops there: they are left out here

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion.fixed_length import require_fixed_length
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, InputError, SamplerConfigError
 from mdm_lens.hooks.steps import as_steps
@@ -79,6 +80,8 @@ def _group_rows(model: Any, out: Any, item_ids: list[str], plan: Plan, positions
                store_dtype: str) -> dict[str, list]:
     """The rows of one `generate` output (its `TrajectoryCache` holds the plan's hooks at the chosen steps):
     per item, step, position, as numpy pieces per column."""
+    require_fixed_length(out, "export_activations", "its rows are keyed by (item, step, position) with the final "
+                         "token of that position, and a row inserted or deleted mid-run has no such position")
     x = out.trajectory.x_steps                                   # [step, batch, pos], canvas before each step
     cached = out.cache.steps
     step_t = torch.tensor(cached, dtype=torch.long)

@@ -27,6 +27,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion.fixed_length import require_fixed_length
 from mdm_lens import ReceivedAttention, tokenization
 from mdm_lens.errors import MemoryBudgetError
 from mdm_lens.probes import flow as F
@@ -105,7 +106,12 @@ def run_block_mask(model: Any, block_length: int | None) -> Iterator[None]:
 
 
 def generate(model: Any, ids: Tensor, am: Tensor, s: Settings, seed: int, record: list | None = None) -> Any:
-    return model.generate(ids, attention_mask=am, seed=seed, record=record or [], **_gen_kwargs(model, s))
+    """The batch's shared sampler run (the model's default sampler, always fixed-length today; checked, because
+    every table reads its columns as positions shared by all steps)."""
+    out = model.generate(ids, attention_mask=am, seed=seed, record=record or [], **_gen_kwargs(model, s))
+    require_fixed_length(out, "the sweep", "its tables key every step's values by canvas position, and a row "
+                         "inserted or deleted mid-run has no position shared by all steps")
+    return out
 
 
 def _strip(model: Any, out: Any, b: int, offset: int) -> tuple[Tensor, Tensor]:

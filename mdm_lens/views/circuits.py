@@ -51,13 +51,19 @@ def step_str_tokens(out: Any, step: int, model: Any = None, batch: int = 0, leng
     x = out.trajectory.x_steps[s]
     batch = validate.index(batch, x.shape[0], name="batch", what="batch row")
     ids = x[batch]
+    trace = getattr(out.trajectory, "length", None)
+    if trace is not None:  # a variable-length run: that step's own canvas, without the -1 columns past its width
+        ids = ids[:int(trace.widths[s])]
     if length is not None:
         ids = ids[:validate.integer(length, name="length", min=1, max=x.shape[1])]
     ids = [int(i) for i in ids]
     model = model if model is not None else getattr(getattr(out, "cache", None), "model", None)
     mask_id = getattr(getattr(model, "cfg", None), "mask_token_id", None)
     am = getattr(out, "attention_mask", None)
-    pad = [False] * len(ids) if am is None else [not bool(v) for v in am[batch, :len(ids)].tolist()]
+    # variable-length runs decode one unpadded row: the final attention mask says nothing of another step's columns
+    pad = [False] * len(ids)
+    if am is not None and trace is None:
+        pad = [not bool(v) for v in am[batch, :len(ids)].tolist()]
     pad += [False] * (len(ids) - len(pad))
     tok = getattr(model, "tokenizer", None)
     labels: list[str] = []

@@ -329,6 +329,11 @@ def explore(runs: Any, models: Any = None, *, item: int = 0, labels: Sequence[st
     max_steps = validate.integer(max_steps, name="max_steps", min=2)
     max_heads = validate.integer(max_heads, name="max_heads", min=1)
     max_pattern_positions = validate.integer(max_pattern_positions, name="max_pattern_positions", min=1)
+    from mdm_lens.diffusion.fixed_length import require_fixed_length
+
+    for r in runs:
+        require_fixed_length(r, "explore", "its slider draws column j of every step under one token label, so a row "
+                             "inserted at step s would be drawn under the token it displaced")
     for r, m in zip(runs, models):  # a tokenizer of another model would label this run's ids wrongly
         if m is not None:
             r.check_model(m, argument="models")
