@@ -308,6 +308,8 @@ def _item_char_spans(item: Any) -> list[F.CharSpan]:
     """BOS / docs (marker + sentence; the gold one kind ``gold``) / question cue / query / answer cue."""
     from mdm_lens import items as D
 
+    if hasattr(item, "check_spans"):  # again here: an item's fields may have been assigned after it was built
+        item.check_spans()
     p = item.prompt
     spans = [F.CharSpan("bos", 0, len(D.BOS), "bos")] if p.startswith(D.BOS) else []
     markers = item.marker_spans or [None] * len(item.passage_spans)
