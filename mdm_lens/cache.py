@@ -16,8 +16,9 @@ from typing import Any
 from torch import Tensor
 from transformer_lens import ActivationCache
 from transformer_lens.utilities import get_act_name
+from transformer_lens.utilities.slice import Slice
 
-from mdm_lens import validate
+from mdm_lens import cache_args, validate
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, HookNameError, OutOfRangeError
 
 __all__ = ["MDMActivationCache"]
@@ -66,19 +67,62 @@ class MDMActivationCache(ActivationCache):
                               f"= {n}) or an int in [0, {n}] for this {n}-layer model.", argument="layer",
                               value=layer, allowed=f"None, -1 or an int in [0, {n}]")
 
-    def accumulated_resid(self, layer: Any = None, *args: Any, **kwargs: Any) -> Any:
-        return super().accumulated_resid(self._resid_layer(layer, "accumulated_resid"), *args, **kwargs)
+    def _sizes(self) -> dict[str, int | None]:
+        """Axis lengths the ``*_slice`` arguments index: positions and batch from a residual-stream tensor."""
+        resid = next((v for k, v in self.cache_dict.items()
+                      if k.endswith(("hook_resid_pre", "hook_resid_post", "hook_resid_mid", "hook_embed"))), None)
+        pos = None if resid is None else int(resid.shape[-2])
+        batch = None if resid is None or not self.has_batch_dim else int(resid.shape[0])
+        return {"pos_slice": pos, "batch_slice": batch, "neuron_slice": getattr(self.model.cfg, "d_mlp", None)}
 
-    def decompose_resid(self, layer: Any = None, *args: Any, **kwargs: Any) -> Any:
-        return super().decompose_resid(self._resid_layer(layer, "decompose_resid"), *args, **kwargs)
+    def _checked(self, helper: str, args: tuple, kwargs: dict, layer: str | None = "layer") -> dict[str, Any]:
+        """`helper`'s arguments by name, each checked (`mdm_lens.cache_args`); `layer` as the residual helpers
+        take it (None, -1 or [0, n_layers]) when `layer` names it."""
+        arguments = cache_args.bind(getattr(ActivationCache, helper), helper, args, kwargs)
+        batch_slice = arguments.get("batch_slice")
+        if isinstance(batch_slice, Slice) and batch_slice.mode == "identity":  # TL's own internal calls
+            batch_slice = None
+        if batch_slice is not None and not self.has_batch_dim:
+            raise ArgumentError(f"{helper}(batch_slice={validate.describe(arguments['batch_slice'])}): this cache "
+                                "has no batch axis (remove_batch_dim=True).", argument="batch_slice",
+                                value=arguments["batch_slice"], allowed="None")
+        cache_args.check_common(arguments, helper, self._sizes())
+        if layer is not None and layer in arguments:
+            arguments[layer] = self._resid_layer(arguments[layer], helper)
+        return arguments
 
-    def get_full_resid_decomposition(self, layer: Any = None, *args: Any, **kwargs: Any) -> Any:
-        return super().get_full_resid_decomposition(self._resid_layer(layer, "get_full_resid_decomposition"),
-                                                    *args, **kwargs)
+    def accumulated_resid(self, *args: Any, **kwargs: Any) -> Any:
+        return super().accumulated_resid(**self._checked("accumulated_resid", args, kwargs))
+
+    def decompose_resid(self, *args: Any, **kwargs: Any) -> Any:
+        """TL's `decompose_resid`; `mode` must be "all", "attn" or "mlp" (TL reads any other value as "all")."""
+        return super().decompose_resid(**self._checked("decompose_resid", args, kwargs))
+
+    def get_full_resid_decomposition(self, *args: Any, **kwargs: Any) -> Any:
+        return super().get_full_resid_decomposition(**self._checked("get_full_resid_decomposition", args, kwargs))
+
+    def stack_head_results(self, *args: Any, **kwargs: Any) -> Any:
+        return super().stack_head_results(**self._checked("stack_head_results", args, kwargs))
+
+    def stack_neuron_results(self, *args: Any, **kwargs: Any) -> Any:
+        return super().stack_neuron_results(**self._checked("stack_neuron_results", args, kwargs))
+
+    def get_neuron_results(self, *args: Any, **kwargs: Any) -> Any:
+        arguments = self._checked("get_neuron_results", args, kwargs, layer=None)
+        arguments["layer"] = validate.index(arguments.get("layer"), self.model.cfg.n_layers, name="layer",
+                                            what="layer")
+        return super().get_neuron_results(**arguments)
+
+    def apply_ln_to_stack(self, *args: Any, **kwargs: Any) -> Any:
+        return super().apply_ln_to_stack(**self._checked("apply_ln_to_stack", args, kwargs))
+
+    def apply_slice_to_batch_dim(self, *args: Any, **kwargs: Any) -> Any:
+        return super().apply_slice_to_batch_dim(**self._checked("apply_slice_to_batch_dim", args, kwargs))
 
     def logit_attrs(self, residual_stack: Any, tokens: Any, incorrect_tokens: Any = None, *args: Any,
                     **kwargs: Any) -> Tensor:
-        """TL's logit attributions, with the stack checked first and a shape mismatch between the stack and the
+        """TL's logit attributions, with the stack checked first, every argument checked (slices against the
+        cached run), `incorrect_tokens` shaped like `tokens`, and a shape mismatch between the stack and the
         tokens named (TL lets torch's broadcasting fail with a bare ``RuntimeError`` deep inside)."""
         d_model = self.model.cfg.d_model
         validate.tensor(residual_stack, name="residual_stack", dtype="float")
@@ -87,8 +131,12 @@ class MDMActivationCache(ActivationCache):
                                 f"*batch_and_pos, d_model={d_model}] (e.g. from decompose_resid).",
                                 argument="residual_stack", value=residual_stack,
                                 allowed=f"[components, *batch_and_pos, {d_model}]")
+        tokens = validate.id_tensor(tokens, name="tokens")
+        incorrect_tokens = validate.id_tensor(incorrect_tokens, name="incorrect_tokens")
+        cache_args.check_token_shapes(tokens, incorrect_tokens)
+        arguments = self._checked("logit_attrs", (residual_stack, tokens, incorrect_tokens, *args), kwargs, None)
         try:
-            return super().logit_attrs(residual_stack, tokens, incorrect_tokens, *args, **kwargs)
+            return super().logit_attrs(**arguments)
         except RuntimeError as e:
             if "size of tensor" not in str(e) and "must match" not in str(e):
                 raise
@@ -97,6 +145,3 @@ class MDMActivationCache(ActivationCache):
                                 f"{tuple(residual_stack.shape)} (after pos_slice/batch_slice): pass one id, [batch], "
                                 "[pos], [1, pos] or [batch, pos] ids sliced like the stack.", argument="tokens",
                                 value=tokens, allowed="ids shaped like the stack's batch/pos axes") from e
-
-    def stack_head_results(self, layer: Any = -1, *args: Any, **kwargs: Any) -> Any:
-        return super().stack_head_results(self._resid_layer(layer, "stack_head_results"), *args, **kwargs)

@@ -62,6 +62,13 @@ def _check_incl_bwd(kwargs: dict[str, Any]) -> None:
     for logits, per-token losses and `return_type="both"` (a tuple), instead of a raw error after the forward."""
     if not validate.boolean(kwargs.get("incl_bwd", False), name="incl_bwd"):
         return
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        inference = torch.is_inference_mode_enabled()  # enable_grad() cannot undo inference_mode
+        mode, hint = ("torch.inference_mode()", "") if inference else ("torch.no_grad()",
+                                                                      " (or inside `with torch.enable_grad():`)")
+        raise InputError(f"incl_bwd=True needs gradients, but run_with_cache was called under {mode}: call it "
+                         f"outside that block{hint}.", argument="incl_bwd",
+                         value=True, allowed="incl_bwd=False under no_grad / inference_mode")
     rt, per_token = kwargs.get("return_type", "logits"), kwargs.get("loss_per_token", False)
     if rt != "loss" or per_token is not False:
         got = f"return_type={rt!r}" + (f", loss_per_token={per_token!r}" if per_token is not False else "")

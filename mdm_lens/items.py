@@ -87,9 +87,45 @@ class QAItem:
                              argument="gold_indices", value=gold, allowed=f"indices in [0, {len(self.passages)})")
         self.gold_indices = gold
         self.gold_index = gold[0] if gold else None
+        self.check_spans()
         if not self.answers and self.answer:
             self.answers = (self.answer,)
         self.answers = tuple(self.answers)
+
+    def check_spans(self) -> None:
+        """Every span a half-open (start, end) inside ``[0, len(prompt)]`` with start <= end, one passage span
+        (and one marker span, when there are any) per passage. Why here: regions are built from these offsets, and
+        a span past the prompt's end or one span for two passages silently merges or drops regions."""
+        n, k = len(self.prompt), len(self.passages)
+        for name, spans in (("passage_spans", self.passage_spans), ("marker_spans", self.marker_spans)):
+            if name == "passage_spans" or spans:
+                self._span_count(name, spans, k)
+            for i, span in enumerate(spans):
+                self._span(f"{name}[{i}]", span, n)
+        self._span("question_span", self.question_span, n)
+        if self.evidence_span is not None:
+            self._span("evidence_span", self.evidence_span, n)
+
+    def _label(self) -> str:
+        q = self.question if len(self.question) <= 40 else self.question[:37] + "..."
+        return f"item with question {q!r}"
+
+    def _span_count(self, name: str, spans: object, k: int) -> None:
+        if not isinstance(spans, (list, tuple)) or len(spans) != k:
+            got = len(spans) if isinstance(spans, (list, tuple)) else type(spans).__name__
+            raise InputError(f"{name} of the {self._label()} has {got} span(s) for its {k} passage(s): one span per "
+                             "passage.", argument=name, value=spans, allowed=f"{k} (start, end) spans")
+
+    def _span(self, name: str, span: object, n: int) -> None:
+        ok = isinstance(span, (tuple, list)) and len(span) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in span)
+        if ok and 0 <= span[0] <= span[1] <= n:
+            return
+        why = ("not a (start, end) pair of ints" if not ok else "reversed (start > end)" if span[0] > span[1]
+               else f"outside the prompt's {n} characters")
+        raise InputError(f"{name}={span!r} of the {self._label()} is invalid: {why}; spans are half-open character "
+                         f"offsets with 0 <= start <= end <= len(prompt) = {n}.", argument=name, value=span,
+                         allowed=f"(start, end) with 0 <= start <= end <= {n}")
 
     def token_spans(self, offsets: Sequence[tuple[int, int]]) -> dict[str, object]:
         """Half-open token ranges of every region for one tokenisation's per-token char ``offsets``:

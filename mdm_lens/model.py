@@ -152,10 +152,14 @@ class HookedMDM(CheckedHookSurface):
         return cls.from_pretrained(name_or_path, **kwargs)
 
     def process_weights_(self, fold_ln: bool = True, center_unembed: bool = True,
-                         fold_value_biases: bool = True) -> "HookedMDM":
+                         fold_value_biases: bool = True, **unknown: Any) -> "HookedMDM":
         """TL's weight processing in place, logits kept (see `mdm_lens.processing` for what each step changes,
-        which hook values change meaning, and what is refused)."""
+        which hook values change meaning, and what is refused). Any other keyword (TL's `center_writing_weights`,
+        a typo such as `fold_layernorm`) is an `ArgumentError` naming the nearest accepted one."""
+        from mdm_lens.loading.options import PROCESSING_FLAGS, check_pretrained_kwargs
         from mdm_lens.processing import process_weights_
+
+        check_pretrained_kwargs(unknown, "process_weights_", accepted=PROCESSING_FLAGS)
 
         return process_weights_(self, fold_ln, center_unembed, fold_value_biases)
 
@@ -365,6 +369,7 @@ class HookedMDM(CheckedHookSurface):
         is not folded (TL folds it by default; without it, attributions would not sum to the logits)."""
         if isinstance(tokens, str):
             tokens = self.to_single_token(tokens)
+        tokens = validate.id_tensor(tokens, name="tokens")  # ragged or empty lists: typed, and said so
         if not _id_like(tokens):
             raise InputTypeError(f"tokens={validate.describe(tokens)} is invalid: expected an int, a str, or an "
                                  "integer tensor / list of ids.", argument="tokens", value=tokens,

@@ -22,10 +22,10 @@ from typing import Any, Iterable, Sequence, TypeVar
 import torch
 from torch import Tensor
 
-from mdm_lens.errors import ArgumentError, ArgumentTypeError, NonFiniteError, OutOfRangeError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputTypeError, NonFiniteError, OutOfRangeError
 
 __all__ = ["index", "indices", "integer", "number", "boolean", "choice", "instances", "tensor", "finite",
-           "same_shape", "describe", "device"]
+           "same_shape", "describe", "device", "id_tensor"]
 
 T = TypeVar("T")
 
@@ -240,3 +240,20 @@ def device(value: Any, *, name: str = "device") -> torch.device:
     if dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         raise _fail(ArgumentError, name, value, "MPS is not available on this machine")
     return dev
+
+
+def id_tensor(value: Any, *, name: str) -> Tensor:
+    """Token ids given as a tensor or (nested) lists / tuples of ints, as a tensor; a ragged list
+    (``[[1, 2], [3]]``) is an `InputTypeError` naming `name`, an empty one an `ArgumentError` saying it is empty
+    (``torch.as_tensor([])`` would make a float tensor and blame the dtype). Anything else is returned as is,
+    for the caller's own type check."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise _fail(InputTypeError, name, value, "expected an int tensor or a rectangular (nested) list of ints",
+                    f"{err}; rows of different lengths need padding") from None
+    if t.numel() == 0:
+        raise _fail(ArgumentError, name, value, "expected at least one token id", "it is empty")
+    return t

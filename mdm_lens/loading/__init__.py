@@ -9,6 +9,7 @@ ever executed: `auto_map`/remote code is ignored, tensors come from safetensors 
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,17 @@ from mdm_lens.qk_attention import FAMILY_ARCHES
 from mdm_lens.loading.values import SCHEMAS, check_ids_in_vocab, check_raw
 
 
+def _missing_or_malformed(e: Exception, raw: dict, path: Path) -> ConfigError:
+    """Say "lacks the required key" when the error is a key the file does not have (a KeyError from a converter,
+    or MDMConfig's missing-argument TypeError), not "wrong type", which would send the user to the wrong key."""
+    missing = re.findall(r"'(\w+)'", str(e)) if isinstance(e, TypeError) and "required" in str(e) else (
+        [e.args[0]] if isinstance(e, KeyError) and e.args and e.args[0] not in raw else [])
+    if missing:
+        return ConfigError(f"{path} lacks the required key{'s' if len(missing) > 1 else ''} "
+                           f"{', '.join(map(str, missing))}: add it to config.json.")
+    return ConfigError(f"{path} has a setting of the wrong type or form ({type(e).__name__}: {e}).")
+
+
 def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMConfig, str]:
     path = folder / "config.json"
     if not path.exists():
@@ -58,8 +70,8 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
             check_raw(raw, SCHEMAS[family], path)
             cfg = _convert(raw, family, name, folder)
         check_ids_in_vocab(raw, cfg.d_vocab, path)
-    except (TypeError, KeyError) as e:  # a value of the wrong JSON type (e.g. "n_heads": "32")
-        raise ConfigError(f"{path} has a setting of the wrong type or form ({type(e).__name__}: {e}).") from e
+    except (TypeError, KeyError) as e:  # a missing key, or a value of the wrong JSON type (e.g. "n_heads": "32")
+        raise _missing_or_malformed(e, raw, path) from e
     except ConfigError as e:  # MDMConfig's own checks name the field; say which file it came from
         if str(path) in str(e):
             raise

@@ -23,18 +23,18 @@ TL_UNSUPPORTED = ("center_writing_weights", "refactor_factored_attn_matrices", "
                   "checkpoint_value", "default_prepend_bos", "default_padding_side", "n_ctx", "hf_cfg")
 
 
-def check_pretrained_kwargs(kwargs: dict[str, Any], where: str) -> None:
-    """Refuse keywords `where` does not take, naming the nearest accepted one."""
+def check_pretrained_kwargs(kwargs: dict[str, Any], where: str, accepted: tuple[str, ...] = ACCEPTED) -> None:
+    """Refuse keywords `where` does not take (`accepted`), naming the nearest accepted one."""
     for key in kwargs:
-        if key in ACCEPTED:
+        if key in accepted:
             continue
-        close = difflib.get_close_matches(key, ACCEPTED, n=1, cutoff=0.6)
+        close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
         hint = f" Did you mean {close[0]}=?" if close else ""
         tl = (" It is a TransformerLens option mdm_lens does not implement (its processing is fold_ln, "
               "center_unembed, fold_value_biases; see mdm_lens.processing).") if key in TL_UNSUPPORTED else ""
         raise ArgumentError(f"{where}() got an unknown keyword {key}={validate.describe(kwargs[key])}.{hint}{tl} "
-                            f"Accepted: {', '.join(ACCEPTED)}.", argument=key, value=kwargs[key],
-                            allowed=", ".join(ACCEPTED))
+                            f"Accepted: {', '.join(accepted)}.", argument=key, value=kwargs[key],
+                            allowed=", ".join(accepted))
 
 
 def processing_flags(fold_ln: Any, center_unembed: Any, fold_value_biases: Any) -> dict[str, bool]:

@@ -93,6 +93,8 @@ def from_qa_item(item: Any, tokenizer: Any = None) -> RetrievalItem:
         raise ArgumentError("tokenizer=None is invalid: a QAItem is text, so from_qa_item needs the tokenizer of "
                             "the model it is for (tokenizer=model.tokenizer).", argument="tokenizer", value=None,
                             allowed="a tokenizers.Tokenizer or transformers tokenizer")
+    if hasattr(item, "check_spans"):  # fields assigned after construction are checked too
+        item.check_spans()
     ids, off = encode_with_offsets(tokenizer, item.prompt)
     ev = [] if item.evidence_span is None else [char_span_to_token_span(off, item.evidence_span)]
     gold = None

@@ -48,6 +48,7 @@ from mdm_lens.errors import InputError
 from mdm_lens.hooks import at_steps
 
 from . import _causal as C
+from ._ignored import refuse_ignored
 from ._results import ResultMixin
 from .retrieval import _decode, answer_correct
 from ._runtools import is_block_diffusion
@@ -223,6 +224,8 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
     else:
         # [] cuts nothing: a no-op control whose values equal clean exactly (the scoring path is the same)
         targets = validate.indices(targets, P + g, name="targets", what="position", allow_empty=True)
+        refuse_ignored("rule", rule, "zscore", by="targets", by_value=targets, why="rule picks the anchors (and the "
+                       "random control's count) only when targets='anchors' or 'random'")
     validate.choice(queries, C.QUERIES, name="queries")
     n_random = validate.integer(n_random, name="n_random", min=0)
     seed = validate.integer(seed, name="seed")

@@ -44,6 +44,7 @@ from mdm_lens.errors import ArgumentError
 
 from . import _causal as C
 from ._causal import anchor_mask_from_scores
+from ._ignored import refuse_ignored
 from ._results import ResultMixin
 from .knockout import ANSWER_METRICS, KnockoutHooks, KnockoutResult, knockout
 from ._runtools import require_single_stack
@@ -244,6 +245,8 @@ def patch_anchor_activations(model: Any, clean_ids: Any, corrupt_ids: Any, *, st
     pair = matched_canvases(clean, corrupt_p, s, model=model)
     if not isinstance(positions, str):
         positions = validate.indices(positions, pair.clean.shape[1], name="positions", what="position")
+        refuse_ignored("rule", rule, "zscore", by="positions", by_value=positions, why="rule picks the anchors only "
+                       "when positions='anchors'")
     else:
         validate.choice(positions, ("anchors",), name="positions")
     committed = pair.committed

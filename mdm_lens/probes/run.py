@@ -36,6 +36,7 @@ from ._runtools import (_attention_mask, _batch, _nonempty, _optional_length, _t
                         is_block_diffusion, is_causal, layer_list, readout_shift, sequence_view, step_canvas,
                         step_forward_kwargs)
 from . import floating, qk
+from ._ignored import refuse_ignored
 from ._results import ResultMixin, to_numpy
 
 __all__ = ["final_attention", "absorption_by_layer", "AbsorptionByLayer", "anchors_over_steps", "StepAnchors",
@@ -251,6 +252,9 @@ def qk_at_layer(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, anchor
     rule = validate.choice(rule, ("top1",) + floating.RULES, name="rule")
     am = _attention_mask(attention_mask, tokens)
     kv = None if am is None else am.bool()
+    if anchor is not None:  # a named rule or explicit positions: `rule` would pick nothing
+        refuse_ignored("rule", rule, "top1", by="anchor", by_value=anchor if isinstance(anchor, (str, int)) else validate.describe(anchor),
+                       why="rule picks the anchor only when anchor=None")
     if isinstance(anchor, str):
         anchor = validate.choice(anchor, ("top1",) + floating.RULES, name="anchor")
     elif anchor is not None and not isinstance(anchor, Tensor):
@@ -312,6 +316,8 @@ def _item_char_spans(item: Any) -> list[F.CharSpan]:
     """BOS / docs (marker + sentence; the gold one kind ``gold``) / question cue / query / answer cue."""
     from mdm_lens import items as D
 
+    if hasattr(item, "check_spans"):  # again here: an item's fields may have been assigned after it was built
+        item.check_spans()
     p = item.prompt
     spans = [F.CharSpan("bos", 0, len(D.BOS), "bos")] if p.startswith(D.BOS) else []
     markers = item.marker_spans or [None] * len(item.passage_spans)

@@ -231,6 +231,9 @@ def read_items(path: str | Path, skip_bad: bool = False) -> ReadResult:
     must be unique. A bad line (not UTF-8, not json, not an item, a duplicate id) raises `InputError` naming the
     file and line, or with `skip_bad` is recorded in `skipped` with its reason."""
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"--data {str(path)!r} is a directory: expected a .jsonl file.", argument="data",
+                         value=str(path), allowed="a .jsonl file")
     if not path.is_file():
         raise InputError(f"--data {str(path)!r}: no such file.", argument="data", value=str(path))
     items, skipped, seen = [], [], {}
