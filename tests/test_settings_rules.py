@@ -38,7 +38,7 @@ def _settings(sampler, given):
 
 
 def test_every_setting_of_every_sampler_has_a_rule():
-    assert len(SAMPLERS) == 9 and len(FIELDS) > 70  # + mdlm, duo (mdm_lens.diffusion.ddit)
+    assert len(SAMPLERS) == 11 and len(FIELDS) > 70  # + mdlm, duo (diffusion.ddit), bd3lm, gidd
     assert {s.name: rules.undeclared(s.Settings) for s in SAMPLERS} == {s.name: [] for s in SAMPLERS}
 
 

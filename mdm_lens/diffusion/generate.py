@@ -20,6 +20,7 @@ from mdm_lens.diffusion import arm, diffusion_gemma, dream, llada, registry  # n
 from mdm_lens.diffusion import llada2, sdar  # noqa: F401  (block diffusion: LLaDA2.x, SDAR)
 from mdm_lens.diffusion import fastdllm_v2  # noqa: F401  (block diffusion: Fast-dLLM v2)
 from mdm_lens.diffusion import ddit  # noqa: F401  (MDLM, Duo)
+from mdm_lens.diffusion import bd3lm, gidd  # noqa: F401  (BD3LM, GIDD)
 from mdm_lens.diffusion.canvas import CanvasSampler, Plan
 from mdm_lens.diffusion.output import GenerateOutput
 from mdm_lens.diffusion.registry import Observation
@@ -37,7 +38,7 @@ def default_sampler(model: Any) -> str:
         return "sdar"
     if model.cfg.family == "fastdllm_v2":
         return "fastdllm_v2"
-    if model.cfg.family in ("mdlm", "duo"):
+    if model.cfg.family in ("mdlm", "duo", "bd3lm", "gidd"):
         return model.cfg.family
     if model.cfg.attention == "causal":
         return "arm"
