@@ -195,7 +195,8 @@ def test_kv_cached_sampling_equals_recomputing_and_states_name_rows_and_keys(bd3
 
     def spy(x, hook):
         s = model.state
-        seen.append((s.block, s.query_rows, s.key_cols, s.extra["kv_store"], float(s.extra["sigma"][0])))
+        seen.append((s.block, s.query_rows, s.key_cols, s.extra["kv_store"], float(s.extra["sigma"][0]),
+                     float(s.extra["t"][0])))
 
     p = torch.tensor([[7, 3]])
     plain = model.generate(p, gen_length=14, steps=8, seed=2)
@@ -205,8 +206,10 @@ def test_kv_cached_sampling_equals_recomputing_and_states_name_rows_and_keys(bd3
     stores = [s for s in seen if s[3]]
     assert [s[0] for s in stores] == [0, 1, 2, 3]
     assert stores[2][1:3] == (slice(8, 12), slice(0, 12))
-    sig = [s[4] for s in seen if s[0] == 1 and not s[3]]
-    assert all(a > 0 for a in sig)  # first hitting: t < 1 → σ = −log(1 − t) > 0, per step
+    steps = [s for s in seen if s[0] == 1 and not s[3]]
+    for _, _, _, _, sigma, t in steps:  # first hitting: t < 1 falls within the block; σ = −log(1 − t)
+        assert 0 < t < 1 and sigma == pytest.approx(min(-np.log1p(-t), -np.log(1e-3)), rel=1e-5)
+    assert [s[5] for s in steps] == sorted((s[5] for s in steps), reverse=True)
 
 
 def test_sampler_refusals(bd3):

@@ -141,14 +141,14 @@ class BD3LMSampler(DDiTSampler):
             x = self._block(runner, model, s, x, prompt, b, cache, rng, recorder, run, bar)
         return x, am, recorder
 
-    def _forward(self, runner: Any, x: Tensor, prompt: Tensor, b: int, sigma: Tensor, run: dict, s: Any,
+    def _forward(self, runner: Any, x: Tensor, prompt: Tensor, b: int, t: Tensor, sigma: Tensor, run: dict, s: Any,
                  cache: Any, store: bool = False) -> Tensor:
         bs, end = runner.model.cfg.extra["block_size"], (b + 1) * runner.model.cfg.extra["block_size"]
         start = max(end - s.context_size, 0)
         masked = x == runner.model.cfg.mask_token_id
         state = DenoisingState(run["step"], run["n"], b, run["n_blocks"], x.clone(), masked, prompt,
                                torch.ones_like(prompt), block_slice=slice(end - bs, end),
-                               extra=dict(t=sigma.clone(), sigma=sigma.clone(), kv_store=store))
+                               extra=dict(t=t.clone(), sigma=sigma.clone(), kv_store=store))
         if cache is None:
             state.query_rows, state.key_cols = slice(start, end), slice(start, end)
             return runner.forward(state, x[:, start:end], sigma=sigma)[:, -bs:]
@@ -174,7 +174,7 @@ class BD3LMSampler(DDiTSampler):
             sigma = torch.min(-torch.log(1 - mc_t), torch.tensor(SIGMA_MAX, dtype=torch.float32)).mean(-1)
             blk = x[:, end - bs:end]
             if p_x0 is None:
-                logits = self._forward(runner, x, prompt, b, sigma.to(x.device), run, s, cache)
+                logits = self._forward(runner, x, prompt, b, mc_t[:, 0], sigma.to(x.device), run, s, cache)
                 p_x0 = nucleus(subs(logits, blk, mask_id).to(torch.float64).exp(), s.nucleus_p)
             new = self._draw(p_x0, blk, mc_s / mc_t, mask_id, s.first_hitting, rng)
             x_new = torch.cat([x[:, :end - bs], new, x[:, end:]], dim=1)
@@ -184,15 +184,15 @@ class BD3LMSampler(DDiTSampler):
             if bar is not None:
                 bar.update(1)
             if cache is not None and not bool((new == mask_id).any()):
-                self._forward(runner, x_new, prompt, b, sigma.to(x.device), run, s, cache, store=True)
+                self._forward(runner, x_new, prompt, b, mc_t[:, 0], sigma.to(x.device), run, s, cache, store=True)
                 recorder.record(run["step"], b, x_new, torch.zeros_like(changed), None)
                 run["step"] += 1
             p_x0 = None if bool(changed.any()) else p_x0
             x = x_new
         if cache is not None and i == 0 and not bool((x[:, end - bs:end] == mask_id).any()):
             # a block with no mask (all prompt): the reference never meets one; its keys are stored all the same
-            sigma = torch.zeros(batch, device=x.device)
-            self._forward(runner, x, prompt, b, sigma, run, s, cache, store=True)
+            zero = torch.zeros(batch, device=x.device)
+            self._forward(runner, x, prompt, b, zero, zero, run, s, cache, store=True)
             recorder.record(run["step"], b, x, torch.zeros_like(x, dtype=torch.bool), None)
             run["step"] += 1
         return x
