@@ -112,6 +112,7 @@ def test_cached_form_is_exact_block_by_block_and_equals_recomputing(bd3_tc):
         model(x0[:, rows], sigma=sigma, kv_cache=cache, store_kv=True)
         ref(x0[:, rows], sigma, sample_mode=True, store_kv=True)
     assert cache.idx == N - BS  # the window slid once the cache was full
+    _close(model(xt[:, :BS], sigma=sigma, kv_cache=cache), ref(xt[:, :BS], sigma, sample_mode=True))  # after the slide
     # before the cache is full: cached keys == recomputing the window under the block-causal mask
     cache = model.new_kv_cache(2)
     for b in range(3):
@@ -179,6 +180,21 @@ def test_sampler_is_token_exact(bd3, first_hitting, kv_cache, nucleus_p):
     assert not bool((out.tokens == MASK).any()) or not first_hitting
 
 
+@pytest.mark.parametrize("first_hitting", [True, False])
+@pytest.mark.parametrize("kv_cache", [False, True])
+def test_sampler_beyond_model_length_slides_like_the_reference(bd3, first_hitting, kv_cache):
+    # 28 tokens with model_length 16: the forward window and the cache slide by one block, positions restart
+    model, sd = bd3
+    batch = 1 if first_hitting else 2
+    out = model.generate(torch.full((batch, 1), 7), gen_length=27, steps=6, first_hitting=first_hitting,
+                         kv_cache=kv_cache, seed=5)
+    torch.manual_seed(5)
+    np.random.seed(5)
+    ref = reference_semi_ar(BD3Reference(sd, 4, N, BS), batch, 6, 7, 7, MASK, first_hitting=first_hitting,
+                            kv_cache=kv_cache)
+    assert out.tokens.shape == (batch, 28) and torch.equal(out.tokens, ref)
+
+
 def test_nucleus_and_seed_change_the_sample(bd3):
     model, _ = bd3
     p = torch.full((1, 1), 7)
@@ -218,5 +234,7 @@ def test_sampler_refusals(bd3):
         model.generate(torch.full((2, 1), 7), gen_length=15, steps=4)
     with pytest.raises(SamplerConfigError, match="multiple of block_size"):
         model.generate(torch.full((1, 1), 7), gen_length=14, steps=4)
+    with pytest.raises(InputError, match="mask token"):
+        model.generate(torch.tensor([[7, MASK]]), gen_length=14, steps=4)
     with pytest.raises(SamplerConfigError, match="context_size"):
         model.generate(torch.full((1, 1), 7), gen_length=15, steps=4, context_size=6)

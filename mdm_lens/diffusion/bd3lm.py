@@ -34,7 +34,7 @@ from mdm_lens.diffusion.ddit import DDiTSampler
 from mdm_lens.diffusion.output import TrajectoryRecorder
 from mdm_lens.diffusion.registry import register
 from mdm_lens.diffusion.state import DenoisingState
-from mdm_lens.errors import SamplerConfigError
+from mdm_lens.errors import InputError, SamplerConfigError
 
 SIGMA_MAX = -math.log1p(-(1 - 1e-3))  # LogLinearNoise(eps=1e-3).sigma_max: only feeds the (zeroed) conditioning
 
@@ -113,6 +113,15 @@ class BD3LMSampler(DDiTSampler):
             raise SamplerConfigError(f"first_hitting=True samples one row at a time (the reference requires "
                                      f"eval_batch_size 1); got {ids.shape[0]} prompts.", argument="prompt",
                                      value=ids.shape[0], allowed="one prompt, or first_hitting=False")
+
+    def _check_prompt(self, model: Any, ids: Tensor, gen_length: int) -> None:
+        # no length limit: the canvas may exceed model_length, forwards see the last `context_size` positions (the
+        # reference's sliding window; its KV cache slides by one block at model_length)
+        mask_id = model.cfg.mask_token_id
+        if bool((ids == mask_id).any()):
+            raise InputError(f"the prompt contains the mask token {mask_id}; BD3LM fills masks only in the block "
+                             "being decoded. Remove it.", argument="prompt", value=ids,
+                             allowed=f"token ids other than {mask_id}")
 
     def generate(self, model: Any, prompt: Any, s: Any, obs: Any) -> Any:
         from mdm_lens.diffusion import arguments
