@@ -109,3 +109,40 @@ def test_refusals_and_figure():
     assert r.anchor_share.shape == (3, 2) and len(r.table()) == 6
     fig = plot_noise_level(r)
     assert len(fig.axes) == 3 and len(fig.axes[0].lines) == 4  # share + null per layer
+
+
+def _bd3lm(seed=0):
+    from mdm_lens.ddit.bd3lm import HookedBD3LM
+
+    cfg = ddit_config("bd3lm", d_vocab=41, n_ctx=16, d_model=32, cond_dim=24, n_layers=2, n_heads=4,
+                      time_conditioning=True, block_size=4)
+    cfg.mask_token_id, cfg.extra["parameterization"] = 40, "subs"
+    return HookedBD3LM.from_config(cfg, seed=seed, init_std=0.3, init="realistic")
+
+
+def test_bd3lm_uses_the_block_causal_null():
+    model = _bd3lm()
+    x = _canvas(3)
+    r = noise_level(model, x, [1.0], queries="all")
+    _, cache = model.run_with_cache(x, sigma=1.0)
+    q = torch.ones(2, 16, dtype=torch.bool)
+    for layer in range(2):
+        pat = cache[f"blocks.{layer}.attn.hook_pattern"]
+        want = _reduce_layer(pat, q, uniform_pattern(16, block_length=4))
+        other = _reduce_layer(pat, q, uniform_pattern(16))
+        assert float(r.null_share[0, layer]) == pytest.approx(float(want["null_share"].nanmean()), rel=1e-9)
+        assert float(r.n_anchors[0, layer]) == pytest.approx(float(want["n_anchors"].mean()), rel=1e-9)
+        assert not torch.equal(want["null_share"].nan_to_num(-1), other["null_share"].nan_to_num(-1))
+    assert "block-causal" in r.meaning
+
+
+def test_gidd_levels_are_times_and_the_meaning_names_the_hybrid_noise():
+    from mdm_lens.ddit.gidd import HookedGIDD
+
+    cfg = ddit_config("gidd", d_vocab=41, n_ctx=16, d_model=32, cond_dim=24, n_layers=2, n_heads=4,
+                      time_conditioning=True, p_uniform=0.2, t_eps=1e-4)
+    cfg.mask_token_id, cfg.extra["parameterization"] = 40, "gidd"
+    model = HookedGIDD.from_config(cfg, seed=1, init_std=0.3)
+    r = noise_level(model, _canvas(), [0.1, 0.9], queries="masked")
+    assert r.level_name == "t" and "p_uniform=0.2" in r.meaning
+    assert (r.gate_mlp[0] - r.gate_mlp[1]).abs().max() > 1e-3
