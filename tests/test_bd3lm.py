@@ -55,9 +55,11 @@ def test_config_values_and_buffers_are_read(bd3):
 
 def test_absent_keys_take_the_bd3lm_config_class_defaults(tmp_path):
     cfg = dict(BD3LM_CONFIG, cond_dim=129)
-    folder, _ = write_bd3lm(tmp_path, cfg, drop=("cond_dim", "block_size", "attn_backend"))
+    folder, _ = write_bd3lm(tmp_path, cfg, drop=("cond_dim", "block_size", "attn_backend", "sampling_eps_min"))
     c = HookedMDM.from_pretrained(str(folder), load_tokenizer=False).cfg
     assert c.extra["cond_dim"] == 129 and c.extra["block_size"] == 1 and c.extra["attn_backend"] == "flex"
+    # the checkpoint's buffer (0.05) wins over the class default (1e-3) the config would give
+    assert c.extra["sampling_eps_min"] == pytest.approx(0.05)
 
 
 @pytest.mark.parametrize("change", [dict(cross_attn=False), dict(adaln=False), dict(causal=True),
