@@ -40,7 +40,7 @@ def _settings(sampler, given):
 def test_every_setting_of_every_sampler_has_a_rule():
     names = set(registry.names())
     assert {"arm", "llada", "dream", "llada2", "sdar", "fastdllm_v2", "diffusion_gemma", "mdlm", "duo", "nemotron",
-            "nemotron_ar", "rnd1", "coda", "dreamon", "indel"} <= names, names
+            "nemotron_ar", "rnd1", "coda", "dreamon", "indel", "bd3lm", "gidd"} <= names, names
     assert len(FIELDS) > 80
     assert {s.name: rules.undeclared(s.Settings) for s in SAMPLERS} == {s.name: [] for s in SAMPLERS}
 

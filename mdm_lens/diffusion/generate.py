@@ -23,6 +23,7 @@ from mdm_lens.diffusion import ddit  # noqa: F401  (MDLM, Duo)
 from mdm_lens.diffusion import nemotron  # noqa: F401  (Nemotron-Labs-Diffusion: block diffusion + AR mode)
 from mdm_lens.diffusion import coda, rnd1  # noqa: F401  (CoDA, RND1)
 from mdm_lens.diffusion import dreamon, indel  # noqa: F401  (variable-length: DreamOn, LLaDA2.2 InDel)
+from mdm_lens.diffusion import bd3lm, gidd  # noqa: F401  (BD3LM, GIDD)
 from mdm_lens.diffusion.canvas import CanvasSampler, Plan
 from mdm_lens.diffusion.output import GenerateOutput
 from mdm_lens.diffusion.registry import Observation
@@ -40,7 +41,7 @@ def default_sampler(model: Any) -> str:
         return "sdar"
     if model.cfg.family == "fastdllm_v2":
         return "fastdllm_v2"
-    if model.cfg.family in ("mdlm", "duo"):
+    if model.cfg.family in ("mdlm", "duo", "bd3lm", "gidd"):
         return model.cfg.family
     if model.cfg.family == "nemotron_dllm":
         return "nemotron_ar" if model.cfg.attention == "causal" else "nemotron"

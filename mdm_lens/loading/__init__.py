@@ -216,8 +216,14 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
 
         return load_bridge(TransformersBridge, str(folder), dtype=dtype, device=device, device_map=device_map,
                            load_tokenizer=load_tokenizer)
+    from mdm_lens.ddit.hub import hub_family
     from mdm_lens.ddit.loading import folder_family
 
+    if hub_family(folder) is not None and device_map is None:  # BD3LM / GIDD-DiT (mdm_lens.ddit.hub)
+        from mdm_lens.ddit.hub import load_hub
+
+        return load_hub(folder, hub_family(folder), known.name if known else str(name_or_path), dtype=dtype,
+                        device=device, load_tokenizer=load_tokenizer)
     if folder_family(folder) is not None and device_map is None:  # MDLM / Duo load into HookedDDiT (mdm_lens.ddit)
         from mdm_lens.ddit.loading import load_ddit
         from mdm_lens.ddit.model import HookedDDiT

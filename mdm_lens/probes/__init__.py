@@ -8,7 +8,8 @@
 - :mod:`retrieval` — retrieval-head scores for diffusion unmasking and ARMs, head masking (§3.7);
 - :mod:`patching` — attention knockout and activation patching of anchors (§2.8–2.10);
 - :mod:`cache_effect` — what an approximate KV cache changes (cached vs fresh forwards, per step and layer);
-- :mod:`router` — MoE routing per step and layer: router entropy, expert load by position class, anchors vs rest.
+- :mod:`router` — MoE routing per step and layer: router entropy, expert load by position class, anchors vs rest;
+- :mod:`noise_level` — DDiT models: anchor attention share and adaLN gates over the noise level σ (or t) × layer.
 
 Every result is a dataclass with ``.to_frame()`` (tidy long-format DataFrame).
 """
@@ -16,6 +17,7 @@ Every result is a dataclass with ``.to_frame()`` (tidy long-format DataFrame).
 from . import flow, floating, patching, qk, retrieval, run
 from .cache_effect import CacheEffect, cache_effect
 from .router import RouterStats, router_stats
+from .noise_level import NoiseLevelResult, noise_level, plot_noise_level
 from ._results import ResultMixin
 from .patching import KnockoutResult, PatchingResult, knockout, patch_anchor_activations
 from .retrieval import (AblationResult, RetrievalItem, RetrievalScores, ablation_accuracy, from_qa_item, mask_heads,
@@ -28,4 +30,5 @@ __all__ = ["floating", "qk", "flow", "run", "retrieval", "patching", "ResultMixi
            "qk_at_layer", "regions_for_item", "flow_for_items",
            "RetrievalItem", "from_qa_item", "retrieval_scores", "RetrievalScores", "mask_heads", "ablation_accuracy",
            "AblationResult", "knockout", "KnockoutResult", "patch_anchor_activations", "PatchingResult",
-           "cache_effect", "CacheEffect", "router_stats", "RouterStats"]
+           "cache_effect", "CacheEffect", "router_stats", "RouterStats", "noise_level", "NoiseLevelResult",
+           "plot_noise_level"]

@@ -1,0 +1,226 @@
+"""BD3LM's semi-autoregressive block sampler (`Diffusion._semi_ar_sampler` + `_ddpm_caching_update` +
+`_nucleus_sample`, kuleshov-group/bd3lms @ 1c3e8f43; families-2.md §3.6), step by step and observable.
+
+Blocks of `block_size` positions are aligned to position 0 of the canvas (prompt + `gen_length` masks; the total
+must be a multiple of block_size). The reference's canvas is BOS + masks: pass the BOS id as the prompt. Per block:
+t starts at 1; each step draws t *= u^(1/masked) (first hitting, u from numpy) or takes linspace(1, 0, steps)[i],
+computes p(x0) of the block's rows (SUBS, float64, nucleus `nucleus_p`: sorted cumulative mass ≤ p kept, the top-1
+always), draws a Gumbel-max token for every row (float64 uniforms) and, with first hitting, commits it at one
+uniformly chosen masked row (`randint`); p(x0) is reused while nothing changes. With `kv_cache`, the forward sees
+only the block and the cached keys of the finished blocks; a finished block is stored with one more forward (its
+own step, `state.extra["kv_store"]`). Three random streams, as the reference seeded by `torch.manual_seed(seed)` +
+`np.random.seed(seed)`: numpy `RandomState(seed)`, the CPU torch generator (`randint`), and the uniforms' generator
+(the same CPU generator on CPU; a device generator seeded `seed` on an accelerator).
+
+Not reproduced: the low-entropy stop-and-retry over the last 256 tokens (the reference discards such samples),
+`var_length`, and the bf16 cache of the reference on CUDA (ours is in the model dtype)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mdm_lens import validate
+from mdm_lens.ddit.outputs import subs
+from mdm_lens.diffusion import rules as R
+from mdm_lens.diffusion.canvas import CanvasSettings, Plan
+from mdm_lens.diffusion.ddit import DDiTSampler
+from mdm_lens.diffusion.output import TrajectoryRecorder
+from mdm_lens.diffusion.registry import register
+from mdm_lens.diffusion.state import DenoisingState
+from mdm_lens.errors import InputError, SamplerConfigError
+
+SIGMA_MAX = -math.log1p(-(1 - 1e-3))  # LogLinearNoise(eps=1e-3).sigma_max: only feeds the (zeroed) conditioning
+
+
+@dataclass
+class BD3LMSettings(CanvasSettings):
+    """`steps`: steps per block (`algo.T`; the gen-PPL script: 5000), `first_hitting` True, `nucleus_p` 1.0 (script:
+    0.9), `kv_cache` False (script: True), `context_size` (default model_length: the forward window)."""
+
+    steps: int | None = 5000
+    first_hitting: bool = True
+    nucleus_p: float = 1.0
+    kv_cache: bool = False
+    context_size: int | None = None
+
+    def resolve(self, model: Any) -> "BD3LMSettings":
+        n = model.cfg.n_ctx
+        ctx = n if self.context_size is None else validate.integer(self.context_size, name="context_size", min=1,
+                                                                   max=n, error=SamplerConfigError)
+        bs = model.cfg.extra["block_size"]
+        if ctx % bs:
+            raise SamplerConfigError(f"context_size={ctx} must be a multiple of block_size={bs}.",
+                                     argument="context_size", value=ctx, allowed=f"a multiple of {bs}")
+        return dataclasses.replace(self, **self.lengths(model), context_size=ctx,
+                                   first_hitting=validate.boolean(self.first_hitting, name="first_hitting"),
+                                   kv_cache=validate.boolean(self.kv_cache, name="kv_cache"),
+                                   nucleus_p=validate.number(self.nucleus_p, name="nucleus_p", min=0, max=1,
+                                                             min_open=True, error=SamplerConfigError))
+
+
+BD3LMSettings.rules = {**CanvasSettings.rules, "first_hitting": R.boolean(), "nucleus_p": R.number(0, 1),
+                       "kv_cache": R.boolean(), "context_size": R.integer(1, none=True)}
+
+
+def nucleus(p_x0: Tensor, p: float) -> Tensor:
+    """`_nucleus_sample`: keep the sorted prefix whose cumulative mass is ≤ p (the token crossing p is dropped),
+    always the top-1, renormalise."""
+    if p == 1.0:
+        return p_x0
+    probs, idx = p_x0.sort(dim=-1, descending=True)
+    keep = probs.cumsum(dim=-1) <= p
+    keep[..., 0] = True
+    out = torch.zeros_like(p_x0).scatter_(-1, idx, probs * keep)
+    return out / out.sum(-1, keepdim=True)
+
+
+class Streams:
+    """The reference's three random streams (see the module docstring)."""
+
+    def __init__(self, generator: torch.Generator | None, device: torch.device):
+        seed = None if generator is None else generator.initial_seed()
+        self.np = np.random.RandomState(seed % 2**32 if seed is not None else None)
+        self.cpu = generator
+        self.dev = generator
+        if generator is not None and device.type != "cpu":
+            self.dev = torch.Generator(device).manual_seed(seed)
+        self.device = device
+
+    def gumbel_argmax(self, p: Tensor) -> Tensor:
+        u = torch.rand(p.shape, dtype=p.dtype, device=self.device if self.dev is not None else "cpu",
+                       generator=self.dev).to(p.device)
+        return (p / (1e-10 - (u + 1e-10).log())).argmax(dim=-1)
+
+
+class BD3LMSampler(DDiTSampler):
+    name, Settings, family = "bd3lm", BD3LMSettings, "bd3lm"
+    neutral = dict(nucleus_p=1.0, kv_cache=False)
+
+    def plan(self, s: Any) -> Plan:
+        return Plan(self._n_blocks * (s.steps + int(s.kv_cache)), n_blocks=self._n_blocks,
+                    adaptive="BD3LM ends each block when it holds no mask")
+
+    def check_run(self, ids: Tensor, am: Tensor, s: Any, obs: Any) -> None:
+        super().check_run(ids, am, s, obs)
+        if s.first_hitting and ids.shape[0] != 1:
+            raise SamplerConfigError(f"first_hitting=True samples one row at a time (the reference requires "
+                                     f"eval_batch_size 1); got {ids.shape[0]} prompts.", argument="prompt",
+                                     value=ids.shape[0], allowed="one prompt, or first_hitting=False")
+
+    def _check_prompt(self, model: Any, ids: Tensor, gen_length: int) -> None:
+        # no length limit: the canvas may exceed model_length, forwards see the last `context_size` positions (the
+        # reference's sliding window; its KV cache slides by one block at model_length)
+        mask_id = model.cfg.mask_token_id
+        if bool((ids == mask_id).any()):
+            raise InputError(f"the prompt contains the mask token {mask_id}; BD3LM fills masks only in the block "
+                             "being decoded. Remove it.", argument="prompt", value=ids,
+                             allowed=f"token ids other than {mask_id}")
+
+    def generate(self, model: Any, prompt: Any, s: Any, obs: Any) -> Any:
+        from mdm_lens.diffusion import arguments
+
+        ids, _ = arguments.prompt_tokens(model, prompt, obs.attention_mask)
+        bs, total = model.cfg.extra["block_size"], ids.shape[1] + s.gen_length
+        if total % bs:
+            raise SamplerConfigError(f"prompt ({ids.shape[1]}) + gen_length ({s.gen_length}) = {total} must be a "
+                                     f"multiple of block_size={bs} (blocks start at position 0).",
+                                     argument="gen_length", value=s.gen_length,
+                                     allowed=f"gen_length ≡ {-ids.shape[1] % bs} mod {bs}")
+        self._n_blocks = total // bs
+        return super().generate(model, prompt, s, obs)
+
+    def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: BD3LMSettings,
+            generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
+        mask_id, bs, (batch, p_len) = model.cfg.mask_token_id, model.cfg.extra["block_size"], ids.shape
+        x = torch.cat([ids, ids.new_full((batch, s.gen_length), mask_id)], dim=1)
+        prompt = torch.zeros_like(x, dtype=torch.bool)
+        prompt[:, :p_len] = True
+        recorder = TrajectoryRecorder(batch, x.shape[1], p_len, x.device)
+        rng = Streams(generator, x.device)
+        cache = model.new_kv_cache(batch) if s.kv_cache else None
+        run = dict(step=0, n=self.plan(s).n_steps, n_blocks=x.shape[1] // bs)
+        for b in range(run["n_blocks"]):
+            x = self._block(runner, model, s, x, prompt, b, cache, rng, recorder, run, bar)
+        return x, am, recorder
+
+    def _forward(self, runner: Any, x: Tensor, prompt: Tensor, b: int, t: Tensor, sigma: Tensor, run: dict, s: Any,
+                 cache: Any, store: bool = False) -> Tensor:
+        bs, end = runner.model.cfg.extra["block_size"], (b + 1) * runner.model.cfg.extra["block_size"]
+        start = max(end - s.context_size, 0)
+        masked = x == runner.model.cfg.mask_token_id
+        state = DenoisingState(run["step"], run["n"], b, run["n_blocks"], x.clone(), masked, prompt,
+                               torch.ones_like(prompt), block_slice=slice(end - bs, end),
+                               extra=dict(t=t.clone(), sigma=sigma.clone(), kv_store=store))
+        if cache is None:
+            state.query_rows, state.key_cols = slice(start, end), slice(start, end)
+            return runner.forward(state, x[:, start:end], sigma=sigma)[:, -bs:]
+        state.query_rows, state.key_cols = slice(end - bs, end), slice(end - cache.length, end)
+        return runner.forward(state, x[:, end - bs:end], sigma=sigma, kv_cache=cache, store_kv=store)
+
+    def _block(self, runner: Any, model: Any, s: BD3LMSettings, x: Tensor, prompt: Tensor, b: int, cache: Any,
+               rng: Streams, recorder: TrajectoryRecorder, run: dict, bar: Any) -> Tensor:
+        mask_id, bs = model.cfg.mask_token_id, model.cfg.extra["block_size"]
+        end, batch = (b + 1) * bs, x.shape[0]
+        ones = torch.ones((batch, 1), dtype=torch.float32)
+        t: Any = 1
+        timesteps, dt, p_x0 = torch.linspace(1, 0, s.steps), 1 / s.steps, None
+        for i in range(s.steps):
+            if not bool((x[:, :end] == mask_id).any()):
+                break
+            if s.first_hitting:
+                t *= rng.np.rand() ** (1 / int((x[:, max(end - s.context_size, 0):end] == mask_id).sum()))
+            else:
+                t = timesteps[i]
+            mc_t = t * ones
+            mc_s = mc_t - dt
+            sigma = torch.min(-torch.log(1 - mc_t), torch.tensor(SIGMA_MAX, dtype=torch.float32)).mean(-1)
+            blk = x[:, end - bs:end]
+            if p_x0 is None:
+                logits = self._forward(runner, x, prompt, b, mc_t[:, 0], sigma.to(x.device), run, s, cache)
+                p_x0 = nucleus(subs(logits, blk, mask_id).to(torch.float64).exp(), s.nucleus_p)
+            new = self._draw(p_x0, blk, mc_s / mc_t, mask_id, s.first_hitting, rng)
+            x_new = torch.cat([x[:, :end - bs], new, x[:, end:]], dim=1)
+            changed = x_new != x
+            recorder.record(run["step"], b, x, changed, None)
+            run["step"] += 1
+            if bar is not None:
+                bar.update(1)
+            if cache is not None and not bool((new == mask_id).any()):
+                self._forward(runner, x_new, prompt, b, mc_t[:, 0], sigma.to(x.device), run, s, cache, store=True)
+                recorder.record(run["step"], b, x_new, torch.zeros_like(changed), None)
+                run["step"] += 1
+            p_x0 = None if bool(changed.any()) else p_x0
+            x = x_new
+        if cache is not None and i == 0 and not bool((x[:, end - bs:end] == mask_id).any()):
+            # a block with no mask (all prompt): the reference never meets one; its keys are stored all the same
+            zero = torch.zeros(batch, device=x.device)
+            self._forward(runner, x, prompt, b, zero, zero, run, s, cache, store=True)
+            recorder.record(run["step"], b, x, torch.zeros_like(x, dtype=torch.bool), None)
+            run["step"] += 1
+        return x
+
+    @staticmethod
+    def _draw(p_x0: Tensor, blk: Tensor, mask_prob: Tensor, mask_id: int, first_hitting: bool, rng: Streams
+              ) -> Tensor:
+        if first_hitting:
+            drawn = rng.gumbel_argmax(p_x0)
+            masked = blk == mask_id
+            k = torch.randint(0, int(masked.sum()), (blk.shape[0],), generator=rng.cpu)
+            pos = masked.nonzero()[k.to(blk.device), 1]
+            one = torch.arange(blk.shape[1], device=blk.device) == pos[:, None]
+            drawn = torch.where(one, drawn, blk)
+        else:
+            q = p_x0 * (1 - mask_prob[:, None].to(p_x0.device))
+            q[:, :, mask_id] = mask_prob.to(p_x0.device)
+            drawn = rng.gumbel_argmax(q)
+        return torch.where(blk != mask_id, blk, drawn)
+
+
+register(BD3LMSampler())

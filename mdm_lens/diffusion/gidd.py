@@ -1,0 +1,100 @@
+"""GIDD's sampler (`GiddSampler` of dvruette/gidd @ f67acc96, families-2.md §5.1), step by step and observable.
+
+ts = (1 − 2·t_eps)·linspace(0, 1, steps + 1) + t_eps; from the all-[MASK] canvas, for i = steps−1 … 0 with
+t = ts[i], s = ts[max(0, i−1)] (the last step has s = t): p = softmax(logits with the [MASK] logit at −1e6),
+q(z_s | z_t, p) = q_ts(z_t | ·)·q_s / q_t(z_t) under the hybrid noise (`HybridNoise`), optional `min_p`
+truncation, and an inverse-CDF draw (one uniform per position in q's dtype, last cumulative entry 1 + 1e-4,
+`searchsorted(right=True)`). Every position is redrawn each step; [MASK] may survive. A prompt is restored after
+every step (an extension: the reference generates unconditionally). The reference pipeline runs under bf16
+autocast by default; this runs in the model dtype (fp32 for exactness)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mdm_lens import validate
+from mdm_lens.ddit.outputs import NEG_INFINITY as MASK_LOGIT  # −1e6, as GiddSampler
+from mdm_lens.diffusion import rules as R
+from mdm_lens.diffusion.canvas import CanvasSettings, Plan
+from mdm_lens.diffusion.ddit import DDiTSampler
+from mdm_lens.diffusion.output import TrajectoryRecorder
+from mdm_lens.diffusion.registry import register
+from mdm_lens.errors import SamplerConfigError
+
+
+@dataclass
+class GiddSettings(CanvasSettings):
+    """`num_inference_steps` 128 (the pipeline default), `min_p` 0.0; `t_eps` from the checkpoint (1e-4)."""
+
+    steps: int | None = 128
+    min_p: float = 0.0
+
+    def resolve(self, model: Any) -> "GiddSettings":
+        return dataclasses.replace(self, **self.lengths(model), min_p=validate.number(
+            self.min_p, name="min_p", min=0, max=1, max_open=True, error=SamplerConfigError))
+
+
+GiddSettings.rules = {**CanvasSettings.rules, "min_p": R.number(0, 1)}
+
+
+def inverse_cdf(q: Tensor, generator: torch.Generator | None) -> Tensor:
+    """`gidd.utils.sample_categorical`."""
+    u = torch.rand(q.shape[:-1], dtype=q.dtype, generator=generator).to(q.device)[..., None]
+    cum = q.cumsum(-1)
+    cum[..., -1] = 1 + 1e-4
+    return torch.searchsorted(cum, u, right=True).squeeze(-1)
+
+
+def gidd_posterior(noise: Any, logits: Tensor, z: Tensor, t: Tensor, s: Tensor) -> Tensor:
+    """q(z_s = · | z_t = z, p) of the reference's `DenoisingStep` ([batch, pos, vocab])."""
+    p = logits.softmax(-1)
+    q_s, q_t = noise.probs_at_t(p, s), noise.probs_at_t(p, t)
+    q_zt = q_t.gather(-1, z[..., None])
+    a_t, bp_t = noise.alpha_betapi(t)
+    a_s, bp_s = noise.alpha_betapi(s)
+    a_ts, bp_ts = a_t / a_s, bp_t - a_t / a_s * bp_s
+    onehot = F.one_hot(z, num_classes=logits.shape[-1])
+    q_ts = a_ts * onehot + bp_ts[:, None].expand_as(onehot).gather(-1, z[..., None])
+    return q_ts * q_s / q_zt
+
+
+class GiddSampler(DDiTSampler):
+    name, Settings, family = "gidd", GiddSettings, "gidd"
+    neutral = dict(min_p=0.0)
+
+    def plan(self, s: Any) -> Plan:
+        return Plan(s.steps)
+
+    def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: GiddSettings,
+            generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
+        mask_id, (batch, p_len) = model.cfg.mask_token_id, ids.shape
+        x = torch.cat([ids, ids.new_full((batch, s.gen_length), mask_id)], dim=1)
+        prompt = torch.zeros_like(x, dtype=torch.bool)
+        prompt[:, :p_len] = True
+        recorder = TrajectoryRecorder(batch, x.shape[1], p_len, x.device)
+        noise, eps = model.noise(), model.cfg.extra["t_eps"]
+        ts = (1 - 2 * eps) * torch.linspace(0, 1, s.steps + 1)[:, None] + eps
+        for k, i in enumerate(range(s.steps - 1, -1, -1)):
+            t, s_ = ts[i], ts[max(0, i - 1)]
+            logits = self.forward(runner, k, s.steps, x, prompt, t.expand(batch), t.expand(batch), mask_id)
+            logits = logits.clone()
+            logits[..., mask_id] = MASK_LOGIT
+            q = gidd_posterior(noise, logits, x, t.to(x.device), s_.to(x.device))
+            if s.min_p > 0:
+                q = q * (q >= s.min_p)
+                q = q / q.sum(-1, keepdim=True)
+            x_new = torch.where(prompt, x, inverse_cdf(q, generator))
+            recorder.record(k, 0, x, x_new != x, None)
+            x = x_new
+            if bar is not None:
+                bar.update(1)
+        return x, am, recorder
+
+
+register(GiddSampler())
