@@ -180,3 +180,38 @@ def test_sdar_head_dim_absent_takes_the_reference_class_default(tmp_path, family
                   num_experts_per_tok=2)
     assert config_from_sdar(config, family, "tiny", tmp_path).d_head == d_head
     assert config_from_sdar({**config, "head_dim": 24}, family, "tiny", tmp_path).d_head == 24
+
+
+def _small(**kw) -> HookedMDM:
+    cfg = MDMConfig(d_model=32, n_layers=2, n_heads=4, d_mlp=48, d_vocab=50, n_ctx=32, mask_token_id=49, **kw)
+    return HookedMDM.from_config(cfg, seed=3, init_std=0.05, init="realistic")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_checkpoint_with_one_non_finite_entry_is_refused_naming_the_tensor(tmp_path, bad):
+    from safetensors.torch import load_file, save_file
+
+    from mdm_lens.errors import CheckpointError
+    from mdm_lens.loading import save_pretrained
+
+    save_pretrained(_small(), tmp_path)
+    shard = next(tmp_path.glob("*.safetensors"))
+    sd = load_file(str(shard))
+    name = next(k for k, v in sd.items() if v.ndim == 2)
+    sd[name][1, 2] = bad  # one entry of many: a guard that needs *every* entry bad misses it
+    save_file(sd, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{name}.*NaN or inf"):
+        HookedMDM.from_pretrained(str(tmp_path), load_tokenizer=False)
+
+
+def test_editing_rope_theta_after_a_forward_rebuilds_the_rotary_tables():
+    """The cos/sin cache is keyed by rope_theta: a model whose theta is edited after a forward equals a model built
+    with that theta (a stale cache would keep the old rotation)."""
+    tokens = torch.randint(0, 48, (1, 12), generator=torch.Generator().manual_seed(0))
+    edited, fresh = _small(rope_theta=10000.0), _small(rope_theta=37.0)
+    with torch.no_grad():
+        before = edited(tokens)
+        edited.cfg.rope_theta = 37.0
+        after, want = edited(tokens), fresh(tokens)
+    assert (before - want).abs().max() > 1e-3          # theta matters on these weights
+    assert (after - want).abs().max() <= 1e-5
