@@ -25,6 +25,7 @@ from mdm_lens.loading.fastdllm_v2 import config_from_fastdllm_v2, is_fastdllm_v2
 from mdm_lens.loading.hf import config_from_hf, hf_family, hf_plan
 from mdm_lens.loading.llada import config_from_llada, is_llada, llada_plan
 from mdm_lens.loading.native import check_native_extra, check_native_raw
+from mdm_lens.loading import placement
 from mdm_lens.loading.plan import Plan, source_shapes
 from mdm_lens.loading.readers import CheckpointReader
 from mdm_lens.loading.registry import FAMILY_DEFAULTS, KNOWN_MODELS, KnownModel, lookup  # noqa: F401 (re-export)
@@ -114,9 +115,10 @@ def native_plan(cfg: MDMConfig, names: list[str]) -> Plan:
 
 def build_state_dict(plan: Plan, reader: CheckpointReader, expected: dict[str, tuple[int, ...]],
                      source_shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str | torch.device,
-                     tied_hint: str = "", cause: str = "") -> dict[str, torch.Tensor]:
+                     tied_hint: str = "", cause: str = "", place: Any = None) -> dict[str, torch.Tensor]:
     """Check every source tensor is present with the right shape, then assemble (cat) and cast. `cause` names
-    the config keys the tensor names contradict (loading/diagnose.py); every wrong name is listed."""
+    the config keys the tensor names contradict (loading/diagnose.py); every wrong name is listed. `place`
+    (a `placement.Placer`) puts each tensor on its mapped device as it is read; disk-bound ones are omitted."""
     keys = set(reader.keys())
     wanted = {src for sources in plan.values() for src in sources}
     missing = sorted(wanted - keys)
@@ -139,7 +141,10 @@ def build_state_dict(plan: Plan, reader: CheckpointReader, expected: dict[str, t
             bad = [s for s, p in zip(sources, parts) if p.is_floating_point() and not bool(torch.isfinite(p).all())]
             raise CheckpointError(f"tensor(s) {bad} in {reader.folder} hold NaN or inf values: the checkpoint is "
                                   "corrupt (or was saved after a diverged update); fetch it again.")
-        out[target] = tensor.to(device=device, dtype=dtype)
+        if place is None:
+            out[target] = tensor.to(device=device, dtype=dtype)
+        elif (placed := place(target, tensor.to(dtype=dtype))) is not None:  # one tensor at a time, then freed
+            out[target] = placed
     return out
 
 
@@ -185,7 +190,8 @@ def _is_unembed(key: str) -> bool:
 
 def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32,
                     device: str | torch.device = "cpu", allow_download: bool = False,
-                    load_tokenizer: bool = True, device_map: Any = None) -> Any:
+                    load_tokenizer: bool = True, device_map: Any = None, max_memory: Any = None,
+                    n_devices: Any = None, offload_folder: Any = None) -> Any:
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise ArgumentTypeError(f"name_or_path={validate.describe(name_or_path)} is invalid: expected a str or a "
                                 "path (a checkpoint folder, a hub id or a zoo name).", argument="name_or_path",
@@ -200,17 +206,17 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
     if bridged_architecture(folder):  # transformers-native families (DiffusionGemma) load into the bridge
         from mdm_lens.bridge import TransformersBridge
 
+        placement.bridge_refuses(max_memory=max_memory, n_devices=n_devices, offload_folder=offload_folder)
+
         return load_bridge(TransformersBridge, str(folder), dtype=dtype, device=device, device_map=device_map,
                            load_tokenizer=load_tokenizer)
-    if device_map is not None:
-        raise ConfigError("device_map applies to transformers-native checkpoints (the bridge); "
-                          f"{folder} loads into HookedMDM: pass device= instead.")
     name = known.name if known else str(name_or_path)
     cfg, family = read_config(folder, name, known)
     cfg.dtype, cfg.device = dtype, device
     reader = CheckpointReader(folder)
     with torch.device("meta"):
         model = cls(cfg)
+    placer = placement.prepare(model, device_map, max_memory, n_devices, offload_folder, dtype, device)  # checked first
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if family == "mdm_lens":
         plan = native_plan(cfg, list(expected))
@@ -219,12 +225,18 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
         plan = plans.get(family, hf_plan)(cfg, reader.keys())
     raw = {} if family == "mdm_lens" else json.loads((folder / "config.json").read_text())
     state = build_state_dict(plan, reader, expected, source_shapes(cfg, plan, expected), dtype, device,
-                             tied_hint=_tying_hint(cfg, family, folder), cause=causes(cfg, family, raw, reader.keys()))
-    if cfg.tie_word_embeddings:
+                             tied_hint=_tying_hint(cfg, family, folder), cause=causes(cfg, family, raw, reader.keys()),
+                             place=placer)
+    if placer is not None:
+        placement.finish(model, state, placer)
+    elif cfg.tie_word_embeddings:
         state["unembed.weight"] = state["embed.W_E"]
-    model.load_state_dict(state, strict=True, assign=True)
-    if cfg.tie_word_embeddings:
+        model.load_state_dict(state, strict=True, assign=True)
         model.unembed.weight = model.embed.W_E
+    else:
+        model.load_state_dict(state, strict=True, assign=True)
+    if placer is None:
+        model.hf_device_map = {"": str(device)}  # one device: the same attribute a dispatched model has
     if load_tokenizer:
         from mdm_lens.chat import read_chat_template  # chat reads the tokenizer files with loading.special
 
