@@ -17,19 +17,26 @@ from mdm_lens.loading import placement
 
 
 def mixed_map(n_layers: int, dev: str) -> dict:
-    """embed + block 0 on the accelerator, then 'cpu', 'disk' alternating; the head on 'disk'."""
+    """embed + block 0 on the accelerator, then 'disk', 'cpu' alternating; the final norm on 'disk'."""
     out = {"embed": dev, "blocks.0": dev}
     for layer in range(1, n_layers):
-        out[f"blocks.{layer}"] = "cpu" if layer % 2 else "disk"
+        out[f"blocks.{layer}"] = "disk" if layer % 2 else "cpu"
     out.update(ln_final="disk", unembed="cpu" if dev == "cpu" else dev)
     return out
 
 
 def same(a: torch.Tensor, b: torch.Tensor, dev: str) -> bool:
-    if dev == "cpu":
-        return torch.equal(a.cpu(), b.cpu())
-    scale = a.abs().max().clamp_min(1e-12)
-    return bool(((a.cpu() - b.cpu()).abs().max() / scale) < 1e-5)
+    """Equal to 1e-6 of the tensor's scale on CPU (weights read back from accelerate's disk offload are memory-mapped
+    arrays: a different alignment can change a kernel's summation order in the last bit, seen at 1.5e-8 in
+    LLaDA-MoE's expert outputs), 1e-5 on a GPU (the same kernels, fp32)."""
+    a, b = a.cpu().double(), b.cpu().double()
+    finite = torch.isfinite(a)
+    if not torch.equal(finite, torch.isfinite(b)) or not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()):
+        return False  # masked scores (-inf), NaN reducer entries: the same places, the same values
+    if not bool(finite.any()):
+        return True
+    scale = a[finite].abs().max().clamp_min(1e-12)
+    return bool(((a[finite] - b[finite]).abs().max() / scale) <= (1e-6 if dev == "cpu" else 1e-5))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +80,7 @@ def test_hooks_fire_where_the_block_runs_and_edits_take_effect(tiny_pair):
         z[:, :, 0] = 0.0
         return z
 
-    name = "blocks.2.attn.hook_z"  # a disk-offloaded block: its weights are loaded onto the execution device
+    name = "blocks.1.attn.hook_z"  # a disk-offloaded block: its weights are loaded onto the execution device
     with torch.no_grad():
         a = ref.run_with_hooks(tokens, fwd_hooks=[(name, zero_head)])
         b = off.run_with_hooks(tokens, fwd_hooks=[(name, zero_head)])
@@ -153,6 +160,21 @@ def test_auto_map_under_a_cpu_budget_offloads_the_rest_to_disk(tmp_path):
                                     offload_folder=tmp_path)
     devices = set(off.hf_device_map.values())
     assert devices == {"cpu", "disk"}
+    tokens = torch.arange(2, 20)[None]
+    with torch.no_grad():
+        assert torch.equal(ref(tokens), off(tokens))
+
+
+def test_nested_map_entries_are_split_into_children(tmp_path):
+    """{'': 'cpu', 'blocks.1': 'disk'}: block 1 on disk, everything else on the CPU (accelerate needs disjoint
+    entries; the '' entry is replaced by the top-level modules)."""
+    ref = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    off = HookedMDM.from_pretrained("mdm-lens/tiny-mdm", device_map={"": "cpu", "blocks.1": "disk"},
+                                    offload_folder=tmp_path)
+    assert off.hf_device_map["blocks.1"] == "disk" and off.hf_device_map["blocks.0"] == "cpu"
+    assert "" not in off.hf_device_map
+    assert {p.device.type for p in off.blocks[1].parameters()} == {"meta"}
+    assert {p.device.type for p in off.blocks[2].parameters()} == {"cpu"}
     tokens = torch.arange(2, 20)[None]
     with torch.no_grad():
         assert torch.equal(ref(tokens), off(tokens))

@@ -107,6 +107,23 @@ def check_map(model: nn.Module, device_map: dict, real: bool = False) -> DeviceM
                             f"({target_of('embed.W_E', out)!r} vs {target_of('unembed.weight', out)!r}); a tied "
                             "weight is one tensor: give 'embed' and 'unembed' the same device.",
                             argument="device_map", value=device_map, allowed="embed and unembed together")
+    return _disjoint(model, out)
+
+
+def _disjoint(model: nn.Module, device_map: DeviceMap) -> DeviceMap:
+    """accelerate's dispatch wants entries that do not nest ({'': 'cpu', 'blocks.1': 'disk'} would place block 1
+    twice): an entry with more specific entries below it is replaced by its children, each keeping its device."""
+    out = dict(device_map)
+    while nested := [n for n in out if any(o != n and (n == "" or o.startswith(n + ".")) for o in out)]:
+        name = min(nested, key=len)
+        dev = out.pop(name)
+        module = model.get_submodule(name)
+        if any(True for _ in module.parameters(recurse=False)):
+            raise ArgumentError(f"device_map splits module {name!r}, which holds parameters of its own; map it "
+                                "whole.", argument="device_map", value=device_map, allowed="whole modules")
+        for child, _ in module.named_children():
+            full = f"{name}.{child}" if name else child
+            out.setdefault(full, dev)
     return out
 
 
@@ -186,7 +203,8 @@ def dispatch(model: nn.Module, device_map: DeviceMap, placer: Placer) -> None:
 
     main = main_device(device_map)
     folder = str(placer.folder) if placer.folder is not None else None
-    dispatch_model(model, device_map=device_map, main_device=main, offload_dir=folder)
+    # buffers (the MoE routers' expert_bias) follow their module to disk like its parameters
+    dispatch_model(model, device_map=device_map, main_device=main, offload_dir=folder, offload_buffers=True)
     model.hf_device_map = dict(device_map)
     model.cfg.device = torch.device(f"cuda:{main}" if isinstance(main, int) else main)
 
