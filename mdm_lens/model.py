@@ -293,6 +293,15 @@ class HookedMDM(CheckedHookSurface):
 
         return generate(self, prompt, **kwargs)
 
+    def memory_plan(self, prompt: Any = None, sampler: str = "auto", **kwargs: Any) -> Any:
+        """Per-device bytes of `generate(prompt, **kwargs)` before running it (`mdm_lens.hooks.plan`); `.check()`
+        refuses a run that exceeds a budget, with the table."""
+        from mdm_lens.diffusion.generate import default_sampler
+        from mdm_lens.diffusion.memory_guard import memory_plan
+
+        name = default_sampler(self) if sampler == "auto" else sampler
+        return memory_plan(self, prompt, sampler=name, **kwargs)
+
     def aligned_logits(self, raw: Tensor) -> Tensor:
         return shift_logits(raw) if self.cfg.logit_shift else raw
 

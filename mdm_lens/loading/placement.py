@@ -163,8 +163,8 @@ class Placer:
     """Called per converted tensor: moves it to its device, or writes it to the disk offload and returns None, so
     no more than one tensor of a disk-bound block is ever in host memory."""
 
-    def __init__(self, device_map: DeviceMap, offload_folder: Any, tied: bool):
-        self.device_map, self.tied, self.index = device_map, tied, {}
+    def __init__(self, device_map: DeviceMap, offload_folder: Any, tied: bool, max_memory: dict | None = None):
+        self.device_map, self.tied, self.index, self.max_memory = device_map, tied, {}, max_memory
         self.folder = None
         if "disk" in device_map.values():
             if offload_folder is None:
@@ -206,6 +206,7 @@ def dispatch(model: nn.Module, device_map: DeviceMap, placer: Placer) -> None:
     # buffers (the MoE routers' expert_bias) follow their module to disk like its parameters
     dispatch_model(model, device_map=device_map, main_device=main, offload_dir=folder, offload_buffers=True)
     model.hf_device_map = dict(device_map)
+    model.max_memory = placer.max_memory  # the budgets memory_plan / generate check a run against
     model.cfg.device = torch.device(f"cuda:{main}" if isinstance(main, int) else main)
 
 
@@ -246,8 +247,8 @@ def prepare(meta_model: nn.Module, device_map: Any, max_memory: Any, n_devices: 
                             "pass one of them.", argument="device", value=str(device), allowed="'cpu' (the default) "
                             "with device_map")
     planned = check_map(meta_model, plan(meta_model, device_map, max_memory, dtype), real=True)
-    return Placer(planned, offload_folder,
-                  tied=bool(meta_model.cfg.tie_word_embeddings))
+    return Placer(planned, offload_folder, tied=bool(meta_model.cfg.tie_word_embeddings),
+                  max_memory=_check_max_memory(max_memory))
 
 
 def finish(model: nn.Module, state: dict[str, Tensor], placer: Placer) -> None:
