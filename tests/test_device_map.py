@@ -178,3 +178,21 @@ def test_nested_map_entries_are_split_into_children(tmp_path):
     tokens = torch.arange(2, 20)[None]
     with torch.no_grad():
         assert torch.equal(ref(tokens), off(tokens))
+
+
+def test_tied_embeddings_offloaded_to_disk_keep_the_logits(tmp_path):
+    """A tied unembedding is the embedding tensor: on 'disk' it is written under both names (each module's hook
+    loads its own), and a map that splits the two is refused."""
+    from mdm_lens.loading import save_pretrained
+
+    cfg = MDMConfig(d_model=32, n_layers=2, n_heads=2, d_mlp=64, d_vocab=50, n_ctx=32, family="mdm_lens",
+                    mask_token_id=49, tie_word_embeddings=True)
+    ref = HookedMDM.from_config(cfg, seed=1, init_std=0.2)
+    folder = save_pretrained(ref, tmp_path / "tied")
+    off = HookedMDM.from_pretrained(str(folder), device_map={"": "cpu", "embed": "disk", "unembed": "disk"},
+                                    offload_folder=tmp_path / "off")
+    tokens = torch.arange(1, 12)[None]
+    with torch.no_grad():
+        assert torch.equal(ref(tokens), off(tokens))
+    with pytest.raises(ArgumentError, match="tied"):
+        HookedMDM.from_pretrained(str(folder), device_map={"": "cpu", "embed": "disk"}, offload_folder=tmp_path)
