@@ -17,6 +17,7 @@ from mdm_lens import inputs, loss, masks, tokenization, validate
 from mdm_lens.components import RMSNorm, rotary_cos_sin
 from mdm_lens.config import MDMConfig
 from mdm_lens.hook_surface import CheckedHookSurface, NamesFilter
+from mdm_lens.loading.placement import execution_device
 from mdm_lens.qk_attention import make_block
 from mdm_lens.rotary import scaled_rotary_cos_sin  # noqa: F401  (re-exported: it lived here)
 from mdm_lens.errors import HookNameError, InputError, InputTypeError, OutOfRangeError
@@ -262,7 +263,7 @@ class HookedMDM(CheckedHookSurface):
                 or `[batch, pos-1]` (ARM), NaN where a position is not scored.
         """
         return_type = validate.choice(return_type, RETURN_TYPES, name="return_type", error=InputError)
-        tokens = inputs.token_ids(tokens, self.cfg, self.embed.W_E.device)
+        tokens = inputs.token_ids(tokens, self.cfg, self.input_device)
         attention_mask = inputs.attention_mask(attention_mask, tokens, self.cfg)
         wanted = loss.request(return_type, self.cfg, tokens, attention_mask, targets, loss_per_token, weighting, p_mask)
         if position_ids is None:
@@ -296,6 +297,15 @@ class HookedMDM(CheckedHookSurface):
 
         return generate(self, prompt, **kwargs)
 
+    def memory_plan(self, prompt: Any = None, sampler: str = "auto", **kwargs: Any) -> Any:
+        """Per-device bytes of `generate(prompt, **kwargs)` before running it (`mdm_lens.hooks.plan`); `.check()`
+        refuses a run that exceeds a budget, with the table."""
+        from mdm_lens.diffusion.generate import default_sampler
+        from mdm_lens.diffusion.memory_guard import memory_plan
+
+        name = default_sampler(self) if sampler == "auto" else sampler
+        return memory_plan(self, prompt, sampler=name, **kwargs)
+
     def aligned_logits(self, raw: Tensor) -> Tensor:
         return shift_logits(raw) if self.cfg.logit_shift else raw
 
@@ -325,8 +335,9 @@ class HookedMDM(CheckedHookSurface):
 
     @property
     def input_device(self) -> torch.device:
-        """Where token ids go (the embedding's device)."""
-        return self.embed.W_E.device
+        """Where token ids go: the embedding's execution device (under a device_map with offloading its weight
+        sits on meta; `mdm_lens.loading.placement`)."""
+        return execution_device(self.embed, lambda: self.embed.W_E.device)
 
     @property
     def W_U(self) -> Float[Tensor, "d_model d_vocab"]:

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -7,6 +8,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default=None, help="device of the device-agnostic tests (tests/test_device_map.py); "
+                     "default $MDM_LENS_TEST_DEVICE or cpu")
+
+
+@pytest.fixture(scope="session")
+def test_device(request) -> str:
+    """The accelerator the device-agnostic tests place models on (`--device cuda:0`); 'cpu' by default."""
+    return request.config.getoption("--device") or os.environ.get("MDM_LENS_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(autouse=True)

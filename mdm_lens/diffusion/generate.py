@@ -25,6 +25,7 @@ from mdm_lens.diffusion import coda, rnd1  # noqa: F401  (CoDA, RND1)
 from mdm_lens.diffusion import dreamon, indel  # noqa: F401  (variable-length: DreamOn, LLaDA2.2 InDel)
 from mdm_lens.diffusion import bd3lm, gidd  # noqa: F401  (BD3LM, GIDD)
 from mdm_lens.diffusion.canvas import CanvasSampler, Plan
+from mdm_lens.diffusion.memory_guard import guard
 from mdm_lens.diffusion.output import GenerateOutput
 from mdm_lens.diffusion.registry import Observation
 from mdm_lens.errors import ArgumentTypeError
@@ -87,6 +88,7 @@ def generate(model: Any, prompt: Any, *, sampler: SamplerName = "auto", attentio
     resolved = plugin.settings(model, settings)  # an unknown setting first: the clearest error
     plugin.check_model(model)
     _check_observation(fwd_hooks, record, cache, seed, progress)
+    guard(model, prompt, name, settings, record, cache)  # over a budget (max_memory, a GPU's free memory): refused
     obs = Observation(attention_mask=attention_mask, fwd_hooks=fwd_hooks, hook_steps=hook_steps, record=record,
                       cache=cache, seed=seed, progress=progress)
     return plugin.generate(model, prompt, resolved, obs)

@@ -27,6 +27,7 @@ from mdm_lens.loading.fastdllm_v2 import config_from_fastdllm_v2, is_fastdllm_v2
 from mdm_lens.loading.hf import config_from_hf, hf_family, hf_plan
 from mdm_lens.loading.llada import config_from_llada, is_llada, llada_plan
 from mdm_lens.loading.native import check_native_extra, check_native_raw
+from mdm_lens.loading import placement
 from mdm_lens.loading.plan import Plan, source_shapes
 from mdm_lens.loading.readers import CheckpointReader
 from mdm_lens.loading.registry import FAMILY_DEFAULTS, KNOWN_MODELS, KnownModel, lookup  # noqa: F401 (re-export)
@@ -128,9 +129,10 @@ def native_plan(cfg: MDMConfig, names: list[str]) -> Plan:
 
 def build_state_dict(plan: Plan, reader: CheckpointReader, expected: dict[str, tuple[int, ...]],
                      source_shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str | torch.device,
-                     tied_hint: str = "", cause: str = "") -> dict[str, torch.Tensor]:
+                     tied_hint: str = "", cause: str = "", place: Any = None) -> dict[str, torch.Tensor]:
     """Check every source tensor is present with the right shape, then assemble (cat) and cast. `cause` names
-    the config keys the tensor names contradict (loading/diagnose.py); every wrong name is listed."""
+    the config keys the tensor names contradict (loading/diagnose.py); every wrong name is listed. `place`
+    (a `placement.Placer`) puts each tensor on its mapped device as it is read; disk-bound ones are omitted."""
     keys = set(reader.keys())
     wanted = {src for sources in plan.values() for src in sources}
     missing = sorted(wanted - keys)
@@ -149,12 +151,23 @@ def build_state_dict(plan: Plan, reader: CheckpointReader, expected: dict[str, t
     for target, sources in plan.items():
         parts = [reader.get(src) for src in sources]
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # the shapes were checked above
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            bad = [s for s, p in zip(sources, parts) if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+        if tensor.is_floating_point() and not _all_finite(tensor):
+            bad = [s for s, p in zip(sources, parts) if p.is_floating_point() and not _all_finite(p)]
             raise CheckpointError(f"tensor(s) {bad} in {reader.folder} hold NaN or inf values: the checkpoint is "
                                   "corrupt (or was saved after a diverged update); fetch it again.")
-        out[target] = tensor.to(device=device, dtype=dtype)
+        if place is None:
+            out[target] = tensor.to(device=device, dtype=dtype)
+        elif (placed := place(target, tensor.to(dtype=dtype))) is not None:
+            out[target] = placed
+        del parts, tensor  # a disk-bound tensor is freed now, not when the next one is read (peak host memory)
     return out
+
+
+def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """`isfinite(t).all()` a few million elements at a time: the whole-tensor bool mask was a transient of a
+    quarter of the tensor's bytes on the host, kept by the allocator afterwards (peak RSS while loading)."""
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(chunk))
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "float16": torch.float16,
@@ -199,7 +212,8 @@ def _is_unembed(key: str) -> bool:
 
 def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32,
                     device: str | torch.device = "cpu", allow_download: bool = False,
-                    load_tokenizer: bool = True, device_map: Any = None) -> Any:
+                    load_tokenizer: bool = True, device_map: Any = None, max_memory: Any = None,
+                    n_devices: Any = None, offload_folder: Any = None) -> Any:
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise ArgumentTypeError(f"name_or_path={validate.describe(name_or_path)} is invalid: expected a str or a "
                                 "path (a checkpoint folder, a hub id or a zoo name).", argument="name_or_path",
@@ -214,30 +228,35 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
     if bridged_architecture(folder):  # transformers-native families (DiffusionGemma) load into the bridge
         from mdm_lens.bridge import TransformersBridge
 
+        placement.bridge_refuses(max_memory=max_memory, n_devices=n_devices, offload_folder=offload_folder)
+
         return load_bridge(TransformersBridge, str(folder), dtype=dtype, device=device, device_map=device_map,
                            load_tokenizer=load_tokenizer)
     from mdm_lens.ddit.hub import hub_family
     from mdm_lens.ddit.loading import folder_family
 
-    if hub_family(folder) is not None and device_map is None:  # BD3LM / GIDD-DiT (mdm_lens.ddit.hub)
+    ddit = hub_family(folder) or folder_family(folder)
+    if ddit is not None and any(v is not None for v in (device_map, max_memory, n_devices, offload_folder)):
+        # the DDiT research models are 110-170M parameters: placement across devices is not implemented for them
+        raise ConfigError(f"device_map / max_memory / n_devices / offload_folder are not supported for the DDiT "
+                          f"family {ddit!r} ({folder}); these models fit one device: pass device= instead.")
+    if hub_family(folder) is not None:  # BD3LM / GIDD-DiT (mdm_lens.ddit.hub)
         from mdm_lens.ddit.hub import load_hub
 
         return load_hub(folder, hub_family(folder), known.name if known else str(name_or_path), dtype=dtype,
                         device=device, load_tokenizer=load_tokenizer)
-    if folder_family(folder) is not None and device_map is None:  # MDLM / Duo load into HookedDDiT (mdm_lens.ddit)
+    if folder_family(folder) is not None:  # MDLM / Duo load into HookedDDiT (mdm_lens.ddit)
         from mdm_lens.ddit.loading import load_ddit
         from mdm_lens.ddit.model import HookedDDiT
 
         return load_ddit(HookedDDiT, folder, dtype=dtype, device=device, load_tokenizer=load_tokenizer)
-    if device_map is not None:
-        raise ConfigError("device_map applies to transformers-native checkpoints (the bridge); "
-                          f"{folder} loads into HookedMDM: pass device= instead.")
     name = known.name if known else str(name_or_path)
     cfg, family = read_config(folder, name, known)
     cfg.dtype, cfg.device = dtype, device
     reader = CheckpointReader(folder)
     with torch.device("meta"):
         model = cls(cfg)
+    placer = placement.prepare(model, device_map, max_memory, n_devices, offload_folder, dtype, device)  # checked first
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if family == "mdm_lens":
         plan = native_plan(cfg, list(expected))
@@ -246,12 +265,18 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
         plan = plans.get(family, hf_plan)(cfg, reader.keys())
     raw = {} if family == "mdm_lens" else json.loads((folder / "config.json").read_text())
     state = build_state_dict(plan, reader, expected, source_shapes(cfg, plan, expected), dtype, device,
-                             tied_hint=_tying_hint(cfg, family, folder), cause=causes(cfg, family, raw, reader.keys()))
-    if cfg.tie_word_embeddings:
+                             tied_hint=_tying_hint(cfg, family, folder), cause=causes(cfg, family, raw, reader.keys()),
+                             place=placer)
+    if placer is not None:
+        placement.finish(model, state, placer)
+    elif cfg.tie_word_embeddings:
         state["unembed.weight"] = state["embed.W_E"]
-    model.load_state_dict(state, strict=True, assign=True)
-    if cfg.tie_word_embeddings:
+        model.load_state_dict(state, strict=True, assign=True)
         model.unembed.weight = model.embed.W_E
+    else:
+        model.load_state_dict(state, strict=True, assign=True)
+    if placer is None:
+        model.hf_device_map = {"": str(device)}  # one device: the same attribute a dispatched model has
     if load_tokenizer:
         from mdm_lens.chat import read_chat_template  # chat reads the tokenizer files with loading.special
 

@@ -14,12 +14,12 @@ from mdm_lens import validate
 from mdm_lens.errors import ArgumentError
 
 #: keywords `from_pretrained` takes (its own + those it passes to `loading.load_pretrained`)
-ACCEPTED = ("dtype", "device", "allow_download", "load_tokenizer", "device_map", "fold_ln", "center_unembed",
-            "fold_value_biases")
+ACCEPTED = ("dtype", "device", "allow_download", "load_tokenizer", "device_map", "max_memory", "n_devices",
+            "offload_folder", "fold_ln", "center_unembed", "fold_value_biases")
 PROCESSING_FLAGS = ("fold_ln", "center_unembed", "fold_value_biases")
 #: TransformerLens' `from_pretrained` options that have no counterpart here (named so the error says so)
 TL_UNSUPPORTED = ("center_writing_weights", "refactor_factored_attn_matrices", "hf_model", "tokenizer",
-                  "torch_dtype", "n_devices", "move_to_device", "first_n_layers", "checkpoint_index",
+                  "torch_dtype", "move_to_device", "first_n_layers", "checkpoint_index",
                   "checkpoint_value", "default_prepend_bos", "default_padding_side", "n_ctx", "hf_cfg")
 
 

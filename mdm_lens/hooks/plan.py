@@ -1,0 +1,182 @@
+"""A memory plan before compute: per device, the weights, the largest forward's activations, the KV caches and the
+requested caches of one `generate` call, and a refusal (with the table) when a device's budget would be exceeded.
+
+Budgets: `max_memory` given to the plan, else the one the model was loaded with (`from_pretrained(max_memory=…)`),
+else what the device has: CUDA's free memory (`torch.cuda.mem_get_info`) or the host's available memory, plus the
+weights already resident there (they are loaded, so they are not in the free figure). The activation figure is an
+upper bound on one block's live buffers (hooked path: q/k/v, the scores and pattern of
+`memory.pattern_transient_bytes`, the MLP's hidden states) plus the logits and the sampler's fp32 softmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from mdm_lens.errors import MemoryBudgetError
+from mdm_lens.hooks.memory import estimate_bytes, human, pattern_transient_bytes
+
+COLUMNS = ("weights", "streamed", "activations", "kv_cache", "caches")
+
+
+@dataclass
+class DeviceMemory:
+    """Bytes one device needs: `streamed` is the largest offloaded module loaded onto it per call (accelerate's
+    cpu/disk offload), `caches` the trajectory cache and reducer records kept there."""
+
+    device: str
+    weights: int = 0
+    streamed: int = 0
+    activations: int = 0
+    kv_cache: int = 0
+    caches: int = 0
+    budget: int | None = None
+    budget_source: str = ""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.streamed + self.activations + self.kv_cache + self.caches
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.total <= self.budget
+
+
+@dataclass
+class MemoryPlan:
+    """`model.memory_plan(...)`'s answer: `rows[device]`, `fits`, `check()` (raises with the table), `repr` a table."""
+
+    rows: dict[str, DeviceMemory]
+    batch: int
+    positions: int
+    steps: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.rows.values())
+
+    def check(self) -> "MemoryPlan":
+        if not self.fits:
+            over = [d for d, r in self.rows.items() if not r.fits]
+            raise MemoryBudgetError(f"this run would not fit on {', '.join(over)} (refused before compute):\n{self}\n"
+                                    "Lower batch / gen_length, cache fewer names or steps (record reducers instead "
+                                    "of hook_pattern), or offload more blocks (device_map, max_memory).")
+        return self
+
+    def __repr__(self) -> str:
+        head = f"{'device':<8}" + "".join(f"{c:>13}" for c in COLUMNS) + f"{'total':>13}{'budget':>13}  fits"
+        lines = [f"MemoryPlan(batch={self.batch}, positions={self.positions}, steps={self.steps})", head]
+        for r in self.rows.values():
+            budget = "-" if r.budget is None else human(r.budget)
+            cells = "".join(f"{human(getattr(r, c)):>13}" for c in COLUMNS)
+            lines.append(f"{r.device:<8}{cells}{human(r.total):>13}{budget:>13}  {'yes' if r.fits else 'NO'}"
+                         + (f"  ({r.budget_source})" if r.budget_source else ""))
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def _dev(d: Any) -> str:
+    return f"cuda:{d}" if isinstance(d, int) else str(d)
+
+
+def _bytes(module: nn.Module, seen: set[int]) -> int:
+    """Parameters and buffers, each tensor once (tied embeddings are one tensor); meta tensors keep their dtype."""
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _placement(model: Any) -> list[tuple[str, str, str, int]]:
+    """(module, where its weights live, where it computes, bytes) per entry of `hf_device_map`."""
+    from mdm_lens.loading.placement import execution_device
+
+    device_map = getattr(model, "hf_device_map", None) or {"": str(model.cfg.device)}
+    seen: set[int] = set()
+    out = []
+    for name, dev in device_map.items():
+        module = model.get_submodule(name)
+        where = _dev(dev)
+        run = str(execution_device(module, lambda: torch.device(where if where != "disk" else "cpu")))
+        out.append((name, where, run, _bytes(module, seen)))
+    return out
+
+
+def block_activation_bytes(cfg: Any, batch: int, pos: int, dtype_bytes: int) -> int:
+    """Upper bound on one block's live buffers on the hooked path (residual in/out and normalised copy, q/k/v and
+    rotated q/k, the attention's score/pattern buffers, z, the MLP's gate/up/product)."""
+    b, t = batch, pos
+    resid = 3 * b * t * cfg.d_model
+    qkv = b * t * (2 * cfg.n_heads + 3 * cfg.n_key_value_heads) * cfg.d_head + b * t * cfg.n_heads * cfg.d_head
+    mlp = 3 * b * t * cfg.d_mlp
+    mask = b * t * t  # the boolean visibility mask (bytes, not elements)
+    return (resid + qkv + mlp) * dtype_bytes + mask + pattern_transient_bytes(cfg, b, t, None, dtype_bytes, True)
+
+
+def head_activation_bytes(cfg: Any, batch: int, pos: int, dtype_bytes: int) -> int:
+    """The final norm's output, the logits and the sampler's fp32 softmax and confidence over the vocabulary."""
+    return batch * pos * (cfg.d_model * dtype_bytes + cfg.d_vocab * (dtype_bytes + 2 * 4))
+
+
+def build_plan(model: Any, batch: int, pos: int, steps: int, kv_cache: bool, cache: Any, record: Sequence[Any],
+               max_memory: dict | None) -> MemoryPlan:
+    cfg = model.cfg
+    s = torch.finfo(cfg.dtype).bits // 8
+    rows: dict[str, DeviceMemory] = {}
+    row = lambda d: rows.setdefault(d, DeviceMemory(d))  # noqa: E731
+    for name, where, run, nbytes in _placement(model):
+        row(where).weights += nbytes
+        if where != run:  # offloaded: loaded onto `run` for the module's forward, one module at a time
+            row(run).streamed = max(row(run).streamed, nbytes)
+        blocks = [i for i in range(cfg.n_layers) if name in ("", "blocks") or name == f"blocks.{i}"
+                  or name.startswith(f"blocks.{i}.")]
+        if blocks:
+            row(run).activations = max(row(run).activations, block_activation_bytes(cfg, batch, pos, s))
+            if kv_cache:
+                row(run).kv_cache += len(blocks) * 2 * batch * pos * cfg.n_key_value_heads * cfg.d_head * s
+        if name in ("", "unembed"):
+            row(run).activations += head_activation_bytes(cfg, batch, pos, s)
+    main = str(model.input_device)
+    _requested(model, rows, row, cache, record, batch, pos, steps, s, main)
+    _budgets(model, rows, max_memory)
+    notes = [] if kv_cache else ["no KV cache in these settings (kv_cache='prefix'/'dual' or use_block_cache adds one)"]
+    return MemoryPlan(rows, batch, pos, steps, notes)
+
+
+def _requested(model: Any, rows: dict, row: Any, cache: Any, record: Sequence[Any], batch: int, pos: int, steps: int,
+               s: int, main: str) -> None:
+    cfg = model.cfg
+    if cache is not None:
+        from mdm_lens.hooks.names import expand_names
+        from mdm_lens.hooks.trajectory import TrajectoryCache
+
+        tc = TrajectoryCache.from_request(cache)
+        names = expand_names(model, tc.names_arg)
+        n = tc.when.max_count(steps) * len(tc.when.phases)
+        row(str(tc.device) if tc.device is not None else main).caches += estimate_bytes(cfg, names, n, batch, pos, s)
+    if record:  # per-key reducers ([step, batch, layer, head, key] fp32) bound every built-in reducer's output
+        row(main).caches += len(record) * steps * batch * cfg.n_layers * cfg.n_heads * pos * 4
+
+
+def _budgets(model: Any, rows: dict[str, DeviceMemory], max_memory: dict | None) -> None:
+    from accelerate.utils import convert_file_size_to_int
+
+    given = max_memory if max_memory is not None else getattr(model, "max_memory", None)
+    for dev, r in rows.items():
+        if given is not None:
+            for key, value in given.items():
+                if _dev(key) == dev:
+                    r.budget, r.budget_source = convert_file_size_to_int(value), "max_memory"
+            continue
+        if dev.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info(torch.device(dev))
+            r.budget, r.budget_source = free + r.weights, "free + resident weights"
+        elif dev == "cpu":
+            import psutil
+
+            r.budget, r.budget_source = psutil.virtual_memory().available + r.weights, "available + resident weights"
