@@ -32,19 +32,9 @@ class StepRunner:
         self.model = model
         self.unknown_length: str | None = None  # why the run's length is known only at its end (None: fixed)
         default = self.default_steps = _as_steps(hook_steps)
-        self.user_hooks: list[StepHook] = []
-        for h in fwd_hooks:
-            if isinstance(h, StepHook):
-                self.user_hooks.append(h)
-            elif isinstance(h, tuple) and len(h) == 2 and callable(h[1]):
-                name, fn = h
-                when = fn.when if isinstance(fn, BoundHook) else default
-                fn = fn.fn if isinstance(fn, BoundHook) else fn
-                self.user_hooks.append(StepHook(name, fn, when))
-            else:
-                raise ArgumentTypeError(f"fwd_hooks entries must be (name, fn) pairs or at_steps(...) hooks, got "
-                                        f"{validate.describe(h)}.", argument="fwd_hooks", value=h,
-                                        allowed="(name, callable) or StepHook")
+        self.user_hooks: list[StepHook] = [_entry(h, default) for h in fwd_hooks]
+        if hook_steps is not None:
+            _check_hook_steps(fwd_hooks, hook_steps)
         for h in self.user_hooks:
             h.name = expand_names(model, h.name)
         # a lone reducer is refused (record=[ReceivedAttention()]); full activations go in cache=
@@ -142,6 +132,47 @@ class StepRunner:
                 records[key] = value
                 meta[key] = r.meta
         return records, meta
+
+
+def _entry(h: Any, default: Steps) -> StepHook:
+    """One `fwd_hooks` entry as a StepHook: a plain pair follows `hook_steps`, an at_steps hook its own steps."""
+    if isinstance(h, StepHook):
+        return h
+    if isinstance(h, tuple) and len(h) == 2 and isinstance(h[1], StepHook):
+        # a named at_steps hook inside a pair: two names for one hook; say which to drop rather than guess
+        inner = h[1].name
+        same = "the same name twice" if inner == h[0] else f"two names that disagree ({h[0]!r} and {inner!r})"
+        raise ArgumentTypeError(
+            f"fwd_hooks entry ({h[0]!r}, at_steps(..., name={inner!r})) gives {same}: an at_steps hook made with "
+            f"name= goes in the list on its own (fwd_hooks=[at_steps(fn, ..., name={inner!r})]); to pair it with a "
+            f"name, build it without name= (fwd_hooks=[({h[0]!r}, at_steps(fn, ...))]).", argument="fwd_hooks",
+            value=h, allowed="(name, fn), (name, at_steps(fn, steps)) or at_steps(fn, steps, name=...)")
+    if isinstance(h, tuple) and len(h) == 2 and callable(h[1]):
+        name, fn = h
+        if isinstance(fn, BoundHook):
+            return StepHook(name, fn.fn, fn.when)
+        return StepHook(name, fn, default)
+    raise ArgumentTypeError(f"fwd_hooks entries must be (name, fn) pairs or at_steps(...) hooks, got "
+                            f"{validate.describe(h)}.", argument="fwd_hooks", value=h,
+                            allowed="(name, callable) or StepHook")
+
+
+def _check_hook_steps(fwd_hooks: Sequence[Any], hook_steps: Any) -> None:
+    """`hook_steps` applies to plain `(name, fn)` pairs only: with none it would do nothing, and next to an at_steps
+    hook (which carries its own steps) two step selectors would compete; both are refused, not silently resolved."""
+    bound = [h for h in fwd_hooks if isinstance(h, StepHook) or isinstance(h[1], BoundHook)]
+    if bound:
+        raise SamplerConfigError(
+            f"hook_steps={validate.describe(hook_steps)} and {len(bound)} at_steps(...) hook(s) in fwd_hooks both "
+            "choose steps; an at_steps hook fires at its own steps only. Give the steps once: either at_steps(fn, "
+            "[...]) per hook, or plain (name, fn) pairs with hook_steps.", argument="hook_steps", value=hook_steps,
+            allowed="None when fwd_hooks holds at_steps(...) hooks")
+    if not fwd_hooks:
+        raise SamplerConfigError(
+            f"hook_steps={validate.describe(hook_steps)} selects the steps of plain fwd_hooks, but fwd_hooks is empty, "
+            "so it would do nothing. Pass fwd_hooks=[(name, fn)], or choose steps where they belong: "
+            "cache='name' @ steps(...) for a trajectory cache, ReducerClass(when=steps(...)) in record=.",
+            argument="fwd_hooks", value=list(fwd_hooks), allowed="at least one (name, fn) pair when hook_steps is given")
 
 
 def check_logits(logits: Tensor, state: DenoisingState, hooked: Sequence[str] = ()) -> None:
