@@ -33,8 +33,7 @@ class StepRunner:
         self.unknown_length: str | None = None  # why the run's length is known only at its end (None: fixed)
         default = self.default_steps = _as_steps(hook_steps)
         self.user_hooks: list[StepHook] = [_entry(h, default) for h in fwd_hooks]
-        if hook_steps is not None:
-            _check_hook_steps(fwd_hooks, hook_steps)
+        self._hook_steps = (list(fwd_hooks), hook_steps)  # checked in `begin`, after the steps' own range
         for h in self.user_hooks:
             h.name = expand_names(model, h.name)
         # a lone reducer is refused (record=[ReceivedAttention()]); full activations go in cache=
@@ -56,6 +55,8 @@ class StepRunner:
         # hooks are checked as records and caches are: a hook bound only to phases the run never has would
         # silently never fire (one listing several phases passes when one of them runs)
         self.default_steps.check(n_steps, n_blocks, phases, what="hook_steps")
+        if self._hook_steps[1] is not None:
+            _check_hook_steps(*self._hook_steps)
         for h in self.user_hooks:
             h.when.check(n_steps, n_blocks, phases, what=f"the hook on {h.name[0]}")
         for r in self.reducers:
@@ -158,15 +159,16 @@ def _entry(h: Any, default: Steps) -> StepHook:
 
 
 def _check_hook_steps(fwd_hooks: Sequence[Any], hook_steps: Any) -> None:
-    """`hook_steps` applies to plain `(name, fn)` pairs only: with none it would do nothing, and next to an at_steps
-    hook (which carries its own steps) two step selectors would compete; both are refused, not silently resolved."""
+    """`hook_steps` applies to plain `(name, fn)` pairs only (an at_steps hook keeps its own steps, as documented
+    in `generate`). With no plain pair it would do nothing: refused, saying which selector the hooks follow,
+    rather than silently dropped."""
     bound = [h for h in fwd_hooks if isinstance(h, StepHook) or isinstance(h[1], BoundHook)]
-    if bound:
+    if len(bound) == len(fwd_hooks) and bound:
         raise SamplerConfigError(
-            f"hook_steps={validate.describe(hook_steps)} and {len(bound)} at_steps(...) hook(s) in fwd_hooks both "
-            "choose steps; an at_steps hook fires at its own steps only. Give the steps once: either at_steps(fn, "
-            "[...]) per hook, or plain (name, fn) pairs with hook_steps.", argument="hook_steps", value=hook_steps,
-            allowed="None when fwd_hooks holds at_steps(...) hooks")
+            f"hook_steps={validate.describe(hook_steps)} applies to plain (name, fn) pairs, but every hook in fwd_hooks "
+            f"is an at_steps(...) hook ({len(bound)}), which fires at its own steps only: hook_steps would be ignored. "
+            "Give the steps once: at_steps(fn, [...]) per hook, or plain (name, fn) pairs with hook_steps.",
+            argument="hook_steps", value=hook_steps, allowed="None when fwd_hooks holds only at_steps(...) hooks")
     if not fwd_hooks:
         raise SamplerConfigError(
             f"hook_steps={validate.describe(hook_steps)} selects the steps of plain fwd_hooks, but fwd_hooks is empty, "
