@@ -113,11 +113,15 @@ class StepRunner:
             state.extra.setdefault("unknown_length", self.unknown_length)
         self.model.state = state
         hooks = self._hooks_for(state)
+        # the exact call, for hooks that must re-run this very forward unhooked first (knockout's anchor pre-pass):
+        # same tokens, kwargs and attached KV cache; removed after the forward so no state keeps it
+        state.extra["forward_call"] = lambda: rerun(self.model, tokens, kwargs)
         try:
             with self.model.hooks(fwd_hooks=hooks):
                 logits = self.model(tokens, return_type="aligned", **kwargs)
         finally:
             self.model.state = None
+            state.extra.pop("forward_call", None)
         check_logits(logits, state, [name for name, _ in hooks if any(name in h.name for h in self.user_hooks)])
         return logits
 
@@ -133,6 +137,22 @@ class StepRunner:
                 records[key] = value
                 meta[key] = r.meta
         return records, meta
+
+
+def rerun(model: Any, tokens: Tensor, kwargs: dict) -> None:
+    """Run the forward `model(tokens, **kwargs)` again as it is being run, leaving any attached KV cache as that
+    forward leaves it: a cache-filling forward ("fill", "dual") rewrites what the forward itself then overwrites,
+    and an "append" forward (SDAR's finished blocks) runs as "block" (the same keys read, nothing kept), so the
+    cache is not extended twice."""
+    layers = [getattr(getattr(b, "attn", None), "kv", None) for b in model.blocks]
+    appending = [kv for kv in layers if kv is not None and getattr(kv, "mode", None) == "append"]
+    for kv in appending:
+        kv.mode = "block"
+    try:
+        model(tokens, return_type=None, **kwargs)
+    finally:
+        for kv in appending:
+            kv.mode = "append"
 
 
 def _entry(h: Any, default: Steps) -> StepHook:
