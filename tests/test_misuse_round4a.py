@@ -291,3 +291,19 @@ def test_a_bad_block_length_in_from_config_is_a_config_error(value):
         dataclasses.replace(base, extra={"block_length": value})
     ok = dataclasses.replace(base, extra={"block_length": 4})
     assert HookedMDM.from_config(ok, seed=0).cfg.extra["block_length"] == 4
+
+
+def test_the_bridges_own_hooks_are_cacheable_too():
+    """DiffusionGemma (encoder-decoder) through the bridge: its MoE and norm-output hooks are measured by a probe
+    pass with the ids as prompt and canvas; the estimate bounds what the run stores."""
+    from mdm_lens.bridge import TransformersBridge
+    from mdm_lens.bridge.tiny import tiny_diffusion_gemma
+    from mdm_lens.hooks.memory import is_dense_hook
+
+    bridge = TransformersBridge(tiny_diffusion_gemma(seed=1))
+    names = [n for n in bridge.hook_dict if n.startswith("blocks.1.") and not is_dense_hook(n)]
+    assert "blocks.1.mlp.hook_expert_indices" in names
+    ids = torch.randint(2, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    out = bridge.generate(ids, seed=3, max_new_tokens=8, max_denoising_steps=2, cache=names @ steps(1))
+    stored = sum(t.numel() * t.element_size() for t in out.cache[1].values())
+    assert set(out.cache[1]) == set(names) and 0 < stored <= out.cache.estimated_bytes

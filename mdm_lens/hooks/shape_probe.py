@@ -35,7 +35,10 @@ def _record(model: Any, names: Sequence[str], batch: int, pos: int,
     previous, model.state = getattr(model, "state", None), None  # a plain forward, not a step of a run
     try:
         with torch.no_grad(), model.hooks(fwd_hooks=[(n, save) for n in names]):
-            model(tokens)  # logits: the final norm fires only on the way to them
+            # logits: the final norm fires only on the way to them; an encoder-decoder (DiffusionGemma through the
+            # bridge) gets the same ids as prompt and canvas, so encoder and decoder hooks both fire
+            extra = {"decoder_input_ids": tokens} if getattr(model, "is_block_diffusion", False) else {}
+            model(tokens, **extra)
     finally:
         model.state = previous
     return seen
