@@ -24,6 +24,23 @@ ATTENTION_KINDS = ("bidirectional", "causal", "block_causal")
 PositionPolicy = Literal["arange", "cumsum"]
 
 
+# `extra` facts read as positive ints by the forward and the samplers: checked with the config, so a bad value is a
+# ConfigError naming the key at load / from_config, never an InputError at the first forward as if it were passed
+EXTRA_POSITIVE_INTS = {"block_length": "the block-causal mask's default block length",
+                       "gen_length": "the default answer length of the probes"}
+
+
+def check_extra_ints(extra: Any, where: str = "") -> None:
+    """Raise ConfigError when a key of EXTRA_POSITIVE_INTS holds anything but null or an int > 0 (`where`: the file)."""
+    if not isinstance(extra, dict):
+        return  # its type is checked where it is read (native config.json: check_native_raw)
+    for key, what in EXTRA_POSITIVE_INTS.items():
+        value = extra.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ConfigError(f"{where}extra.{key}={value!r} is invalid: expected an int > 0 or null ({what}). It is "
+                              "a config fact: fix the config (config.json's \"extra\" / MDMConfig(extra=...)).")
+
+
 @dataclass
 class MDMConfig:
     d_model: int
@@ -119,6 +136,8 @@ class MDMConfig:
             if value is not None and (not is_int(value) or not 0 <= value < self.d_vocab):
                 raise ConfigError(f"{name}={value!r} is invalid: expected None or a token id in [0, d_vocab="
                                   f"{self.d_vocab}).")
+
+        check_extra_ints(self.extra)
 
     # --- TransformerLens aliases -------------------------------------------------------------------
     @property

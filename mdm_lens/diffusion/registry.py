@@ -29,7 +29,7 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.diffusion.rules import Rule, check_given, undeclared
-from mdm_lens.errors import ArgumentTypeError, SamplerConfigError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, SamplerConfigError
 
 
 class _Default:
@@ -118,7 +118,10 @@ class Sampler:
             raise _foreign(self, option, value, owners)
         settings = self.Settings(**kept)
         check_given(self.name, settings, kept)  # ranges and inert options, the same rule for every sampler
-        return settings.resolve(model)
+        try:
+            return settings.resolve(model)
+        except ArgumentError as e:
+            raise unpassed(self, e, kept) from None
 
     def generate(self, model: Any, prompt: Any, settings: SamplerSettings, obs: Observation) -> Any:
         raise NotImplementedError
@@ -181,6 +184,22 @@ def names() -> tuple[str, ...]:
 
 def get(name: Any) -> Sampler:
     return _REGISTRY[validate.choice(name, names(), name="sampler", error=SamplerConfigError)]
+
+
+def unpassed(sampler: Sampler, error: ArgumentError, given: dict[str, Any]) -> ArgumentError:
+    """`error` from `resolve`, saying so when the value it blames was never passed: a setting's default (or the value
+    taken from the checkpoint) that conflicts with what was passed would otherwise read as the caller's mistake."""
+    fields = {f.name: f for f in dataclasses.fields(sampler.Settings)}
+    name = error.argument
+    if name is None or name in given or name not in fields:
+        return error
+    default = fields[name].default
+    source = (f"its default is {default!r}" if default is not None and default is not dataclasses.MISSING
+              else "its value comes from the checkpoint (model.cfg)")
+    note = (f" You did not pass {name}: {source}, which conflicts with the settings given "
+            f"({', '.join(f'{k}={v!r}' for k, v in given.items()) or 'none'}); pass {name}= explicitly"
+            + (f" ({error.allowed})." if error.allowed else "."))
+    return type(error)(str(error) + note, argument=name, value=error.value, allowed=error.allowed)
 
 
 def settings_names(sampler: Sampler) -> set[str]:

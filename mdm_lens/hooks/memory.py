@@ -7,7 +7,8 @@ import os
 import re
 
 from mdm_lens.config import MDMConfig
-from mdm_lens.errors import MemoryBudgetError
+from mdm_lens.errors import InputError, MemoryBudgetError
+from mdm_lens.hooks import shape_probe
 
 DEFAULT_BUDGET = int(float(os.environ.get("MDM_LENS_CACHE_BUDGET_GB", "4")) * 2**30)
 
@@ -28,21 +29,46 @@ ALTERNATIVES = {
 
 
 def hook_shape(cfg: MDMConfig, name: str, batch: int, pos: int) -> tuple[int, ...]:
+    """The shape of a hook of the shared dense surface (the names every model class has, the bridge's included);
+    any other hook point is measured on the model (`hooks.shape_probe.measure`) and passed as `measured`."""
     for suffix, letters in sorted(_SUFFIX_SHAPES.items(), key=lambda kv: -len(kv[0])):
-        if name.endswith(suffix):
+        if _is_dense(name, suffix):
             dims = {"b": batch, "p": pos, "d": cfg.d_model, "h": cfg.n_heads, "g": cfg.n_key_value_heads,
                     "e": cfg.d_head, "f": cfg.d_mlp, "1": 1}
             return tuple(dims[c] for c in letters)
-    raise KeyError(name)
+    raise InputError(f"no shape is known for hook {name!r} without measuring it on the model; pass "
+                     "measured=shape_probe.measure(model, names).", argument="names", value=name,
+                     allowed="a dense-surface hook name, or a measured shape")
 
 
-def estimate_bytes(cfg: MDMConfig, names: list[str], n_steps: int, batch: int, pos: int, dtype_bytes: int) -> int:
+def _is_dense(name: str, suffix: str) -> bool:
+    """`name` is the dense hook `suffix` of a block (or the model), not a sub-module's hook with the same ending
+    (`mlp.experts.0.hook_post` is an expert's [routed row, d_expert], not the dense `mlp.hook_post`)."""
+    if not name.endswith(suffix):
+        return False
+    head = name[: len(name) - len(suffix)]
+    return head == "" or re.fullmatch(r"(blocks\.\d+\.)?(ln1\.|ln2\.|ln_final\.)?", head) is not None
+
+
+def is_dense_hook(name: str) -> bool:
+    """Whether `name` is on the dense surface whose shapes `hook_shape` knows from the config."""
+    return any(_is_dense(name, suffix) for suffix in _SUFFIX_SHAPES)
+
+
+def estimate_bytes(cfg: MDMConfig, names: list[str], n_steps: int, batch: int, pos: int, dtype_bytes: int,
+                   measured: dict[str, tuple] | None = None, itemsize: dict[str, int] | None = None) -> int:
+    """Bytes of `names` over `n_steps` forwards of `batch` × `pos`: measured axes (`shape_probe.measure`) where
+    given, with their measured bytes per element (`itemsize`), else the dense table at `dtype_bytes`."""
+    measured, itemsize = measured or {}, itemsize or {}
     total = 0
     for name in names:
-        n = 1
-        for d in hook_shape(cfg, name, batch, pos):
-            n *= d
-        total += n * dtype_bytes
+        if name in measured:
+            n = shape_probe.size(measured[name], batch, pos)
+        else:
+            n = 1
+            for d in hook_shape(cfg, name, batch, pos):
+                n *= d
+        total += n * itemsize.get(name, dtype_bytes)
     return total * n_steps
 
 
@@ -55,8 +81,8 @@ def human(n: float) -> str:
 
 
 def check_budget(cfg: MDMConfig, names: list[str], n_steps: int, batch: int, pos: int, dtype_bytes: int,
-                 budget: int) -> int:
-    need = estimate_bytes(cfg, names, n_steps, batch, pos, dtype_bytes)
+                 budget: int, measured: dict[str, tuple] | None = None, itemsize: dict[str, int] | None = None) -> int:
+    need = estimate_bytes(cfg, names, n_steps, batch, pos, dtype_bytes, measured, itemsize)
     if need > budget:
         quadratic = [n for n in names if re.search(r"hook_(pattern|attn_scores)$", n)]
         hint = ALTERNATIVES["bhpp"] if quadratic else "cache fewer names or steps"

@@ -58,6 +58,9 @@ class Reducer:
         self.layers = validate.indices(self.layers_arg, n, name="layers", what=f"layer of {n}")
         self.batch, self.max_pos, self.n_steps = batch, max_pos, n_steps
         self._rows: list[dict[str, Tensor]] = []
+        # each run's record lists its own steps: a reducer reused across generate calls (a loop over prompts)
+        # would otherwise carry the previous run's steps into this run's meta, misaligned with its rows
+        self.steps_seen = []
 
     def active(self, state: DenoisingState) -> bool:
         return self.when.matches(state.step, state.n_steps, state.block, state.phase)

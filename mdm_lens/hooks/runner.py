@@ -32,19 +32,8 @@ class StepRunner:
         self.model = model
         self.unknown_length: str | None = None  # why the run's length is known only at its end (None: fixed)
         default = self.default_steps = _as_steps(hook_steps)
-        self.user_hooks: list[StepHook] = []
-        for h in fwd_hooks:
-            if isinstance(h, StepHook):
-                self.user_hooks.append(h)
-            elif isinstance(h, tuple) and len(h) == 2 and callable(h[1]):
-                name, fn = h
-                when = fn.when if isinstance(fn, BoundHook) else default
-                fn = fn.fn if isinstance(fn, BoundHook) else fn
-                self.user_hooks.append(StepHook(name, fn, when))
-            else:
-                raise ArgumentTypeError(f"fwd_hooks entries must be (name, fn) pairs or at_steps(...) hooks, got "
-                                        f"{validate.describe(h)}.", argument="fwd_hooks", value=h,
-                                        allowed="(name, callable) or StepHook")
+        self.user_hooks: list[StepHook] = [_entry(h, default) for h in fwd_hooks]
+        self._hook_steps = (list(fwd_hooks), hook_steps)  # checked in `begin`, after the steps' own range
         for h in self.user_hooks:
             h.name = expand_names(model, h.name)
         # a lone reducer is refused (record=[ReceivedAttention()]); full activations go in cache=
@@ -67,6 +56,8 @@ class StepRunner:
         # hooks are checked as records and caches are: a hook bound only to phases the run never has would
         # silently never fire (one listing several phases passes when one of them runs)
         self.default_steps.check(n_steps, n_blocks, phases, what="hook_steps")
+        if self._hook_steps[1] is not None:
+            _check_hook_steps(*self._hook_steps)
         for h in self.user_hooks:
             h.when.check(n_steps, n_blocks, phases, what=f"the hook on {h.name[0]}")
         for r in self.reducers:
@@ -123,11 +114,15 @@ class StepRunner:
             state.extra.setdefault("unknown_length", self.unknown_length)
         self.model.state = state
         hooks = self._hooks_for(state)
+        # the exact call, for hooks that must re-run this very forward unhooked first (knockout's anchor pre-pass):
+        # same tokens, kwargs and attached KV cache; removed after the forward so no state keeps it
+        state.extra["forward_call"] = lambda: rerun(self.model, tokens, kwargs)
         try:
             with self.model.hooks(fwd_hooks=hooks):
                 logits = self.model(tokens, return_type="aligned", **kwargs)
         finally:
             self.model.state = None
+            state.extra.pop("forward_call", None)
         check_logits(logits, state, [name for name, _ in hooks if any(name in h.name for h in self.user_hooks)])
         return logits
 
@@ -148,7 +143,6 @@ class StepRunner:
                     meta[key] = dict(meta[key], origin=self._origin_rows(r.steps_seen, int(r.max_pos)))
         return records, meta
 
-
     def _origin_rows(self, steps: Sequence[int], width: int) -> Tensor:
         """`[step, batch, pos]` original position of each record column (−1: inserted; −2: beyond that step's
         canvas, where the records hold padding)."""
@@ -157,6 +151,64 @@ class StepRunner:
             o = self.origins[s]
             rows.append(torch.cat([o, o.new_full((o.shape[0], width - o.shape[1]), -2)], dim=1))
         return torch.stack(rows)
+
+
+def rerun(model: Any, tokens: Tensor, kwargs: dict) -> None:
+    """Run the forward `model(tokens, **kwargs)` again as it is being run, leaving any attached KV cache as that
+    forward leaves it: a cache-filling forward ("fill", "dual") rewrites what the forward itself then overwrites,
+    and an "append" forward (SDAR's finished blocks) runs as "block" (the same keys read, nothing kept), so the
+    cache is not extended twice."""
+    layers = [getattr(getattr(b, "attn", None), "kv", None) for b in model.blocks]
+    appending = [kv for kv in layers if kv is not None and getattr(kv, "mode", None) == "append"]
+    for kv in appending:
+        kv.mode = "block"
+    try:
+        model(tokens, return_type=None, **kwargs)
+    finally:
+        for kv in appending:
+            kv.mode = "append"
+
+
+def _entry(h: Any, default: Steps) -> StepHook:
+    """One `fwd_hooks` entry as a StepHook: a plain pair follows `hook_steps`, an at_steps hook its own steps."""
+    if isinstance(h, StepHook):
+        return h
+    if isinstance(h, tuple) and len(h) == 2 and isinstance(h[1], StepHook):
+        # a named at_steps hook inside a pair: two names for one hook; say which to drop rather than guess
+        inner = h[1].name
+        same = "the same name twice" if inner == h[0] else f"two names that disagree ({h[0]!r} and {inner!r})"
+        raise ArgumentTypeError(
+            f"fwd_hooks entry ({h[0]!r}, at_steps(..., name={inner!r})) gives {same}: an at_steps hook made with "
+            f"name= goes in the list on its own (fwd_hooks=[at_steps(fn, ..., name={inner!r})]); to pair it with a "
+            f"name, build it without name= (fwd_hooks=[({h[0]!r}, at_steps(fn, ...))]).", argument="fwd_hooks",
+            value=h, allowed="(name, fn), (name, at_steps(fn, steps)) or at_steps(fn, steps, name=...)")
+    if isinstance(h, tuple) and len(h) == 2 and callable(h[1]):
+        name, fn = h
+        if isinstance(fn, BoundHook):
+            return StepHook(name, fn.fn, fn.when)
+        return StepHook(name, fn, default)
+    raise ArgumentTypeError(f"fwd_hooks entries must be (name, fn) pairs or at_steps(...) hooks, got "
+                            f"{validate.describe(h)}.", argument="fwd_hooks", value=h,
+                            allowed="(name, callable) or StepHook")
+
+
+def _check_hook_steps(fwd_hooks: Sequence[Any], hook_steps: Any) -> None:
+    """`hook_steps` applies to plain `(name, fn)` pairs only (an at_steps hook keeps its own steps, as documented
+    in `generate`). With no plain pair it would do nothing: refused, saying which selector the hooks follow,
+    rather than silently dropped."""
+    bound = [h for h in fwd_hooks if isinstance(h, StepHook) or isinstance(h[1], BoundHook)]
+    if len(bound) == len(fwd_hooks) and bound:
+        raise SamplerConfigError(
+            f"hook_steps={validate.describe(hook_steps)} applies to plain (name, fn) pairs, but every hook in fwd_hooks "
+            f"is an at_steps(...) hook ({len(bound)}), which fires at its own steps only: hook_steps would be ignored. "
+            "Give the steps once: at_steps(fn, [...]) per hook, or plain (name, fn) pairs with hook_steps.",
+            argument="hook_steps", value=hook_steps, allowed="None when fwd_hooks holds only at_steps(...) hooks")
+    if not fwd_hooks:
+        raise SamplerConfigError(
+            f"hook_steps={validate.describe(hook_steps)} selects the steps of plain fwd_hooks, but fwd_hooks is empty, "
+            "so it would do nothing. Pass fwd_hooks=[(name, fn)], or choose steps where they belong: "
+            "cache='name' @ steps(...) for a trajectory cache, ReducerClass(when=steps(...)) in record=.",
+            argument="fwd_hooks", value=list(fwd_hooks), allowed="at least one (name, fn) pair when hook_steps is given")
 
 
 def check_logits(logits: Tensor, state: DenoisingState, hooked: Sequence[str] = ()) -> None:

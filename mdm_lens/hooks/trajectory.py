@@ -36,7 +36,8 @@ from transformer_lens import ActivationCache
 from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentTypeError, InputError, OutOfRangeError
-from mdm_lens.hooks.memory import DEFAULT_BUDGET, check_budget, human
+from mdm_lens.hooks import shape_probe
+from mdm_lens.hooks.memory import DEFAULT_BUDGET, check_budget, human, is_dense_hook
 from mdm_lens.hooks.names import expand_names
 from mdm_lens.hooks.steps import ALL_STEPS, CacheRequest, Steps
 
@@ -78,8 +79,13 @@ class TrajectoryCache:
         # blocks are only known during the run: an upper bound; each cached phase is a forward of its own
         n_cached = self.when.max_count(n_steps) * len(self.when.phases)
         dtype_bytes = torch.finfo(model.cfg.dtype).bits // 8
+        # hooks outside the dense surface (MoE routing and experts, q/k norms, a new family's own) are measured
+        # on the model with two tiny forwards, so every hook point can be cached with an honest estimate
+        others = [n for n in self.names if not is_dense_hook(n)]
+        itemsize: dict[str, int] = {}
+        measured = shape_probe.measure(model, others, itemsize) if others else {}
         self.estimated_bytes = check_budget(model.cfg, self.names, n_cached, batch, max_pos, dtype_bytes,
-                                            self.budget_bytes)
+                                            self.budget_bytes, measured, itemsize)
         self._phases = {p: {} for p in self.when.phases}
         self._where = {p: {} for p in self.when.phases}
         self._origin = {p: {} for p in self.when.phases}

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mdm_lens.config import MDMConfig
+from mdm_lens.config import MDMConfig, check_extra_ints
 from mdm_lens.errors import ConfigError
 from mdm_lens.loading.rope import _REQUIRED as ROPE_KEYS
 from mdm_lens.qk_attention import FAMILY_ARCHES
@@ -32,6 +32,7 @@ def check_native_raw(raw: dict[str, Any], path: Path) -> None:
     extra = raw.get("extra", {})
     if not isinstance(extra, dict):
         raise ConfigError(f"{path}: extra={extra!r} is invalid: expected a JSON object (dict) of family facts.")
+    check_extra_ints(extra, f"{path}: ")
     dtype = raw.get("dtype", "float32")
     if not isinstance(dtype, str) or dtype.removeprefix("torch.") not in DTYPES:
         raise ConfigError(f"{path}: dtype={dtype!r} is invalid: expected one of {', '.join(DTYPES)}.")

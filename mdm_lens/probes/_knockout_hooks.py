@@ -102,7 +102,12 @@ class KnockoutHooks:
                                  "(its sub-block forwards read stale cached keys, so no pre-pass can re-run them).",
                                  argument="targets", value=self.targets, allowed="a list of positions, or "
                                  "use_block_cache=False")
-            return rows, lambda: self._block_rerun(tokens, st.extra)
+            if "block_length" in st.extra:
+                return rows, lambda: self._block_rerun(tokens, st.extra)
+        if st is not None and "query_end" in st.extra:
+            # a KV-cached window (llada / dream kv_cache="prefix"/"dual", nemotron): the pre-pass is this very
+            # forward re-run unablated (same window, same cache), so its anchors are the forward's own
+            return rows, st.extra["forward_call"]
         kw = {} if st is not None else self.forward_kwargs
         return rows, lambda: self.model(tokens, attention_mask=am, return_type=None, **kw)
 

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 from mdm_lens import validate
-from mdm_lens.errors import InputError
+from mdm_lens.errors import InputError, SamplerConfigError
 from mdm_lens.hooks import at_steps
 
 from . import _causal as C
@@ -239,6 +239,8 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
         return _block_diffusion(model, prompt, step_list, chosen, ls, targets, queries, rule, n_random, seed, metric,
                                 answer, off, g, ns, decode, generate_kwargs)
 
+    _check_sampler(model, generate_kwargs)
+
     def gen(hooks: Sequence[Any] = ()) -> Any:
         return model.generate(prompt, steps=ns, gen_length=g, fwd_hooks=list(hooks), **generate_kwargs)
 
@@ -300,6 +302,40 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
         tf_answer_rank_mean=tf_rank.nanmean(-1), step_metric_name=C.metric_name(step_metric), step_metric=sm,
         metric_mean=sm.nanmean(-1), n_targets=t("nt"), agreement=t("agreement"), accuracy=t("accuracy"),
         gold=gold_ids, gold_source=source, notes=notes, condition_notes=_condition_notes(names, per, value))
+
+
+# samplers with a steps setting whose forwards are not all denoising steps of the canvas
+OWN_FORWARDS = {"nemotron": "also runs a causal prefill and a causal commit forward per block (9 forwards for "
+                            "gen_length=8, block_length=4), which are steps of the run"}
+
+
+def _check_sampler(model: Any, generate_kwargs: dict) -> None:
+    """Knockout drives the sampler by `steps=` and `gen_length=` and cuts step k's forward: a sampler without a
+    `steps` setting (fastdllm_v2 commits by threshold, nemotron_ar is autoregressive) is refused before any run,
+    naming the sampler, not with the sampler's own complaint about a `steps=` the user never passed."""
+    import dataclasses
+
+    from mdm_lens.diffusion import registry
+    from mdm_lens.diffusion.generate import default_sampler
+
+    name = generate_kwargs.get("sampler", "auto")
+    plugin = registry.get(default_sampler(model) if name == "auto" else name)
+    fields = {f.name for f in dataclasses.fields(plugin.Settings)} if dataclasses.is_dataclass(
+        getattr(plugin, "Settings", None)) else set()
+    if plugin.name in OWN_FORWARDS:
+        raise SamplerConfigError(
+            f"knockout's step grid (teacher-forced metrics at step k, hooks bound to step k) assumes step k is a "
+            f"denoising forward of the canvas; sampler={plugin.name!r} {OWN_FORWARDS[plugin.name]}. Cut its forwards "
+            "yourself with KnockoutHooks in model.generate(fwd_hooks=...) (its anchor pre-pass re-runs each cached "
+            "forward exactly).", argument="sampler", value=plugin.name, allowed="a sampler other than "
+            + ", ".join(OWN_FORWARDS))
+    if not {"steps", "gen_length"} <= fields:
+        raise SamplerConfigError(
+            f"knockout runs the sampler with steps= and gen_length= and cuts the forward of each step; sampler="
+            f"{plugin.name!r} has no fixed number of steps (its settings: {sorted(fields)}), so its forwards cannot be "
+            "chosen by step. Use a sampler with a steps setting (llada, dream, llada2, sdar, ...), or cut its forwards "
+            "yourself with KnockoutHooks in model.generate(fwd_hooks=...).", argument="sampler", value=plugin.name,
+            allowed="a sampler with steps and gen_length settings")
 
 
 def _clean_scores(gen: Any, clean: Any, model: Any, gold: Tensor) -> tuple[Tensor, Tensor]:

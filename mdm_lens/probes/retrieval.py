@@ -31,6 +31,7 @@ from torch import Tensor
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 from mdm_lens.hooks import TopKKeys
 from mdm_lens.hooks.names import expand_names
+from mdm_lens.hooks.record_steps import record_steps
 from mdm_lens.hooks.steps import _Bound
 
 from mdm_lens import validate
@@ -98,7 +99,7 @@ def _keys_per_position(method: str, out: Any, positions: list[int], shift: int, 
                            step_forward_kwargs(out))                                # [layer, head, query]
         return [am[:, :, p - shift][None] for p in positions]
     top = out.records["topk_keys"][:, 0, :, :, :, 0]                       # [step, layer, head, query]
-    row_of = {s: i for i, s in enumerate(out.record_meta["topk_keys"]["steps"])}
+    row_of = {s: i for i, s in enumerate(record_steps(out, "topk_keys", top.shape[0]))}
     cs = out.trajectory.commit_step[0]
     keys = []
     for p in positions:

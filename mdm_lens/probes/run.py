@@ -29,6 +29,7 @@ from torch import Tensor
 from mdm_lens import validate
 from mdm_lens.diffusion.fixed_length import require_fixed_length
 from mdm_lens.errors import ArgumentError, ArgumentTypeError
+from mdm_lens.hooks.record_steps import record_steps
 
 from . import _checks as C
 from . import flow as F
@@ -126,7 +127,7 @@ def _series(out: Any, layer: int | None, head: Any, record: str) -> tuple[Tensor
     rec = rec[..., :out.tokens.shape[1]]
     meta = out.record_meta.get(record, {})
     rec_layers = list(meta.get("layers", range(rec.shape[2])))
-    steps = list(meta.get("steps", range(rec.shape[0])))
+    steps = record_steps(out, record, rec.shape[0])
     if layer is not None:
         want = _recorded_layer(layer, rec_layers)
         rec, rec_layers = rec[:, :, [rec_layers.index(want)]], [want]

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.errors import InputError
+from mdm_lens.hooks.record_steps import record_steps
 
 __all__ = ["explore", "Explorer", "step_mapping"]
 
@@ -98,7 +99,7 @@ def _received(out: Any, item: int, steps: list[int], max_heads: int, notes: list
         return None
     meta = out.record_meta.get(RECORD, {})
     layers = list(meta.get("layers", range(rec.shape[2])))
-    rec_steps = list(meta.get("steps", range(rec.shape[0])))
+    rec_steps = record_steps(out, RECORD, rec.shape[0])
     at = {s: i for i, s in enumerate(rec_steps)}
     # a block sampler's record spans its canvas rounded up to whole blocks: keep the run's positions only
     x = rec[:, item, ..., : out.tokens.shape[1]].float()  # [step, layer, head, key]
@@ -147,7 +148,7 @@ def _kv_age(out: Any, item: int, steps: list[int]) -> list | None:
     age = out.records.get("kv_age")
     if age is None:
         return None
-    kept = list(out.record_meta.get("kv_age", {}).get("steps", range(age.shape[0])))
+    kept = record_steps(out, "kv_age", age.shape[0])
     at = {s: i for i, s in enumerate(kept)}
     age = age[:, item] if age.ndim == 3 else age
     return [age[at[s]].tolist() if s in at else None for s in steps]
