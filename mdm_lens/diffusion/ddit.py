@@ -103,19 +103,22 @@ def _greedy_final(sampler: DDiTSampler, runner: Any, x: Tensor, prompt: Tensor, 
 
 @dataclass
 class MDLMSettings(DDiTSettings):
-    """`Diffusion._sample`'s settings: predictor "ddpm_cache" (default) or "ddpm", steps 128, noise_removal True."""
+    """`Diffusion._sample`'s settings: predictor "ddpm_cache" (default), "ddpm" or "analytic" (the score-based update,
+    `mdm_lens.diffusion.mdlm_analytic`; its noise removal is `_denoiser_update`, a draw, not an argmax), steps 128,
+    noise_removal True."""
 
     predictor: str = "ddpm_cache"
     noise_removal: bool = True
 
     def resolve(self, model: Any) -> "MDLMSettings":
         return dataclasses.replace(self, **self.checked(
-            model, predictor=validate.choice(self.predictor, ("ddpm_cache", "ddpm"), name="predictor",
+            model, predictor=validate.choice(self.predictor, MDLM_PREDICTORS, name="predictor",
                                              error=SamplerConfigError),
             noise_removal=validate.boolean(self.noise_removal, name="noise_removal")))
 
 
-MDLMSettings.rules = {**CanvasSettings.rules, "eps": R.number(0, 1), "predictor": R.choice(("ddpm_cache", "ddpm")),
+MDLM_PREDICTORS = ("ddpm_cache", "ddpm", "analytic")
+MDLMSettings.rules = {**CanvasSettings.rules, "eps": R.number(0, 1), "predictor": R.choice(MDLM_PREDICTORS),
                       "noise_removal": R.boolean()}
 
 
@@ -124,8 +127,6 @@ class MDLMSampler(DDiTSampler):
 
     def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: MDLMSettings,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
-        from mdm_lens.ddit.outputs import subs
-
         mask_id, (batch, p_len) = model.cfg.mask_token_id, ids.shape
         x = torch.cat([ids, ids.new_full((batch, s.gen_length), mask_id)], dim=1)
         prompt = torch.zeros_like(x, dtype=torch.bool)
@@ -133,30 +134,57 @@ class MDLMSampler(DDiTSampler):
         recorder = TrajectoryRecorder(batch, x.shape[1], p_len, x.device)
         n = self.plan(s).n_steps
         ts, dt, cache = torch.linspace(1, s.eps, s.steps + 1), (1 - s.eps) / s.steps, None
+        step = self._analytic_step if s.predictor == "analytic" else self._ddpm_step
         for i in range(s.steps):
-            t = ts[i] * torch.ones(batch)
-            if s.predictor == "ddpm_cache":
-                mc_t, mc_s = t, t - dt
-            else:  # _ddpm_update: move chances 1 − e^{−σ} from the schedule, i.e. (1 − eps)·t
-                mc_t, mc_s = 1 - torch.exp(-loglinear_sigma(t)), 1 - torch.exp(-loglinear_sigma(t - dt))
-            p_x0 = cache
-            if p_x0 is None:
-                logits = self.forward(runner, i, n, x, prompt, t, loglinear_sigma(t), mask_id)
-                p_x0 = subs(logits, x, mask_id).exp()
-            q = p_x0 * (mc_t - mc_s).to(x.device)[:, None, None]
-            q[:, :, mask_id] = mc_s.to(x.device)[:, None]
-            drawn = sample_categorical(q, generator)
-            x_new = torch.where(x != mask_id, x, drawn)
-            reuse = s.predictor == "ddpm_cache" and torch.allclose(x_new, x) and \
-                not model.cfg.extra["time_conditioning"]
-            cache = p_x0 if reuse else None
+            x_new, cache = step(runner, i, n, x, prompt, ts[i] * torch.ones(batch), dt, cache, s, model, generator)
             recorder.record(i, 0, x, x_new != x, None)
             x = x_new
             if bar is not None:
                 bar.update(1)
-        if s.noise_removal:
+        if s.noise_removal and s.predictor == "analytic":
+            x = self._denoiser_final(runner, x, prompt, s, model, generator, recorder)
+        elif s.noise_removal:
             x = _greedy_final(self, runner, x, prompt, s.steps, s.eps, loglinear_sigma, mask_id, recorder)
         return x, am, recorder
+
+    def _log_p(self, runner: Any, i: int, n: int, x: Tensor, prompt: Tensor, t: Tensor, mask_id: int) -> Tensor:
+        from mdm_lens.ddit.outputs import subs
+
+        return subs(self.forward(runner, i, n, x, prompt, t, loglinear_sigma(t), mask_id), x, mask_id)
+
+    def _ddpm_step(self, runner: Any, i: int, n: int, x: Tensor, prompt: Tensor, t: Tensor, dt: float,
+                   cache: Tensor | None, s: MDLMSettings, model: Any, generator: Any) -> tuple[Tensor, Tensor | None]:
+        mask_id = model.cfg.mask_token_id
+        if s.predictor == "ddpm_cache":
+            mc_t, mc_s = t, t - dt
+        else:  # _ddpm_update: move chances 1 − e^{−σ} from the schedule, i.e. (1 − eps)·t
+            mc_t, mc_s = 1 - torch.exp(-loglinear_sigma(t)), 1 - torch.exp(-loglinear_sigma(t - dt))
+        p_x0 = cache if cache is not None else self._log_p(runner, i, n, x, prompt, t, mask_id).exp()
+        q = p_x0 * (mc_t - mc_s).to(x.device)[:, None, None]
+        q[:, :, mask_id] = mc_s.to(x.device)[:, None]
+        x_new = torch.where(x != mask_id, x, sample_categorical(q, generator))
+        reuse = s.predictor == "ddpm_cache" and torch.allclose(x_new, x) and not model.cfg.extra["time_conditioning"]
+        return x_new, (p_x0 if reuse else None)
+
+    def _analytic_step(self, runner: Any, i: int, n: int, x: Tensor, prompt: Tensor, t: Tensor, dt: float,
+                       cache: Any, s: MDLMSettings, model: Any, generator: Any) -> tuple[Tensor, None]:
+        from mdm_lens.diffusion.mdlm_analytic import analytic_probs
+
+        mask_id = model.cfg.mask_token_id
+        sigma_t, sigma_s = loglinear_sigma(t), loglinear_sigma(t - dt)
+        log_p = self._log_p(runner, i, n, x, prompt, t, mask_id)
+        probs = analytic_probs(log_p, x, sigma_t.to(x.device), (sigma_t - sigma_s).to(x.device), mask_id)
+        return sample_categorical(probs, generator), None
+
+    def _denoiser_final(self, runner: Any, x: Tensor, prompt: Tensor, s: MDLMSettings, model: Any, generator: Any,
+                        recorder: TrajectoryRecorder) -> Tensor:
+        from mdm_lens.diffusion.mdlm_analytic import denoiser_probs
+
+        mask_id, t = model.cfg.mask_token_id, torch.full((x.shape[0],), s.eps)
+        log_p = self._log_p(runner, s.steps, s.steps + 1, x, prompt, t, mask_id)
+        x_new = sample_categorical(denoiser_probs(log_p, x, loglinear_sigma(t).to(x.device), mask_id), generator)
+        recorder.record(s.steps, 0, x, x_new != x, None)
+        return x_new
 
 
 register(MDLMSampler())
