@@ -77,8 +77,9 @@ def test_duo_bin_layout_matches_the_reference_and_is_time_conditioned(duo):
     torch.testing.assert_close(model(x, sigma=sigma, return_type="log_probs"), torch.log_softmax(ref, -1),
                                atol=1e-4 * float(ref.abs().max()), rtol=0)
     assert (model(x, sigma=0.2) - model(x, sigma=2.0)).abs().max() > 0.05  # σ matters
-    with pytest.raises(InputError, match="sigma is required"):
-        model(x)
+    # σ omitted outside a denoising step: the clean-data σ at t = 1e-5 (documented, not a silent zero)
+    clean = -torch.log1p(torch.tensor(-(1 - 1e-3) * 1e-5))
+    torch.testing.assert_close(model(x), model(x, sigma=clean), rtol=0, atol=0)
 
 
 def test_patching_hook_cond_from_one_sigma_into_another_equals_the_forward_at_the_first(duo):

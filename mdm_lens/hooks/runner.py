@@ -121,6 +121,7 @@ class StepRunner:
         if self.unknown_length:
             state.extra.setdefault("unknown_length", self.unknown_length)
         self.model.state = state
+        self.last_state = state  # a sampler that commits after its forward reads it back for end_step
         hooks = self._hooks_for(state)
         try:
             with self.model.hooks(fwd_hooks=hooks):

@@ -3,15 +3,21 @@ it goes. Above `logit` (the read-out) and `tuned` (the translators), so the two 
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from mdm_lens import validate
+from mdm_lens.noisy import noisy_positions
 from mdm_lens.errors import ArgumentTypeError, InputError
 from mdm_lens.lens.logit import SOURCES, LensTrace, check_model, reduce_layer, resid_name
 from mdm_lens.lens.tuned import TunedLens
+
+# mdlm / duo: "masked" positions are mdm_lens.noisy's (Duo: every generated position, still resampleable noise)
+LENS_SAMPLERS = ("llada", "dream", "llada2", "sdar", "mdlm", "duo")
 
 
 def _check_run(model: Any, out: Any) -> None:
@@ -20,10 +26,10 @@ def _check_run(model: Any, out: Any) -> None:
     if not isinstance(out, GenerateOutput):
         raise ArgumentTypeError(f"out={validate.describe(out)} is not what model.generate returns.", argument="out",
                                 value=out, allowed="a GenerateOutput")
-    if out.causal or out.sampler not in ("llada", "dream", "llada2", "sdar"):
-        raise InputError(f"out is a {out.sampler!r} run; the lens over denoising steps reads masked diffusion runs "
-                         "(sampler 'llada', 'dream', 'llada2' or 'sdar'): an autoregressive step has no masked canvas.",
-                         argument="out", value=out.sampler, allowed="a 'llada', 'dream', 'llada2' or 'sdar' run")
+    if out.causal or out.sampler not in LENS_SAMPLERS:
+        raise InputError(f"out is a {out.sampler!r} run; the lens over denoising steps reads diffusion runs "
+                         f"(sampler {', '.join(map(repr, LENS_SAMPLERS))}): an autoregressive step has no masked canvas.",
+                         argument="out", value=out.sampler, allowed=f"a run of sampler {LENS_SAMPLERS}")
     out.check_model(model)
     if out.settings.get("kv_cache") is not None:  # window forwards: neither a replay nor the cache rows cover them
         raise InputError(f"out is a kv_cache={out.settings['kv_cache']!r} run: its window forwards attended to stale "
@@ -87,7 +93,9 @@ def lens_trace(model: Any, out: Any, *, layers: Any = None, steps: Any = None, p
         if source == "cache":
             act, rows = out.cache[s], out.cache.rows_of(s)
             width = max(out.trajectory.x_steps.shape[-1], rows.stop)
-            with torch.no_grad():  # a cached block's rows start at its block: placed at their positions
+            # a readout conditioned on the step (HookedDDiT's final adaLN reads σ of step s) runs in its state
+            ctx = out.at_step(model, s) if callable(getattr(model, "readout", None)) else contextlib.nullcontext()
+            with torch.no_grad(), ctx:  # a cached block's rows start at its block: placed at their positions
                 for l in layers:
                     reduce(_at_positions(act[resid_name(l)].to(model.input_device), rows.start, width), l)
         else:
@@ -97,7 +105,7 @@ def lens_trace(model: Any, out: Any, *, layers: Any = None, steps: Any = None, p
     x = out.trajectory.x_steps[steps][:, :, absolute]
     return LensTrace("logit" if lens is None else "tuned", steps, layers, positions, S, out.prompt_length, stack(0),
                      stack(1), stack(2), stack(3), target, out.trajectory.commit_step[:, absolute].clone(),
-                     x == model.cfg.mask_token_id, source, {"model": model.cfg.model_name, "sampler": out.sampler})
+                     noisy_positions(model.cfg, x, out.prompt_length), source, {"model": model.cfg.model_name, "sampler": out.sampler})
 
 
 def _replay_step(model: Any, out: Any, step: int, layers: list[int], reduce: Callable[[Tensor, int], None]) -> None:

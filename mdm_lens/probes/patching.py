@@ -46,6 +46,7 @@ from ._causal import anchor_mask_from_scores
 from ._results import ResultMixin
 from .knockout import ANSWER_METRICS, KnockoutHooks, KnockoutResult, knockout
 from ._runtools import require_single_stack
+from ._runtools import noisy_canvas
 from .run import is_causal, step_canvas, step_forward_kwargs
 
 __all__ = ["knockout", "KnockoutResult", "KnockoutHooks", "ANSWER_METRICS", "patch_anchor_activations",
@@ -116,10 +117,10 @@ def matched_canvases(out: Any, corrupt: Any, step: int, *, model: Any = None) ->
     xc[:, :P] = cp
     masked = None
     if model is not None:
-        masked = torch.zeros_like(x, dtype=torch.bool) if is_causal(model) else x == model.cfg.mask_token_id
+        masked = torch.zeros_like(x, dtype=torch.bool) if is_causal(model) else noisy_canvas(model, x, P)
     return MatchedCanvases(clean=x, corrupted=xc, attention_mask=am, step=s, masked=masked,
                            committed=out.trajectory.commit_step.to(x.device) == s, differ=x != xc,
-                           forward_kwargs=step_forward_kwargs(out))
+                           forward_kwargs=step_forward_kwargs(out, s))
 
 
 # ----------------------------------------------------------------------------------------------
