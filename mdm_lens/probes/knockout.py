@@ -50,6 +50,8 @@ from . import _causal as C
 from ._results import ResultMixin
 from .retrieval import _decode, answer_correct
 from ._runtools import is_block_diffusion
+from mdm_lens.noisy import notes_for
+
 from ._runtools import noisy_canvas
 from .run import is_causal, step_canvas, step_forward_kwargs
 
@@ -286,8 +288,8 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
                     tf_answer_logprob_mean=float(torch.tensor(p["tf_lp"]).nanmean()),
                     tf_answer_rank_mean=float(torch.tensor(p["tf_rank"]).nanmean())) for p in per]
     value = torch.tensor([_value(metric, row) for row in summary], dtype=torch.float64)
-    notes = [] if bool(torch.isfinite(tf_lp).any()) else [
-        "no chosen step predicts a gold answer position (all committed before): teacher-forced answer metrics are NaN"]
+    notes = notes_for(model.cfg) + ([] if bool(torch.isfinite(tf_lp).any()) else [
+        "no chosen step predicts a gold answer position (all committed before): teacher-forced answer metrics are NaN"])
     return KnockoutResult(
         conditions=names, steps=step_list, layers=ls, metric=C.metric_name(metric), value=value, effect=value - value[0],
         answer_logprob=t("answer_logprob"), answer_rank=t("answer_rank"), exact_match=t("exact_match"),

@@ -46,6 +46,9 @@ from ._causal import anchor_mask_from_scores
 from ._results import ResultMixin
 from .knockout import ANSWER_METRICS, KnockoutHooks, KnockoutResult, knockout
 from ._runtools import require_single_stack
+from .conditioning import sigma_patch  # noqa: F401  (patching.sigma_patch: the conditioning at one step)
+from mdm_lens.noisy import notes_for
+
 from ._runtools import noisy_canvas
 from .run import is_causal, step_canvas, step_forward_kwargs
 
@@ -278,7 +281,7 @@ def patch_anchor_activations(model: Any, clean_ids: Any, corrupt_ids: Any, *, st
     norm, reason, notes = normalise(value, v_clean, v_corr, n_pos, raw_c.dtype, scale)
     return PatchingResult(step=s, component=component, direction=direction, layers=ls, conditions=conds,
                           metric=C.metric_name(metric), clean_value=v_clean, corrupt_value=v_corr, value=value,
-                          normalised=norm, n_positions=n_pos, notes=notes, reason=reason)
+                          normalised=norm, n_positions=n_pos, notes=notes_for(model.cfg) + notes, reason=reason)
 
 
 EQUAL_RUNS = "clean and corrupted metrics are equal (0/0): the corruption changed nothing to restore"
