@@ -60,8 +60,10 @@ class WeightLayerNorm(nn.Module):
         self.hook_normalized = HookPoint()  # [batch, pos, d_model]
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        n = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.hook_normalized(n * self.w)
+        # the references disable autocast around the norm: fp32 under the bf16 autocast path too
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            n = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps)
+            return self.hook_normalized(n * self.w.float())
 
 
 class AdaLN(nn.Module):

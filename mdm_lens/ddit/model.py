@@ -49,6 +49,8 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
         for name in ("sigma", "time_embed", "cond", "embed", "final_modulated"):
             setattr(self, f"hook_{name}", HookPoint())
         self.state: Any = None  # the sampler's DenoisingState while a denoising step runs
+        # True: the references' GPU numerics, blocks and final layer under bf16 autocast (`set_autocast`)
+        self.autocast = False
         self.setup()
 
     @classmethod
@@ -116,16 +118,27 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
         return_type = validate.choice(return_type, RETURN_TYPES, name="return_type")
         tokens = check_tokens(tokens, self.cfg, attention_mask)
         sigma = check_sigma(self.step_sigma() if sigma is None else sigma, tokens.shape[0], self.cfg, tokens.device)
-        c = self.conditioning(sigma)
+        c = self.conditioning(sigma)  # fp32 always: the references compute it outside their autocast
         resid = self.hook_embed(self.W_E[tokens])
         cos, sin = rotary_tables(tokens.shape[1], self.cfg.d_head, self.cfg.rope_theta, tokens.device)
-        for block in self.blocks:
-            resid = block(resid, c, cos, sin)
-        if return_type is None:
-            return None
-        m = self.final_adaLN(c)
-        z = self.hook_final_modulated(modulate(self.ln_final(resid), m["shift"], m["scale"]))
-        return finish(self.unembed(z), tokens, return_type, self.cfg)
+        with torch.autocast(device_type=tokens.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            for block in self.blocks:
+                resid = block(resid, c, cos, sin)
+            if return_type is None:
+                return None
+            m = self.final_adaLN(c)
+            z = self.hook_final_modulated(modulate(self.ln_final(resid), m["shift"], m["scale"]))
+            raw = self.unembed(z)
+        return finish(raw, tokens, return_type, self.cfg)
+
+    def set_autocast(self, enabled: bool = True) -> "HookedDDiT":
+        """The autocast-faithful path: the blocks and the final layer run under `torch.autocast(bfloat16)` as the
+        MDLM / Duo references do on GPU (qkv, attention, MLP, adaLN outputs and logits bf16; the LayerNorms fp32;
+        `gate · branch` rounded to bf16 before the fp32 residual add; σ embedding and rotary tables fp32). Not
+        bit-identical to the references' kernels (flash-attn, Triton rotary): compare by tolerance and argmax.
+        The default (off) is the fp32 execution of the reference math, the parity the tests check."""
+        self.autocast = validate.boolean(enabled, name="enabled")
+        return self
 
     def step_sigma(self) -> Tensor | float | None:
         """The σ a forward called without `sigma` uses: the running denoising step's (`model.state.extra["sigma"]`,
