@@ -200,3 +200,24 @@ def test_uniform_state_probes_say_what_masked_means(models):
     pair = patching.matched_canvases(out, torch.tensor([[6, 6, 6], [8, 8, 8]]), step=2, model=duo)
     assert torch.equal(pair.masked, noisy_positions(duo.cfg, pair.clean, 3))
     torch.testing.assert_close(pair.forward_kwargs["sigma"], out.state_at(2).extra["sigma"])
+
+
+def test_sae_export_reads_mask_positions_on_mdlm_and_generated_positions_on_duo(models, tmp_path):
+    pytest.importorskip("datasets")
+    import numpy as np
+
+    from mdm_lens.sae import export_activations
+
+    prompts = [[5, 9, 2], [7, 1, 30, 4], [3, 3, 8]]
+    for name in ("duo", "mdlm"):
+        ds = export_activations(models[name], prompts, ["blocks.1.hook_resid_post"], out=tmp_path / name,
+                                steps=[0], positions="masked", n_steps=4, gen_length=6, seed=1, progress=False)
+        cols = ds.with_format("numpy")
+        pos, step = np.asarray(cols["position"]), np.asarray(cols["step"])
+        # step 0: every generated position is noisy on both (all masks / all uniform noise): 3 items × 6
+        assert len(ds) == 18 and set(step.tolist()) == {0}
+        lengths = {"0": 3, "1": 4, "2": 3}
+        items = np.asarray(cols["item_id"]).tolist()
+        assert all(p >= lengths[str(i)] for p, i in zip(pos.tolist(), items))
+        act = np.asarray(cols["blocks.1.hook_resid_post"])
+        assert act.shape[-1] == models[name].cfg.d_model and np.isfinite(act).all()
