@@ -197,6 +197,10 @@ def test_uniform_state_probes_say_what_masked_means(models):
     assert res.notes[0] == UNIFORM_STATE_NOTE
     assert UNIFORM_STATE_NOTE not in patching.knockout(mdlm, PROMPT[:1], steps=[1], layers=[0], n_random=0, n_steps=5,
                                                        gen_length=10).notes
+    from mdm_lens.probes.attribution import attribution_patching
+
+    atp = attribution_patching(duo, out, torch.tensor([[6, 6, 6], [8, 8, 8]]), steps=[1])
+    assert atp.notes == [UNIFORM_STATE_NOTE] and atp.to_frame().shape[0] > 0
     pair = patching.matched_canvases(out, torch.tensor([[6, 6, 6], [8, 8, 8]]), step=2, model=duo)
     assert torch.equal(pair.masked, noisy_positions(duo.cfg, pair.clean, 3))
     torch.testing.assert_close(pair.forward_kwargs["sigma"], out.state_at(2).extra["sigma"])
