@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, chosen: list[str], argv: list[str] | None) -> int:
-    from benchmarks import bench_ddit, bench_families, bench_forward, bench_kvcache, bench_memory, bench_patterns, bench_trajectory
+    from benchmarks import (bench_ddit, bench_families, bench_forward, bench_kvcache, bench_memory, bench_patterns,
+                            bench_trajectory)
     from benchmarks.harness import HEADER, machine_info, markdown_table, plain_table
     from benchmarks.models import SIZES, Workspace
 

@@ -28,7 +28,8 @@ def _check_run(model: Any, out: Any) -> None:
                                 value=out, allowed="a GenerateOutput")
     if out.causal or out.sampler not in LENS_SAMPLERS:
         raise InputError(f"out is a {out.sampler!r} run; the lens over denoising steps reads diffusion runs "
-                         f"(sampler {', '.join(map(repr, LENS_SAMPLERS))}): an autoregressive step has no masked canvas.",
+                         f"(sampler {', '.join(map(repr, LENS_SAMPLERS))}): an autoregressive step has no masked "
+                         "canvas.",
                          argument="out", value=out.sampler, allowed=f"a run of sampler {LENS_SAMPLERS}")
     out.check_model(model)
     if out.settings.get("kv_cache") is not None:  # window forwards: neither a replay nor the cache rows cover them
@@ -105,7 +106,8 @@ def lens_trace(model: Any, out: Any, *, layers: Any = None, steps: Any = None, p
     x = out.trajectory.x_steps[steps][:, :, absolute]
     return LensTrace("logit" if lens is None else "tuned", steps, layers, positions, S, out.prompt_length, stack(0),
                      stack(1), stack(2), stack(3), target, out.trajectory.commit_step[:, absolute].clone(),
-                     noisy_positions(model.cfg, x, out.prompt_length), source, {"model": model.cfg.model_name, "sampler": out.sampler})
+                     noisy_positions(model.cfg, x, out.prompt_length), source,
+                     {"model": model.cfg.model_name, "sampler": out.sampler})
 
 
 def _replay_step(model: Any, out: Any, step: int, layers: list[int], reduce: Callable[[Tensor, int], None]) -> None:

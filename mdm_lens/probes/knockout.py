@@ -55,7 +55,8 @@ from mdm_lens.noisy import notes_for
 from ._runtools import noisy_canvas
 from .run import is_causal, step_canvas, step_forward_kwargs
 
-from ._knockout_hooks import (KnockoutHooks, _answer_totals, _exact_match, _GoldScorer, _hooks_for, readout_hook,  # noqa: F401
+from ._knockout_hooks import (KnockoutHooks, _answer_totals, _exact_match, _GoldScorer, _hooks_for,  # noqa: F401
+                              readout_hook,
                               _RandomListHooks, _replay_scores)
 
 __all__ = ["knockout", "KnockoutResult", "KnockoutHooks", "ANSWER_METRICS"]
