@@ -4,7 +4,7 @@ TransformerLens' TransformerBridge, nnsight and the reference extraction code, a
     python -m benchmarks                      # the issue's sizes; writes benchmarks/results.md
     python -m benchmarks --only forward,patterns --repeats 5
     python -m benchmarks --size tiny --repeats 1 --out /tmp/r.md    # smoke run (seconds)
-    python -m benchmarks --only families,kvcache --repeats 11         # the opt-in ones (issues #19, #20)
+    python -m benchmarks --only families,kvcache,ddit --repeats 11    # the opt-in ones (issues #19, #20, #29)
 
 Nothing here asserts anything about wall time: the table says whether each target was met.
 """
@@ -22,7 +22,7 @@ import torch
 
 BENCHES = ("forward", "patterns", "trajectory", "memory")
 # run only when named in --only (minutes each at the full size): issue #19's families, issue #20's KV caches
-OPTIONAL = ("families", "kvcache")
+OPTIONAL = ("families", "kvcache", "ddit")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results.md"
 
 
@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, chosen: list[str], argv: list[str] | None) -> int:
-    from benchmarks import bench_families, bench_forward, bench_kvcache, bench_memory, bench_patterns, bench_trajectory
+    from benchmarks import (bench_ddit, bench_families, bench_forward, bench_kvcache, bench_memory, bench_patterns,
+                            bench_trajectory)
     from benchmarks.harness import HEADER, machine_info, markdown_table, plain_table
     from benchmarks.models import SIZES, Workspace
 
@@ -95,6 +96,8 @@ def _run(args: argparse.Namespace, chosen: list[str], argv: list[str] | None) ->
                         bench_families.SIZES[args.size]) + " (families)"]
                 elif name == "kvcache":
                     r, s = bench_kvcache.run(args.size, traj_reps), []
+                elif name == "ddit":  # issue #29: MDLM / Duo
+                    r, s = bench_ddit.run(args.size, reps, traj_reps), []
                 else:
                     r, s = bench_memory.run(size, ws, reps)
                 rows += r

@@ -176,9 +176,11 @@ class DiffusionLM(_Phases, NNsight):
     """
 
     def __init__(self, model: HookedMDM):
-        if not isinstance(model, HookedMDM):
-            raise ArgumentTypeError(f"DiffusionLM wraps a HookedMDM, got {type(model).__name__}.",
-                                    argument="model", value=type(model).__name__, allowed="HookedMDM")
+        from mdm_lens.ddit.model import HookedDDiT
+
+        if not isinstance(model, (HookedMDM, HookedDDiT)):
+            raise ArgumentTypeError(f"DiffusionLM wraps a HookedMDM or a HookedDDiT, got {type(model).__name__}.",
+                                    argument="model", value=type(model).__name__, allowed="HookedMDM, HookedDDiT")
         interleaver = StepInterleaver()
         super().__init__(model, interleaver=interleaver, envoys=PhasedEnvoy)
         interleaver.model_ref = weakref.ref(model)

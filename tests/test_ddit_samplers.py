@@ -29,7 +29,7 @@ def duo(tmp_path_factory):
 PROMPT = torch.tensor([[5, 9, 2], [7, 1, 30]])
 
 
-@pytest.mark.parametrize("predictor", ["ddpm_cache", "ddpm"])
+@pytest.mark.parametrize("predictor", ["ddpm_cache", "ddpm", "analytic"])
 @pytest.mark.parametrize("noise_removal", [True, False])
 def test_mdlm_sampler_is_token_exact(mdlm, predictor, noise_removal):
     model, sd = mdlm
@@ -96,3 +96,44 @@ def test_sampler_settings_are_checked(mdlm, duo):
         duo[0].generate(PROMPT, sampler="mdlm")
     with pytest.raises(SamplerConfigError):
         mdlm[0].generate(PROMPT, gen_length=30)
+
+
+def test_analytic_step_keeps_unmasked_rows_and_weights_masked_rows_by_the_score():
+    from mdm_lens.diffusion.mdlm_analytic import analytic_probs, denoiser_probs
+
+    # planted: vocab 4 (mask 3), one unmasked row (token 1) and one masked row with p = (0.5, 0.3, 0.2)
+    log_p = torch.full((1, 2, 4), -1e6)
+    log_p[0, 0, 1] = 0
+    log_p[0, 1, :3] = torch.tensor([0.5, 0.3, 0.2]).log()
+    x = torch.tensor([[1, 3]])
+    sigma, dsigma = torch.tensor([2.0]), torch.tensor([0.5])
+    probs = analytic_probs(log_p, x, sigma, dsigma, 3)
+    assert probs[0, 0].tolist() == pytest.approx([0, 1, 0, 0], abs=1e-12)  # an unmasked token never moves
+    k = torch.exp(-sigma) / (1 - torch.exp(-sigma))
+    # masked row: y ≠ mask gets p·k·e^{dσ}·(1 − e^{−dσ}); the mask keeps e^{dσ} + (1 − e^{dσ})(1 + k)
+    want = [float(p * k * torch.exp(dsigma) * (1 - torch.exp(-dsigma))) for p in (0.5, 0.3, 0.2)]
+    want.append(float(torch.exp(dsigma) + (1 - torch.exp(dsigma)) * (1 + k)))
+    assert probs[0, 1].tolist() == pytest.approx(want, rel=1e-5)
+    # the denoiser (dσ = σ) never draws the mask
+    assert denoiser_probs(log_p, x, sigma, 3)[..., 3].abs().max() == 0
+
+
+def test_analytic_predictor_runs_a_forward_every_step_and_matches_ddpm_in_distribution(mdlm):
+    from mdm_lens.diffusion.ddit import loglinear_sigma
+    from mdm_lens.diffusion.mdlm_analytic import analytic_probs
+
+    model, _ = mdlm
+    seen = []
+    model.generate(PROMPT, steps=10, gen_length=12, predictor="analytic", seed=2,
+                   fwd_hooks=[("hook_sigma", lambda t, hook: seen.append(model.state.step))])
+    assert seen == list(range(11))  # no cache: every step and the denoiser run the network
+    # for the absorbing state the analytic categorical is proportional to ddpm's q (row by row)
+    x = torch.cat([PROMPT, torch.full((2, 12), 60)], dim=1)
+    log_p = model(x, return_type="log_probs")
+    t, s = torch.tensor([0.7, 0.7]), torch.tensor([0.6, 0.6])
+    st, ss = loglinear_sigma(t), loglinear_sigma(s)
+    probs = analytic_probs(log_p, x, st, st - ss, 60)[:, 3:]
+    q = log_p.exp()[:, 3:] * (torch.exp(-ss) - torch.exp(-st))[:, None, None]
+    q[..., 60] = (1 - torch.exp(-ss))[:, None]
+    ratio = probs / q
+    assert torch.allclose(ratio, ratio[..., :1], rtol=1e-4)

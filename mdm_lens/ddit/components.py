@@ -60,8 +60,10 @@ class WeightLayerNorm(nn.Module):
         self.hook_normalized = HookPoint()  # [batch, pos, d_model]
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        n = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.hook_normalized(n * self.w)
+        # the references disable autocast around the norm: fp32 under the bf16 autocast path too
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            n = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps)
+            return self.hook_normalized(n * self.w.float())
 
 
 class AdaLN(nn.Module):
@@ -103,9 +105,11 @@ class DDiTAttention(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False, dtype=cfg.dtype)
         for name in ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z", "out"):
             setattr(self, f"hook_{name}", HookPoint())
+        # True: always the explicit path (benchmarks; nnsight swaps in a gate that is true at traced steps)
+        self.force_explicit: object = False
 
     def _needs_pattern(self) -> bool:
-        return bool(self.hook_attn_scores.fwd_hooks or self.hook_pattern.fwd_hooks)
+        return bool(self.force_explicit) or bool(self.hook_attn_scores.fwd_hooks or self.hook_pattern.fwd_hooks)
 
     def forward(self, x: Float[Tensor, "batch pos d_model"], cos: Tensor, sin: Tensor
                 ) -> Float[Tensor, "batch pos d_model"]:

@@ -30,7 +30,7 @@ def ddit_config(family: str, *, d_vocab: int, n_ctx: int, d_model: int, cond_dim
     GPT-2 = vocab_size − 1); Duo is uniform-state and has none. `extra` carries cond_dim, time_conditioning and
     the output parameterisation ("subs" for MDLM, "log_softmax" for Duo)."""
     mask = d_vocab - 1 if family == "mdlm" else None
-    facts = dict(cond_dim=cond_dim, time_conditioning=bool(time_conditioning),
+    facts = dict(cond_dim=cond_dim, time_conditioning=bool(time_conditioning), uniform_state=family == "duo",
                  parameterization="subs" if family == "mdlm" else "log_softmax", gen_length=min(n_ctx, 32), **extra)
     return MDMConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_mlp=4 * d_model, d_vocab=d_vocab,
                      n_ctx=n_ctx, rope_theta=10000.0, norm_eps=1e-5, attention="bidirectional",

@@ -75,15 +75,17 @@ def ddit_plan(cfg: MDMConfig) -> dict[str, str]:
 
 
 def load_ddit(cls: type, name_or_path: str | os.PathLike, *, dtype: Any = torch.float32, device: Any = "cpu",
-              allow_download: bool = False, load_tokenizer: bool = True, **options: Any) -> Any:
+              allow_download: bool = False, load_tokenizer: bool = True, autocast: bool = False, **options: Any) -> Any:
+    """`HookedDDiT.from_pretrained`; `autocast=True` turns on the bf16 autocast-faithful path (`set_autocast`)."""
     from mdm_lens.loading.readers import CheckpointReader
     from mdm_lens.loading.resolve import load_tokenizer as read_tokenizer
     from mdm_lens.loading.resolve import resolve
 
     if options:
         raise ArgumentTypeError(f"from_pretrained got {sorted(options)}: DDiT checkpoints take dtype, device, "
-                                "allow_download, load_tokenizer.", argument=sorted(options)[0], value=options,
-                                allowed="dtype, device, allow_download, load_tokenizer")
+                                "allow_download, load_tokenizer, autocast.", argument=sorted(options)[0],
+                                value=options, allowed="dtype, device, allow_download, load_tokenizer, autocast")
+    autocast = validate.boolean(autocast, name="autocast")
     dtype, device = _dtype(dtype), validate.device(device, name="device")
     folder, known = resolve(name_or_path, allow_download=validate.boolean(allow_download, name="allow_download"))
     path = folder / "config.json"
@@ -99,7 +101,7 @@ def load_ddit(cls: type, name_or_path: str | os.PathLike, *, dtype: Any = torch.
     model.load_state_dict({k: t.to(device=device, dtype=dtype) for k, t in state.items()}, strict=True, assign=True)
     if validate.boolean(load_tokenizer, name="load_tokenizer"):
         model.tokenizer = read_tokenizer(folder)
-    return model.eval()
+    return model.set_autocast(autocast).eval()
 
 
 def _dtype(dtype: Any) -> torch.dtype:

@@ -16,11 +16,16 @@ from transformer_lens.hook_points import HookPoint
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
 from mdm_lens.ddit.components import AdaLN, DDiTBlock, TimestepEmbedder, WeightLayerNorm, modulate, rotary_tables
+from mdm_lens.ddit.text import TokenizerMethods
 from mdm_lens.ddit.outputs import RETURN_TYPES, check_sigma, check_tokens, finish
+from mdm_lens.errors import InputError
 from mdm_lens.hook_surface import CheckedHookSurface
 
 
-class HookedDDiT(CheckedHookSurface):
+CLEAN_T = 1e-5  # the samplers' default last time (their `eps`): a final sequence's noise level
+
+
+class HookedDDiT(TokenizerMethods, CheckedHookSurface):
     """A DDiT model with TL hook points.
 
     Conditioning: `hook_sigma` [batch] (the σ the network uses: zeros when `time_conditioning` is off, as the
@@ -44,6 +49,8 @@ class HookedDDiT(CheckedHookSurface):
         for name in ("sigma", "time_embed", "cond", "embed", "final_modulated"):
             setattr(self, f"hook_{name}", HookPoint())
         self.state: Any = None  # the sampler's DenoisingState while a denoising step runs
+        # True: the references' GPU numerics, blocks and final layer under bf16 autocast (`set_autocast`)
+        self.autocast = False
         self.setup()
 
     @classmethod
@@ -101,7 +108,8 @@ class HookedDDiT(CheckedHookSurface):
         Args:
             tokens: ids `[batch, pos]` (pos ≤ n_ctx, the checkpoint's `model_length`).
             sigma: a number or a `[batch]` tensor of σ ≥ 0 (MDLM: the log-linear total noise, zeroed inside when
-                `time_conditioning` is off, so it may be omitted there; Duo: −log α_t, required).
+                `time_conditioning` is off; Duo: −log α_t). Omitted: `step_sigma()` (the running step's σ, else
+                the clean-data σ at t = 1e-5).
             return_type: "logits" / "aligned" (raw logits: position i predicts token i), "log_probs" (the family's
                 output parameterisation: MDLM SUBS — −1e6 at the mask id, log-softmax, unmasked rows one-hot at
                 their own token (0 there, −1e6 elsewhere); Duo log-softmax), "subs", "log_softmax", or None.
@@ -109,17 +117,61 @@ class HookedDDiT(CheckedHookSurface):
         """
         return_type = validate.choice(return_type, RETURN_TYPES, name="return_type")
         tokens = check_tokens(tokens, self.cfg, attention_mask)
-        sigma = check_sigma(sigma, tokens.shape[0], self.cfg, tokens.device)
-        c = self.conditioning(sigma)
+        sigma = check_sigma(self.step_sigma() if sigma is None else sigma, tokens.shape[0], self.cfg, tokens.device)
+        c = self.conditioning(sigma)  # fp32 always: the references compute it outside their autocast
         resid = self.hook_embed(self.W_E[tokens])
         cos, sin = rotary_tables(tokens.shape[1], self.cfg.d_head, self.cfg.rope_theta, tokens.device)
-        for block in self.blocks:
-            resid = block(resid, c, cos, sin)
-        if return_type is None:
-            return None
-        m = self.final_adaLN(c)
-        z = self.hook_final_modulated(modulate(self.ln_final(resid), m["shift"], m["scale"]))
-        return finish(self.unembed(z), tokens, return_type, self.cfg)
+        with torch.autocast(device_type=tokens.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            for block in self.blocks:
+                resid = block(resid, c, cos, sin)
+            if return_type is None:
+                return None
+            m = self.final_adaLN(c)
+            z = self.hook_final_modulated(modulate(self.ln_final(resid), m["shift"], m["scale"]))
+            raw = self.unembed(z)
+        return finish(raw, tokens, return_type, self.cfg)
+
+    def set_autocast(self, enabled: bool = True) -> "HookedDDiT":
+        """The autocast-faithful path: the blocks and the final layer run under `torch.autocast(bfloat16)` as the
+        MDLM / Duo references do on GPU (qkv, attention, MLP, adaLN outputs and logits bf16; the LayerNorms fp32;
+        `gate · branch` rounded to bf16 before the fp32 residual add; σ embedding and rotary tables fp32). Not
+        bit-identical to the references' kernels (flash-attn, Triton rotary): compare by tolerance and argmax.
+        The default (off) is the fp32 execution of the reference math, the parity the tests check."""
+        self.autocast = validate.boolean(enabled, name="enabled")
+        return self
+
+    def step_sigma(self) -> Tensor | float | None:
+        """The σ a forward called without `sigma` uses: the running denoising step's (`model.state.extra["sigma"]`,
+        set by the DDiT samplers, `out.replay`, `out.at_step`, nnsight's `tracer.iter[k]`); outside a step, the
+        clean-data σ (t = `CLEAN_T` = the samplers' last grid time 1e-5, σ = −log(1 − (1 − 1e-3)·t) ≈ 1e-5): what a
+        fully denoised sequence is conditioned on, and what the probes' clean forwards of a final sequence use.
+        MDLM without time conditioning zeroes σ anyway."""
+        state_sigma = None if self.state is None else self.state.extra.get("sigma")
+        if state_sigma is not None:
+            return state_sigma
+        return float(-torch.log1p(torch.tensor(-(1 - 1e-3) * CLEAN_T)))
+
+    # --- readout: what the knockout scorer and the lenses read ------------------------------------------
+    readout_hook = "hook_final_modulated"  # the unembedding's input: raw logits = unembed(this)
+
+    def readout(self, resid: Float[Tensor, "... d_model"], sigma: Any = None) -> Float[Tensor, "... d_vocab"]:
+        """Raw logits of a final-layer residual: final norm, the final adaLN at `sigma` (default `step_sigma()`:
+        the running step's σ, else the clean σ), unembedding. Rows `[batch, pos, d_model]` take one σ per batch
+        row; any other shape takes one σ for all."""
+        flat = resid.ndim != 3
+        r = resid.reshape(1, -1, resid.shape[-1]) if flat else resid
+        sigma = self.step_sigma() if sigma is None else sigma
+        if flat and isinstance(sigma, Tensor) and sigma.numel() > 1:  # one σ for rows of unknown batch
+            if bool((sigma != sigma.reshape(-1)[0]).any()):
+                raise InputError(f"readout of a {tuple(resid.shape)} tensor takes one σ; got {sigma.tolist()}.",
+                                 argument="sigma", value=sigma, allowed="a number (or equal values)")
+            sigma = sigma.reshape(-1)[:1]
+        sigma = check_sigma(sigma, r.shape[0], self.cfg, r.device)
+        m = self.final_adaLN(self.conditioning(sigma))
+        return self.unembed(modulate(self.ln_final(r), m["shift"], m["scale"])).reshape(*resid.shape[:-1], -1)
+
+    def aligned_logits(self, raw: Tensor) -> Tensor:
+        return raw  # DDiT logits are position-aligned (row i predicts token i)
 
     def generate(self, prompt: Any, **kwargs: Any) -> Any:
         """Run a registered sampler ("mdlm" for MDLM, "duo" for Duo); see `mdm_lens.diffusion.generate`."""

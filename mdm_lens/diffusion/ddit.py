@@ -82,10 +82,47 @@ class DDiTSampler(CanvasSampler):
 
     def forward(self, runner: Any, step: int, n_steps: int, x: Tensor, prompt: Tensor, t: Tensor, sigma: Tensor,
                 mask_id: int | None) -> Tensor:
-        masked = x == mask_id if mask_id is not None else torch.zeros_like(prompt)
-        state = DenoisingState(step, n_steps, 0, 1, x.clone(), masked, prompt, torch.ones_like(prompt),
-                               extra=dict(t=t.clone(), sigma=sigma.clone()))
+        state = DenoisingState(step, n_steps, 0, 1, x.clone(), noisy_positions(x, prompt, mask_id), prompt,
+                               torch.ones_like(prompt), extra=dict(t=t.clone(), sigma=sigma.clone()))
         return runner.forward(state, x, sigma=sigma)
+
+    def sigma_of(self, t: Tensor) -> Tensor:
+        return loglinear_sigma(t)
+
+    def step_time(self, settings: dict, step: int, batch: int) -> tuple[Tensor, Tensor]:
+        """(t, σ) `[batch]` of step `step` of a run with these settings: `linspace(1, eps, steps + 1)[step]`, the
+        noise-removal step at the grid's last point, as the loops above compute them."""
+        ts = torch.linspace(1, settings["eps"], settings["steps"] + 1)
+        t = ts[min(step, settings["steps"])] * torch.ones(batch)
+        return t, self.sigma_of(t)
+
+    def replay_state(self, out: Any, state: DenoisingState) -> DenoisingState:
+        t, sigma = self.step_time(out.settings, state.step, state.x.shape[0])
+        state.extra.update(t=t, sigma=sigma)
+        state.masked = noisy_positions(state.x, state.prompt, out.settings["mask_id"])
+        return state
+
+
+def noisy_positions(x: Tensor, prompt: Tensor, mask_id: int | None) -> Tensor:
+    """`DenoisingState.masked` of a DDiT step. MDLM: the positions holding the mask id. Duo (uniform-state, no mask
+    token): every generated position, since each one holds a token the sampler may still resample until the run's
+    last step (nothing is ever committed before the end); `trajectory.commit_step` is the last step that changed it."""
+    return x == mask_id if mask_id is not None else ~prompt
+
+
+def commit(runner: Any, recorder: TrajectoryRecorder, step: int, x: Tensor, x_new: Tensor) -> None:
+    """Record step `step` (committed = the positions it changed) and, when the step ran a forward (an MDLM
+    `ddpm_cache` step that reused the cache did not), close it for the reducers with its post-commit state."""
+    recorder.record(step, 0, x, x_new != x, None)
+    state = getattr(runner, "last_state", None)
+    if state is not None and state.step == step:
+        state.committed = x_new != x
+        runner.end_step(state)
+
+
+def _full_mask(am: Tensor, x: Tensor) -> Tensor:
+    """The prompt's attention mask extended over the generated positions (GenerateOutput's mask spans the canvas)."""
+    return torch.cat([am, am.new_ones((am.shape[0], x.shape[1] - am.shape[1]))], dim=1)
 
 
 def _greedy_final(sampler: DDiTSampler, runner: Any, x: Tensor, prompt: Tensor, n: int, eps: float,
@@ -97,25 +134,28 @@ def _greedy_final(sampler: DDiTSampler, runner: Any, x: Tensor, prompt: Tensor, 
 
         logits = subs(logits, x, mask_id)
     x_new = torch.where(prompt, x, logits.argmax(dim=-1))
-    recorder.record(n, 0, x, x_new != x, None)
+    commit(runner, recorder, n, x, x_new)
     return x_new
 
 
 @dataclass
 class MDLMSettings(DDiTSettings):
-    """`Diffusion._sample`'s settings: predictor "ddpm_cache" (default) or "ddpm", steps 128, noise_removal True."""
+    """`Diffusion._sample`'s settings: predictor "ddpm_cache" (default), "ddpm" or "analytic" (the score-based update,
+    `mdm_lens.diffusion.mdlm_analytic`; its noise removal is `_denoiser_update`, a draw, not an argmax), steps 128,
+    noise_removal True."""
 
     predictor: str = "ddpm_cache"
     noise_removal: bool = True
 
     def resolve(self, model: Any) -> "MDLMSettings":
         return dataclasses.replace(self, **self.checked(
-            model, predictor=validate.choice(self.predictor, ("ddpm_cache", "ddpm"), name="predictor",
+            model, predictor=validate.choice(self.predictor, MDLM_PREDICTORS, name="predictor",
                                              error=SamplerConfigError),
             noise_removal=validate.boolean(self.noise_removal, name="noise_removal")))
 
 
-MDLMSettings.rules = {**CanvasSettings.rules, "eps": R.number(0, 1), "predictor": R.choice(("ddpm_cache", "ddpm")),
+MDLM_PREDICTORS = ("ddpm_cache", "ddpm", "analytic")
+MDLMSettings.rules = {**CanvasSettings.rules, "eps": R.number(0, 1), "predictor": R.choice(MDLM_PREDICTORS),
                       "noise_removal": R.boolean()}
 
 
@@ -124,8 +164,6 @@ class MDLMSampler(DDiTSampler):
 
     def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: MDLMSettings,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
-        from mdm_lens.ddit.outputs import subs
-
         mask_id, (batch, p_len) = model.cfg.mask_token_id, ids.shape
         x = torch.cat([ids, ids.new_full((batch, s.gen_length), mask_id)], dim=1)
         prompt = torch.zeros_like(x, dtype=torch.bool)
@@ -133,30 +171,57 @@ class MDLMSampler(DDiTSampler):
         recorder = TrajectoryRecorder(batch, x.shape[1], p_len, x.device)
         n = self.plan(s).n_steps
         ts, dt, cache = torch.linspace(1, s.eps, s.steps + 1), (1 - s.eps) / s.steps, None
+        step = self._analytic_step if s.predictor == "analytic" else self._ddpm_step
         for i in range(s.steps):
-            t = ts[i] * torch.ones(batch)
-            if s.predictor == "ddpm_cache":
-                mc_t, mc_s = t, t - dt
-            else:  # _ddpm_update: move chances 1 − e^{−σ} from the schedule, i.e. (1 − eps)·t
-                mc_t, mc_s = 1 - torch.exp(-loglinear_sigma(t)), 1 - torch.exp(-loglinear_sigma(t - dt))
-            p_x0 = cache
-            if p_x0 is None:
-                logits = self.forward(runner, i, n, x, prompt, t, loglinear_sigma(t), mask_id)
-                p_x0 = subs(logits, x, mask_id).exp()
-            q = p_x0 * (mc_t - mc_s).to(x.device)[:, None, None]
-            q[:, :, mask_id] = mc_s.to(x.device)[:, None]
-            drawn = sample_categorical(q, generator)
-            x_new = torch.where(x != mask_id, x, drawn)
-            reuse = s.predictor == "ddpm_cache" and torch.allclose(x_new, x) and \
-                not model.cfg.extra["time_conditioning"]
-            cache = p_x0 if reuse else None
-            recorder.record(i, 0, x, x_new != x, None)
+            x_new, cache = step(runner, i, n, x, prompt, ts[i] * torch.ones(batch), dt, cache, s, model, generator)
+            commit(runner, recorder, i, x, x_new)
             x = x_new
             if bar is not None:
                 bar.update(1)
-        if s.noise_removal:
+        if s.noise_removal and s.predictor == "analytic":
+            x = self._denoiser_final(runner, x, prompt, s, model, generator, recorder)
+        elif s.noise_removal:
             x = _greedy_final(self, runner, x, prompt, s.steps, s.eps, loglinear_sigma, mask_id, recorder)
-        return x, am, recorder
+        return x, _full_mask(am, x), recorder
+
+    def _log_p(self, runner: Any, i: int, n: int, x: Tensor, prompt: Tensor, t: Tensor, mask_id: int) -> Tensor:
+        from mdm_lens.ddit.outputs import subs
+
+        return subs(self.forward(runner, i, n, x, prompt, t, loglinear_sigma(t), mask_id), x, mask_id)
+
+    def _ddpm_step(self, runner: Any, i: int, n: int, x: Tensor, prompt: Tensor, t: Tensor, dt: float,
+                   cache: Tensor | None, s: MDLMSettings, model: Any, generator: Any) -> tuple[Tensor, Tensor | None]:
+        mask_id = model.cfg.mask_token_id
+        if s.predictor == "ddpm_cache":
+            mc_t, mc_s = t, t - dt
+        else:  # _ddpm_update: move chances 1 − e^{−σ} from the schedule, i.e. (1 − eps)·t
+            mc_t, mc_s = 1 - torch.exp(-loglinear_sigma(t)), 1 - torch.exp(-loglinear_sigma(t - dt))
+        p_x0 = cache if cache is not None else self._log_p(runner, i, n, x, prompt, t, mask_id).exp()
+        q = p_x0 * (mc_t - mc_s).to(x.device)[:, None, None]
+        q[:, :, mask_id] = mc_s.to(x.device)[:, None]
+        x_new = torch.where(x != mask_id, x, sample_categorical(q, generator))
+        reuse = s.predictor == "ddpm_cache" and torch.allclose(x_new, x) and not model.cfg.extra["time_conditioning"]
+        return x_new, (p_x0 if reuse else None)
+
+    def _analytic_step(self, runner: Any, i: int, n: int, x: Tensor, prompt: Tensor, t: Tensor, dt: float,
+                       cache: Any, s: MDLMSettings, model: Any, generator: Any) -> tuple[Tensor, None]:
+        from mdm_lens.diffusion.mdlm_analytic import analytic_probs
+
+        mask_id = model.cfg.mask_token_id
+        sigma_t, sigma_s = loglinear_sigma(t), loglinear_sigma(t - dt)
+        log_p = self._log_p(runner, i, n, x, prompt, t, mask_id)
+        probs = analytic_probs(log_p, x, sigma_t.to(x.device), (sigma_t - sigma_s).to(x.device), mask_id)
+        return sample_categorical(probs, generator), None
+
+    def _denoiser_final(self, runner: Any, x: Tensor, prompt: Tensor, s: MDLMSettings, model: Any, generator: Any,
+                        recorder: TrajectoryRecorder) -> Tensor:
+        from mdm_lens.diffusion.mdlm_analytic import denoiser_probs
+
+        mask_id, t = model.cfg.mask_token_id, torch.full((x.shape[0],), s.eps)
+        log_p = self._log_p(runner, s.steps, s.steps + 1, x, prompt, t, mask_id)
+        x_new = sample_categorical(denoiser_probs(log_p, x, loglinear_sigma(t).to(x.device), mask_id), generator)
+        commit(runner, recorder, s.steps, x, x_new)
+        return x_new
 
 
 register(MDLMSampler())
@@ -235,7 +300,7 @@ class DuoSampler(DDiTSampler):
         recorder = TrajectoryRecorder(batch, x.shape[1], p_len, x.device)
         n = self.plan(s).n_steps
         ts, dt = torch.linspace(1, s.eps, s.steps + 1), (1 - s.eps) / s.steps
-        sigma_of = lambda t: -torch.log(duo_alpha(t))  # noqa: E731 (σ = −log α_t)
+        sigma_of = self.sigma_of  # σ = −log α_t
         for i in range(s.steps + (1 if s.noise_removal == "ancestral" else 0)):
             last = i == s.steps  # the ancestral noise removal: the same update to α_s = 1
             t = (ts[-1] if last else ts[i]) * torch.ones(batch)
@@ -248,16 +313,19 @@ class DuoSampler(DDiTSampler):
             if s.p_nucleus < 1:  # ch-1 filters log q and feeds the log-values to the Gumbel draw (reference bug)
                 q = top_p_filter(q.log(), s.p_nucleus)
             x_new = torch.where(prompt, x, sample_categorical(q, generator))
-            recorder.record(i, 0, x, x_new != x, None)
+            commit(runner, recorder, i, x, x_new)
             x = x_new
             if bar is not None:
                 bar.update(1)
         if s.noise_removal == "greedy":
             x = _greedy_final(self, runner, x, prompt, s.steps, s.eps, sigma_of, None, recorder)
-        return x, am, recorder
+        return x, _full_mask(am, x), recorder
 
     def plan(self, s: Any) -> Plan:
         return Plan(s.steps + (1 if s.noise_removal is not None else 0))
+
+    def sigma_of(self, t: Tensor) -> Tensor:
+        return -torch.log(duo_alpha(t))
 
 
 register(DuoSampler())

@@ -126,6 +126,11 @@ class Sampler:
     def generate(self, model: Any, prompt: Any, settings: SamplerSettings, obs: Observation) -> Any:
         raise NotImplementedError
 
+    def replay_state(self, out: Any, state: Any) -> Any:
+        """Step `state.step`'s `DenoisingState` as `replay` rebuilt it from `out`, completed with what this sampler
+        set on it beyond the canvas sets (e.g. the step's noise level in `extra`); default: unchanged."""
+        return state
+
 
 def _equal(a: Any, b: Any) -> bool:
     try:

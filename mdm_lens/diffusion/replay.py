@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens import validate
+from mdm_lens.diffusion.registry import get
 from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens.errors import SamplerConfigError
 
@@ -135,8 +136,9 @@ def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
         query = torch.full((batch,), width - 1)
     else:
         masked, query = x == out.settings["mask_id"], None
-    return DenoisingState(s, n, block, n_blocks, x.clone(), masked, prompt, key_visible, block_slice, phase=phase,
-                          query_position=query, extra=dict(n_run=n))
+    state = DenoisingState(s, n, block, n_blocks, x.clone(), masked, prompt, key_visible, block_slice, phase=phase,
+                           query_position=query, extra=dict(n_run=n))
+    return get(out.sampler).replay_state(out, state)  # the sampler's own extras (DDiT: t and σ of the step)
 
 
 def step_inputs(out: Any, model: Any, step: int, phase: str = "cond") -> tuple[DenoisingState, Tensor, dict]:

@@ -113,6 +113,7 @@ class StepRunner:
         if self.unknown_length:
             state.extra.setdefault("unknown_length", self.unknown_length)
         self.model.state = state
+        self.last_state = state  # a sampler that commits after its forward reads it back for end_step
         hooks = self._hooks_for(state)
         # the exact call, for hooks that must re-run this very forward unhooked first (knockout's anchor pre-pass):
         # same tokens, kwargs and attached KV cache; removed after the forward so no state keeps it

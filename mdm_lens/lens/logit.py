@@ -43,9 +43,10 @@ def resid_name(layer: int) -> str:
 def check_model(model: Any) -> Any:
     from mdm_lens.model import HookedMDM
 
-    if not isinstance(model, HookedMDM):
+    if not isinstance(model, HookedMDM) and not callable(getattr(model, "readout", None)):
         raise ArgumentTypeError(f"model={validate.describe(model)} is not a HookedMDM (the lens reads its final norm "
-                                "and unembedding).", argument="model", value=model, allowed="a HookedMDM")
+                                "and unembedding) nor has a readout (HookedDDiT).", argument="model", value=model,
+                                allowed="a HookedMDM or a HookedDDiT")
     return model
 
 
@@ -70,6 +71,8 @@ def _readout(model: Any, resid: Tensor, layer: int, lens: Any) -> Tensor:
     """Raw (unshifted) lens logits of residual rows `[..., d_model]`."""
     if lens is not None:
         resid = lens.translate(resid, layer)
+    if callable(getattr(model, "readout", None)):  # HookedDDiT: final norm, the step's final adaLN, unembedding
+        return model.readout(resid)
     return model.unembed(model.ln_final(resid))
 
 

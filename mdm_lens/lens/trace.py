@@ -3,18 +3,22 @@ it goes. Above `logit` (the read-out) and `tuned` (the translators), so the two 
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from mdm_lens import validate
+from mdm_lens.noisy import noisy_positions
 from mdm_lens.errors import ArgumentTypeError, InputError
 from mdm_lens.lens.logit import SOURCES, LensTrace, check_model, reduce_layer, resid_name
 from mdm_lens.lens.tuned import TunedLens
 
-
-MASKED_SAMPLERS = ("llada", "dream", "llada2", "sdar", "rnd1", "coda")  # samplers over a masked canvas
+# samplers over a masked canvas; mdlm / duo: "masked" positions are mdm_lens.noisy's (Duo: every generated position,
+# still resampleable noise)
+LENS_SAMPLERS = ("llada", "dream", "llada2", "sdar", "rnd1", "coda", "mdlm", "duo")
 
 
 def _check_run(model: Any, out: Any) -> None:
@@ -27,10 +31,10 @@ def _check_run(model: Any, out: Any) -> None:
 
     require_fixed_length(out, "lens_trace", "the lens reads answer position p at every step, and a row inserted or "
                          "deleted before p puts another token (or none) in that column at earlier steps")
-    if out.causal or out.sampler not in MASKED_SAMPLERS:
-        raise InputError(f"out is a {out.sampler!r} run; the lens over denoising steps reads masked diffusion runs "
-                         f"(sampler one of {MASKED_SAMPLERS}): an autoregressive step has no masked canvas.",
-                         argument="out", value=out.sampler, allowed=f"a run of {MASKED_SAMPLERS}")
+    if out.causal or out.sampler not in LENS_SAMPLERS:
+        raise InputError(f"out is a {out.sampler!r} run; the lens over denoising steps reads diffusion runs "
+                         f"(sampler one of {LENS_SAMPLERS}): an autoregressive step has no masked canvas.",
+                         argument="out", value=out.sampler, allowed=f"a run of {LENS_SAMPLERS}")
     out.check_model(model)
     if out.settings.get("kv_cache") is not None:  # window forwards: neither a replay nor the cache rows cover them
         raise InputError(f"out is a kv_cache={out.settings['kv_cache']!r} run: its window forwards attended to stale "
@@ -94,7 +98,9 @@ def lens_trace(model: Any, out: Any, *, layers: Any = None, steps: Any = None, p
         if source == "cache":
             act, rows = out.cache[s], out.cache.rows_of(s)
             width = max(out.trajectory.x_steps.shape[-1], rows.stop)
-            with torch.no_grad():  # a cached block's rows start at its block: placed at their positions
+            # a readout conditioned on the step (HookedDDiT's final adaLN reads σ of step s) runs in its state
+            ctx = out.at_step(model, s) if callable(getattr(model, "readout", None)) else contextlib.nullcontext()
+            with torch.no_grad(), ctx:  # a cached block's rows start at its block: placed at their positions
                 for l in layers:
                     reduce(_at_positions(act[resid_name(l)].to(model.input_device), rows.start, width), l)
         else:
@@ -104,7 +110,8 @@ def lens_trace(model: Any, out: Any, *, layers: Any = None, steps: Any = None, p
     x = out.trajectory.x_steps[steps][:, :, absolute]
     return LensTrace("logit" if lens is None else "tuned", steps, layers, positions, S, out.prompt_length, stack(0),
                      stack(1), stack(2), stack(3), target, out.trajectory.commit_step[:, absolute].clone(),
-                     x == model.cfg.mask_token_id, source, {"model": model.cfg.model_name, "sampler": out.sampler})
+                     noisy_positions(model.cfg, x, out.prompt_length), source,
+                     {"model": model.cfg.model_name, "sampler": out.sampler})
 
 
 def _replay_step(model: Any, out: Any, step: int, layers: list[int], reduce: Callable[[Tensor, int], None]) -> None:

@@ -91,7 +91,9 @@ def readout_rows(model: Any, tokens: Int[Tensor, "batch pos"], prompt_length: in
         return rows
     pos = torch.zeros_like(tokens, dtype=torch.bool)
     if queries == "masked":
-        pos = tokens == model.cfg.mask_token_id
+        from mdm_lens.noisy import noisy_positions
+
+        pos = noisy_positions(model.cfg, tokens, prompt_length)
     else:
         pos[:, prompt_length:] = True
     if readout_shift(model):

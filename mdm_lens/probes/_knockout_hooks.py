@@ -203,6 +203,20 @@ def _hooks_for(model: Any, spec: Any, layers: list[int], queries: str, rule: str
     return KnockoutHooks(model, layers, spec, queries, rule, P, seed)
 
 
+def readout_hook(model: Any) -> str:
+    """The hook whose activation alone gives the raw logits (`model.readout_hook`; default the final norm's
+    normalized output, whose weight and the unembedding follow). HookedDDiT: `hook_final_modulated` (after the
+    σ-dependent final adaLN, so the scorer reads the step's own conditioning)."""
+    return getattr(model, "readout_hook", "ln_final.hook_normalized")
+
+
+def readout(model: Any, act: Tensor) -> Tensor:
+    """Raw logits from the activation at `readout_hook(model)`, exactly the forward's."""
+    if hasattr(model, "readout_hook"):
+        return model.unembed(act)
+    return model.unembed(model.ln_final.apply_weight(act))
+
+
 class _GoldScorer:
     """A hook on ``ln_final.hook_normalized`` that scores the gold answer at every sampler step:
     logits = unembed(w ⊙ normalized), exactly the forward's raw logits."""
@@ -214,7 +228,7 @@ class _GoldScorer:
         st = self.model.state
         if st is None or st.phase != "cond":
             return
-        raw = C.check_logits(self.model.unembed(self.model.ln_final.apply_weight(act)), f"denoising step {st.step}")
+        raw = C.check_logits(readout(self.model, act), f"denoising step {st.step}")
         # a forward that computes only some rows (SDAR / Fast-dLLM v2 blocks) has them at canvas positions
         # st.rows (reading them as rows 0.. scored nothing, so every value was NaN)
         q0 = st.rows.start if raw.shape[1] < self.gold.shape[1] else 0
@@ -238,7 +252,7 @@ def _replay_scores(model: Any, out: Any, gold: Tensor) -> tuple[Tensor, Tensor]:
     scorer = _GoldScorer(model, gold)
     for s in range(out.n_steps):
         x, am = step_canvas(out, s)
-        raw = C.check_logits(model(x, attention_mask=am, **step_forward_kwargs(out)), f"the clean run at step {s}")
+        raw = C.check_logits(model(x, attention_mask=am, **step_forward_kwargs(out, s)), f"the clean run at step {s}")
         scorer.lp[s], scorer.rank[s] = (t.cpu() for t in C.gold_scores(model, raw, gold))
     return scorer.at_commit(out.trajectory.commit_step)
 

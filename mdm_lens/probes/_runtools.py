@@ -131,13 +131,32 @@ def step_canvas(out: Any, step: int) -> tuple[Tensor, Tensor]:
     return x, out.attention_mask[:, : x.shape[1]]
 
 
-def step_forward_kwargs(out: Any) -> dict[str, Any]:
+def step_forward_kwargs(out: Any, step: int | None = None) -> dict[str, Any]:
     """Keyword arguments that make ``model(step_canvas(out, s)[0], ...)`` the forward the run's sampler ran: the
     run's block length on block samplers (the model's default is the checkpoint's, which a run may override);
-    nothing for the others (their forward is the plain one)."""
+    with ``step``, the step's noise level σ on samplers that condition on one (MDLM / Duo: ``sigma``, from the
+    sampler's ``step_time``); nothing else for the others (their forward is the plain one)."""
     if getattr(out, "sampler", None) in BLOCK_SAMPLERS:
         return {"block_length": int(out.settings["block_length"])}
+    sampler = _registered(getattr(out, "sampler", None))
+    if step is not None and hasattr(sampler, "step_time"):
+        s = validate.index(step, out.n_steps, name="step", what="step")
+        return {"sigma": sampler.step_time(out.settings, s, out.tokens.shape[0])[1].to(out.tokens.device)}
     return {}
+
+
+def _registered(name: Any) -> Any:
+    from mdm_lens.diffusion.registry import get, names
+
+    return get(name) if name in names() else None
+
+
+def noisy_canvas(model: Any, x: Tensor, prompt_length: int) -> Tensor:
+    """The positions of a step's canvas that the step predicts: the mask id's, or on a model without a mask token
+    (Duo, uniform-state) every generated position (each still holds resampleable noise until the run ends)."""
+    from mdm_lens.noisy import noisy_positions
+
+    return noisy_positions(model.cfg, x, prompt_length)
 
 
 @torch.no_grad()

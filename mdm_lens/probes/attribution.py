@@ -33,6 +33,7 @@ from torch import Tensor
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler, require_fixed_length
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentTypeError, InputError
+from mdm_lens.noisy import notes_for
 
 from . import _causal as C
 from ._atp_runs import COMPONENTS, HEAD_COMPONENTS, StepPair, exact_effects, gradients, metric_tensor, run_side
@@ -311,7 +312,7 @@ def _result(model: Any, steps: list[int], ls: list[int], comps: list[str], direc
         corrupt_value=[math.nan if r is None else r[corr_key] for r in per_step],
         reason=["" if r is not None else NOTHING_COMMITTED for r in per_step],
         per_position={c: [None if r is None else r["pos"][c] for r in per_step] for c in comps} if per_position
-        else None, exact=stack("exact") if exact else None)
+        else None, exact=stack("exact") if exact else None, notes=notes_for(model.cfg))
 
 
 def atp_vs_patching(model: Any, out_or_clean: Any, corrupt: Any, **kwargs: Any) -> AttributionResult:

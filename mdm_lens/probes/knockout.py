@@ -52,9 +52,13 @@ from ._ignored import refuse_ignored
 from ._results import ResultMixin
 from .retrieval import _decode, answer_correct
 from ._runtools import is_block_diffusion
+from mdm_lens.noisy import notes_for
+
+from ._runtools import noisy_canvas
 from .run import is_causal, step_canvas, step_forward_kwargs
 
 from ._knockout_hooks import (KnockoutHooks, _answer_totals, _exact_match, _GoldScorer, _hooks_for,  # noqa: F401
+                              readout_hook,
                               _RandomListHooks, _replay_scores)
 
 __all__ = ["knockout", "KnockoutResult", "KnockoutHooks", "ANSWER_METRICS"]
@@ -136,7 +140,7 @@ def _teacher_canvas(model: Any, clean: Any, s: int, gold: Tensor) -> tuple[Tenso
         predicted = torch.zeros_like(gold, dtype=torch.bool)
         predicted[:, x.shape[1]] = gold[:, x.shape[1]] >= 0
         return x, am, predicted
-    masked = x == model.cfg.mask_token_id
+    masked = noisy_canvas(model, x, clean.prompt_length)
     x = torch.where((g >= 0) & ~masked, g, x)
     predicted = torch.zeros_like(gold, dtype=torch.bool)
     w = min(x.shape[1], gold.shape[1])
@@ -258,11 +262,11 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
         rows: dict[str, list] = {"tf_lp": [], "tf_rank": [], "sm": [], "nt": []}
         for s in step_list:
             x, am = step_canvas(clean, s)
-            raw, n = _step_forward(model, x, am, ko, step_forward_kwargs(clean))
+            raw, n = _step_forward(model, x, am, ko, step_forward_kwargs(clean, s))
             rows["sm"].append(_committed_metric(model, clean, s, raw, step_metric))
             rows["nt"].append(n)
             xt, amt, predicted = _teacher_canvas(model, clean, s, gold)
-            raw_t = raw if torch.equal(xt, x) else _step_forward(model, xt, amt, ko, step_forward_kwargs(clean))[0]
+            raw_t = raw if torch.equal(xt, x) else _step_forward(model, xt, amt, ko, step_forward_kwargs(clean, s))[0]
             lp, rk = C.gold_scores(model, raw_t, gold)
             a, r = _answer_totals(lp.cpu(), rk.cpu(), predicted.cpu())
             rows["tf_lp"].append(a)
@@ -271,7 +275,7 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
             out, (lp, rk) = clean, clean_scores
         else:
             scorer = _GoldScorer(model, gold)
-            out = gen(ko.step_hooks(chosen) + [("ln_final.hook_normalized", scorer)])
+            out = gen(ko.step_hooks(chosen) + [(readout_hook(model), scorer)])
             lp, rk = scorer.at_commit(out.trajectory.commit_step)
         a_lp, a_rank = _answer_totals(lp, rk, have)
         acc = (float(np.mean([answer_correct(model, r.cpu(), answer, decode) for r in out.generated]))
@@ -293,8 +297,8 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
                     tf_answer_logprob_mean=float(torch.tensor(p["tf_lp"]).nanmean()),
                     tf_answer_rank_mean=float(torch.tensor(p["tf_rank"]).nanmean())) for p in per]
     value = torch.tensor([_value(metric, row) for row in summary], dtype=torch.float64)
-    notes = [] if bool(torch.isfinite(tf_lp).any()) else [
-        "no chosen step predicts a gold answer position (all committed before): teacher-forced answer metrics are NaN"]
+    notes = notes_for(model.cfg) + ([] if bool(torch.isfinite(tf_lp).any()) else [
+        "no chosen step predicts a gold answer position (all committed before): teacher-forced answer metrics are NaN"])
     return KnockoutResult(
         conditions=names, steps=step_list, layers=ls, metric=C.metric_name(metric), value=value, effect=value - value[0],
         answer_logprob=t("answer_logprob"), answer_rank=t("answer_rank"), exact_match=t("exact_match"),
@@ -343,7 +347,7 @@ def _clean_scores(gen: Any, clean: Any, model: Any, gold: Tensor) -> tuple[Tenso
     the knocked runs are scored on, so a knockout that cuts nothing equals clean exactly, block samplers' cached
     forwards included. A run that does not repeat (seed=None) falls back to replaying its canvases."""
     scorer = _GoldScorer(model, gold)
-    again = gen([("ln_final.hook_normalized", scorer)])
+    again = gen([(readout_hook(model), scorer)])
     if torch.equal(again.tokens, clean.tokens) and torch.equal(again.trajectory.commit_step, clean.trajectory.commit_step):
         return scorer.at_commit(clean.trajectory.commit_step)
     return _replay_scores(model, clean, gold)

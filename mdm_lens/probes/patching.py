@@ -48,6 +48,10 @@ from ._ignored import refuse_ignored
 from ._results import ResultMixin
 from .knockout import ANSWER_METRICS, KnockoutHooks, KnockoutResult, knockout
 from ._runtools import require_single_stack
+from .conditioning import sigma_patch  # noqa: F401  (patching.sigma_patch: the conditioning at one step)
+from mdm_lens.noisy import notes_for
+
+from ._runtools import noisy_canvas
 from .run import is_causal, step_canvas, step_forward_kwargs
 
 __all__ = ["knockout", "KnockoutResult", "KnockoutHooks", "ANSWER_METRICS", "patch_anchor_activations",
@@ -118,10 +122,10 @@ def matched_canvases(out: Any, corrupt: Any, step: int, *, model: Any = None) ->
     xc[:, :P] = cp
     masked = None
     if model is not None:
-        masked = torch.zeros_like(x, dtype=torch.bool) if is_causal(model) else x == model.cfg.mask_token_id
+        masked = torch.zeros_like(x, dtype=torch.bool) if is_causal(model) else noisy_canvas(model, x, P)
     return MatchedCanvases(clean=x, corrupted=xc, attention_mask=am, step=s, masked=masked,
                            committed=out.trajectory.commit_step.to(x.device) == s, differ=x != xc,
-                           forward_kwargs=step_forward_kwargs(out))
+                           forward_kwargs=step_forward_kwargs(out, s))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -283,7 +287,7 @@ def patch_anchor_activations(model: Any, clean_ids: Any, corrupt_ids: Any, *, st
     norm, reason, notes = normalise(value, v_clean, v_corr, n_pos, raw_c.dtype, scale)
     return PatchingResult(step=s, component=component, direction=direction, layers=ls, conditions=conds,
                           metric=C.metric_name(metric), clean_value=v_clean, corrupt_value=v_corr, value=value,
-                          normalised=norm, n_positions=n_pos, notes=notes, reason=reason)
+                          normalised=norm, n_positions=n_pos, notes=notes_for(model.cfg) + notes, reason=reason)
 
 
 EQUAL_RUNS = "clean and corrupted metrics are equal (0/0): the corruption changed nothing to restore"

@@ -213,6 +213,10 @@ def _query_mask(model: Any, tokens: Tensor, query: Any, key_visible: Tensor | No
     base = torch.ones_like(tokens, dtype=torch.bool) if key_visible is None else key_visible
     if query == "all":
         return None if key_visible is None else base
+    if model.cfg.mask_token_id is None:
+        raise ArgumentError(f"query={query!r}: {model.cfg.model_name} has no mask token (uniform-state), so a token "
+                            "sequence does not say which positions are noisy; pass a [batch, pos] bool mask.",
+                            argument="query", value=query, allowed="'all' or a bool mask")
     is_mask = tokens == model.cfg.mask_token_id
     return base & is_mask if query == "masked" else base & ~is_mask
 

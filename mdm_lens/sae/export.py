@@ -46,6 +46,7 @@ from torch import Tensor
 
 from mdm_lens.diffusion.fixed_length import require_fixed_length
 from mdm_lens import validate
+from mdm_lens.noisy import noisy_positions
 from mdm_lens.errors import ArgumentError, InputError, SamplerConfigError
 from mdm_lens.hooks.steps import as_steps
 from mdm_lens.hooks.trajectory import TrajectoryCache
@@ -95,7 +96,7 @@ def _group_rows(model: Any, out: Any, item_ids: list[str], plan: Plan, positions
     cols: dict[str, list] = {c: [] for c in (*plan.hooks, *ES.META_COLUMNS)}
     for b, item in enumerate(item_ids):
         xin = x[step_t, b]                                       # [cached step, pos]
-        masked = xin == model.cfg.mask_token_id
+        masked = noisy_positions(model.cfg, xin, out.prompt_length)
         chosen = _select(positions, masked, out.prompt_length) & computed[:, b]
         si, pos = chosen.nonzero(as_tuple=True)  # step-major, then position
         for h in plan.hooks:

@@ -139,7 +139,9 @@ def check_model(model: Any) -> None:
     if cfg is None or not hasattr(model, "generate"):
         raise ArgumentTypeError(f"model={validate.describe(model)} is not a HookedMDM.", argument="model", value=model,
                                 allowed="a HookedMDM or a hub id / folder")
-    if cfg.attention == "causal" or cfg.family == "diffusion_gemma" or cfg.mask_token_id is None:
+    # a uniform-state model (Duo) has no mask id: its "masked" positions are the generated ones (mdm_lens.noisy)
+    no_mask = cfg.mask_token_id is None and not cfg.extra.get("uniform_state")
+    if cfg.attention == "causal" or cfg.family == "diffusion_gemma" or no_mask:
         raise InputError(f"{cfg.model_name}: export_activations needs a masked diffusion model sampled by LLaDA's or "
                          "Dream's sampler (a causal model has no masked positions; DiffusionGemma re-decides its "
                          "canvas every step).", argument="model", value=cfg.model_name,
@@ -150,7 +152,8 @@ def hook_widths(model: Any, names: list[str]) -> dict[str, int]:
     """d_in per hook from one forward of a short masked canvas: the activation must be `[batch, pos, ...]`
     (an attention pattern, `[batch, head, query, key]`, has no per-position row and is refused)."""
     n = min(model.cfg.n_ctx, model.cfg.n_heads + 2)  # a length no head count can equal
-    toks = torch.full((1, n), model.cfg.mask_token_id, dtype=torch.long, device=model.input_device)
+    fill = 0 if model.cfg.mask_token_id is None else model.cfg.mask_token_id  # a uniform-state model: any id
+    toks = torch.full((1, n), fill, dtype=torch.long, device=model.input_device)
     if model.cfg.bos_token_id is not None:
         toks[0, 0] = model.cfg.bos_token_id
     _, cache = model.run_with_cache(toks, names_filter=names, return_type=None)

@@ -41,6 +41,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from mdm_lens import validate
+from mdm_lens.noisy import noisy_positions
 from mdm_lens.errors import ArgumentError, MemoryBudgetError, SamplerConfigError
 from mdm_lens.hooks import memory
 
@@ -108,7 +109,7 @@ def masked_mean_residuals(model: Any, out: Any) -> tuple[Float[Tensor, "step lay
     block's end, so masked positions of later blocks are counted in ``n_masked`` but not pooled."""
     S, P = out.n_steps, out.prompt_length
     x = out.trajectory.x_steps
-    masked = x == model.cfg.mask_token_id                                          # [step, batch, pos]
+    masked = noisy_positions(model.cfg, x, P).clone()                              # [step, batch, pos]
     masked[:, :, :P] = False  # the prompt is never pooled (fastdllm_v2 right-pads prompts with the mask id)
     n_masked = masked.sum(-1)
     L, B, d = model.cfg.n_layers, masked.shape[1], model.cfg.d_model

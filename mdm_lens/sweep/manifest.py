@@ -20,6 +20,8 @@ from typing import Any
 import pandas as pd
 import torch
 
+from mdm_lens.noisy import notes_for
+
 __all__ = ["SamplerLog", "config_hash", "file_hash", "versions", "model_dtype", "model_device", "build"]
 
 _CAP = 1000    # list entries kept in the manifest (the tables hold all)
@@ -112,7 +114,8 @@ def build(*, fingerprint: dict, asked: dict, read: Any, n_selected: int, done: l
                 "devices": sorted({r.get("device", "?") for r in ranks}), "sampler": sampler},
         "versions": versions(),
         "model": {"id": model.cfg.model_name, "family": model.cfg.family, "config_sha256_16": fingerprint["config_hash"],
-                  "n_layers": model.cfg.n_layers, "n_heads": model.cfg.n_heads},
+                  "n_layers": model.cfg.n_layers, "n_heads": model.cfg.n_heads,
+                  "notes": notes_for(model.cfg)},  # e.g. what "masked" means on a uniform-state model (Duo)
         "template": fingerprint["template"],
         "data": {"path": asked["data"], "lines_read": len(read.items) + len(read.skipped), "items": len(read.items),
                  "selected": n_selected},

@@ -107,8 +107,14 @@ def reference_mdlm_sample(sd: dict, n_heads: int, x: torch.Tensor, mask_index: i
     timesteps = torch.linspace(1, eps, steps + 1)
     dt = (1 - eps) / steps
     p_x0_cache = None
+    V = sd["backbone.vocab_embed.embedding"].shape[0]
     for i in range(steps):
         t = timesteps[i] * torch.ones(x.shape[0], 1)
+        if predictor == "analytic":
+            curr_sigma, next_sigma = _total_noise(t), _total_noise(t - dt)
+            x = _sample_categorical(_analytic_probs(forward(x, curr_sigma), x, curr_sigma, curr_sigma - next_sigma,
+                                                    mask_index, V))
+            continue
         if predictor == "ddpm":
             sigma_t, sigma_s = _total_noise(t).squeeze(-1), _total_noise(t - dt).squeeze(-1)
             move_chance_t = (1 - torch.exp(-sigma_t))[:, None, None]
@@ -130,10 +136,36 @@ def reference_mdlm_sample(sd: dict, n_heads: int, x: torch.Tensor, mask_index: i
         x_next = copy_flag * x + (1 - copy_flag) * _x
         p_x0_cache = None if (not torch.allclose(x_next, x) or time_conditioning) else p_x0
         x = x_next
-    if noise_removal:
+    if noise_removal and predictor == "analytic":  # `_denoiser_update`: dσ = σ, the mask column zeroed, a draw
+        sigma = _total_noise(timesteps[-1] * torch.ones(x.shape[0], 1))
+        probs = _analytic_probs(forward(x, sigma), x, sigma, sigma, mask_index, V)
+        probs[..., mask_index] = 0
+        x = _sample_categorical(probs)
+    elif noise_removal:
         t = timesteps[-1] * torch.ones(x.shape[0], 1)
         x = forward(x, _total_noise(t)).argmax(dim=-1)
     return x
+
+
+def _analytic_probs(model_output: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, dsigma: torch.Tensor,
+                    mask_index: int, V: int) -> torch.Tensor:
+    """`get_score` → `_staggered_score` → × `_transp_transition` (sigma, dsigma: [B, 1] as in the reference)."""
+    log_k = -torch.log(torch.expm1(sigma)).squeeze(-1)
+    masked = model_output + log_k[:, None, None]
+    masked[:, :, mask_index] = 0
+    unmasked = torch.scatter(-1000000.0 * torch.ones_like(model_output), -1, x[..., None],
+                             torch.zeros_like(model_output[..., :1]))
+    unmasked[:, :, mask_index] = -(log_k[:, None] * torch.ones_like(x))
+    is_masked = (x == mask_index).to(model_output.dtype)[:, :, None]
+    score = (masked * is_masked + unmasked * (1 - is_masked)).exp()
+    stag = score.clone()
+    extra_const = (1 - dsigma.exp()) * stag.sum(dim=-1)
+    stag *= dsigma.exp()[:, None]
+    stag[..., mask_index] += extra_const
+    sig = dsigma.view(*dsigma.shape, 1)
+    edge = torch.exp(-sig) * F.one_hot(x, num_classes=V)
+    edge += torch.where(x == mask_index, 1 - torch.exp(-sig).squeeze(-1), 0)[..., None]
+    return stag * edge
 
 
 def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
