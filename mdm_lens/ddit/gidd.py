@@ -65,12 +65,15 @@ class HookedGIDD(HookedDDiT):
 
     def forward(self, tokens: Any, sigma: Any = None, return_type: str | None = "logits",
                 attention_mask: Tensor | None = None) -> Any:
-        """Logits at diffusion time t (`sigma=t`, a number or `[batch]` tensor in [0, 1], required).
+        """Logits at diffusion time t (`sigma=t`, a number or `[batch]` tensor in [0, 1]; required outside a
+        denoising step, where the step's t is the default).
 
         return_type: "logits" / "aligned" (raw), "log_probs" / "gidd" (mask logit −1e6, log-softmax),
         "log_softmax" (plain), or None. "subs" is MDLM's and is refused."""
         kinds = ("logits", "aligned", "log_probs", "gidd", "log_softmax", None)
         return_type = validate.choice(return_type, kinds, name="return_type")
+        if sigma is None and self.state is not None:  # inside a denoising step (a run, a replay): that step's t
+            sigma = self.state.extra.get("sigma")
         if sigma is None:
             raise InputError("GIDD is conditioned on the diffusion time: pass sigma=t (in [0, 1]).",
                              argument="sigma", value=None, allowed="a number or [batch] tensor in [0, 1]")

@@ -101,6 +101,9 @@ class Streams:
 
 class BD3LMSampler(DDiTSampler):
     name, Settings, family = "bd3lm", BD3LMSettings, "bd3lm"
+    no_replay = ("each step's forward is one block against the stored blocks (a window under the block-causal mask, "
+                 "or a block against the KV cache), which the trajectory does not record per step; a full-canvas "
+                 "forward is neither.")
     neutral = dict(nucleus_p=1.0, kv_cache=False)
 
     def plan(self, s: Any) -> Plan:

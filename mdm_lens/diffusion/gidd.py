@@ -24,7 +24,7 @@ from mdm_lens.diffusion import rules as R
 from mdm_lens.diffusion.canvas import CanvasSettings, Plan
 from mdm_lens.diffusion.ddit import DDiTSampler
 from mdm_lens.diffusion.output import TrajectoryRecorder
-from mdm_lens.diffusion.registry import register
+from mdm_lens.diffusion.registry import register, resolved
 from mdm_lens.errors import SamplerConfigError
 
 
@@ -34,10 +34,12 @@ class GiddSettings(CanvasSettings):
 
     steps: int | None = 128
     min_p: float = 0.0
+    t_eps: float | None = resolved()  # the checkpoint's; kept in out.settings so a replay rebuilds each step's t
 
     def resolve(self, model: Any) -> "GiddSettings":
         return dataclasses.replace(self, **self.lengths(model), min_p=validate.number(
-            self.min_p, name="min_p", min=0, max=1, max_open=True, error=SamplerConfigError))
+            self.min_p, name="min_p", min=0, max=1, max_open=True, error=SamplerConfigError),
+            t_eps=float(model.cfg.extra["t_eps"]))
 
 
 GiddSettings.rules = {**CanvasSettings.rules, "min_p": R.number(0, 1)}
@@ -78,8 +80,8 @@ class GiddSampler(DDiTSampler):
         prompt = torch.zeros_like(x, dtype=torch.bool)
         prompt[:, :p_len] = True
         recorder = TrajectoryRecorder(batch, x.shape[1], p_len, x.device)
-        noise, eps = model.noise(), model.cfg.extra["t_eps"]
-        ts = (1 - 2 * eps) * torch.linspace(0, 1, s.steps + 1)[:, None] + eps
+        noise = model.noise()
+        ts = _grid(s.steps, s.t_eps)
         for k, i in enumerate(range(s.steps - 1, -1, -1)):
             t, s_ = ts[i], ts[max(0, i - 1)]
             logits = self.forward(runner, k, s.steps, x, prompt, t.expand(batch), t.expand(batch), mask_id)
@@ -95,6 +97,17 @@ class GiddSampler(DDiTSampler):
             if bar is not None:
                 bar.update(1)
         return x, am, recorder
+
+
+    def step_time(self, settings: dict, step: int, batch: int) -> tuple[Tensor, Tensor]:
+        """(t, t) `[batch]` of step `step`: GIDD is conditioned on the time itself (passed as sigma)."""
+        t = _grid(settings["steps"], settings["t_eps"])[settings["steps"] - 1 - step, 0] * torch.ones(batch)
+        return t, t
+
+
+def _grid(steps: int, eps: float) -> Tensor:
+    """`[steps + 1, 1]` times (1 − 2·eps)·linspace(0, 1, steps + 1) + eps; step k runs at index steps − 1 − k."""
+    return (1 - 2 * eps) * torch.linspace(0, 1, steps + 1)[:, None] + eps
 
 
 register(GiddSampler())

@@ -86,6 +86,9 @@ class Sampler:
     Settings: ClassVar[type[SamplerSettings]]
     neutral: ClassVar[dict[str, Any]] = {}
     renamed: ClassVar[dict[str, str]] = {}
+    # why `out.replay` / `state_at` cannot rebuild this sampler's forwards ("" = they can): refused with it, rather
+    # than replaying a different forward
+    no_replay: ClassVar[str] = ""
 
     def check_model(self, model: Any) -> None:
         """Raise SamplerConfigError when this sampler cannot run `model`."""

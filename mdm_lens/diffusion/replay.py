@@ -101,13 +101,18 @@ def _length_state(out: Any, s: int, phase: str) -> DenoisingState:
 
 
 def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
+    if get(out.sampler).no_replay:
+        raise SamplerConfigError(f"replay is not available for sampler={out.sampler!r} runs: "
+                                 f"{get(out.sampler).no_replay} Hook the run itself (fwd_hooks / cache=) for what "
+                                 "its forwards computed.", argument="out", value=out.sampler,
+                                 allowed="a run of a sampler whose forwards a replay rebuilds")
     if getattr(out.trajectory, "length", None) is not None:
         n = out.trajectory.n_steps
         return _length_state(out, validate.index(step, n, name="step", what=f"step of this {n}-step run"), phase)
     if out.sampler in BLOCK_SAMPLERS:
         n = out.trajectory.n_steps
         return _block_state(out, validate.index(step, n, name="step", what=f"step of this {n}-step run"), phase)
-    if out.settings.get("kv_cache") is not None:  # a replay would be a fresh full forward, not what the run read
+    if out.settings.get("kv_cache") not in (None, False):  # a replay would be a fresh full forward, not the run's
         raise SamplerConfigError(f"replay is not available for kv_cache={out.settings['kv_cache']!r} runs: their "
                                  "window forwards attended to stale cached keys/values, which a replay (a fresh full "
                                  "forward) would not; hook the run itself (fwd_hooks / cache=), or compare the two "
