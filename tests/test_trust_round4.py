@@ -215,3 +215,13 @@ def test_editing_rope_theta_after_a_forward_rebuilds_the_rotary_tables():
         after, want = edited(tokens), fresh(tokens)
     assert (before - want).abs().max() > 1e-3          # theta matters on these weights
     assert (after - want).abs().max() <= 1e-5
+
+
+def test_absorption_is_exact_on_planted_mass_and_nan_without_mass():
+    from mdm_lens.probes.received import absorption
+
+    received = torch.tensor([[0.5, 1.5, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.0, 1.0]], dtype=torch.float64)
+    anchors = torch.tensor([[True, False, True, False], [True, True, False, False], [False, False, True, True]])
+    got = absorption(received, anchors)
+    assert got[0].item() == 100.0 * 2.5 / 4.0 and got[2].item() == 25.0
+    assert torch.isnan(got[1])  # no mass at all: the share is undefined, not 0
