@@ -380,11 +380,11 @@ class HookedMDM(CheckedHookSurface):
         is not folded (TL folds it by default; without it, attributions would not sum to the logits)."""
         if isinstance(tokens, str):
             tokens = self.to_single_token(tokens)
-        tokens = validate.id_tensor(tokens, name="tokens")  # ragged or empty lists: typed, and said so
-        if not _id_like(tokens):
+        if not _id_like(tokens):  # first: a list of non-ids is named as such, not as a ragged list
             raise InputTypeError(f"tokens={validate.describe(tokens)} is invalid: expected an int, a str, or an "
                                  "integer tensor / list of ids.", argument="tokens", value=tokens,
                                  allowed="int, str, or an integer tensor / list of ids")
+        tokens = validate.id_tensor(tokens, name="tokens")  # ragged or empty lists of ids: typed, and said so
         t = torch.as_tensor(tokens, device=self.W_U.device)
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise InputTypeError(f"tokens has dtype {t.dtype}: expected integer token ids.", argument="tokens",

@@ -242,6 +242,14 @@ def device(value: Any, *, name: str = "device") -> torch.device:
     return dev
 
 
+def _leaves(value: Any) -> Iterable[Any]:
+    for v in value:
+        if isinstance(v, (list, tuple)):
+            yield from _leaves(v)
+        else:
+            yield v
+
+
 def id_tensor(value: Any, *, name: str) -> Tensor:
     """Token ids given as a tensor or (nested) lists / tuples of ints, as a tensor; a ragged list
     (``[[1, 2], [3]]``) is an `InputTypeError` naming `name`, an empty one an `ArgumentError` saying it is empty
@@ -249,11 +257,15 @@ def id_tensor(value: Any, *, name: str) -> Tensor:
     for the caller's own type check."""
     if not isinstance(value, (list, tuple)):
         return value
+    bad = [v for v in _leaves(value) if not _is_int(v)][:1]  # a list: the bad leaf may itself be None
+    if bad:
+        raise _fail(InputTypeError, name, value, "expected an int tensor or a (nested) list of int ids",
+                    f"it holds {describe(bad[0])}")
     try:
         t = torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError) as err:
+    except (TypeError, ValueError, RuntimeError):
         raise _fail(InputTypeError, name, value, "expected an int tensor or a rectangular (nested) list of ints",
-                    f"{err}; rows of different lengths need padding") from None
+                    "its rows have different lengths: pad them") from None
     if t.numel() == 0:
         raise _fail(ArgumentError, name, value, "expected at least one token id", "it is empty")
     return t

@@ -85,15 +85,26 @@ def test_missing_tensor_is_named(saved, tmp_path):
         HookedMDM.from_pretrained(str(folder))
 
 
-def test_device_map_is_refused_for_native_families(tmp_path):
+def test_device_map_on_a_native_family_places_it_and_a_bad_map_is_refused(tmp_path):
+    """HookedMDM families take device_map since issue #28 (accelerate's placement): a map naming every module of a
+    Llama twin loads with the same logits; a map naming a module the model lacks is refused naming device_map."""
     import sys
+
+    import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tiny_checkpoints import hf_reference, write_hf
 
     folder = write_hf(hf_reference("llama"), tmp_path / "llama")
-    with pytest.raises(ConfigError, match="device_map"):
-        HookedMDM.from_pretrained(str(folder), device_map="auto")
+    ref = HookedMDM.from_pretrained(str(folder))
+    placed = HookedMDM.from_pretrained(str(folder), device_map={"": "cpu"})
+    tokens = torch.tensor([[1, 5, 9, 12]])
+    assert placed.hf_device_map == {"": "cpu"} and torch.equal(ref(tokens), placed(tokens))
+    from mdm_lens.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="device_map names modules this model does not have") as info:
+        HookedMDM.from_pretrained(str(folder), device_map={"no_such_module": "cpu"})
+    assert info.value.argument == "device_map"
 
 
 def test_released_text_config_builds_the_right_bridge():
