@@ -97,3 +97,48 @@ def test_ce_score_canvas_rules(model):
     assert every.ce_clean.notna().all()
     some = diffusion_ce_score(model, sae, HOOK, ids, mask_rates=(0.5,))
     assert "no input token" not in some.note[0]
+
+
+class EditingSAE(ToySAE):
+    """A toy SAE whose `hooks()` context applies its fwd_hooks to the latents inside `forward` (as SAELens'
+    hook_sae_acts_post does): the planted edit of the test below."""
+
+    def __init__(self, d, seed=0):
+        super().__init__(d, seed)
+        self._edits = ()
+
+    @contextlib.contextmanager
+    def hooks(self, fwd_hooks=()):
+        self._edits = tuple(fwd_hooks)
+        try:
+            yield self
+        finally:
+            self._edits = ()
+
+    def forward(self, x):
+        acts = self.encode(x)
+        for _, fn in self._edits:
+            acts = fn(acts, None)
+        return self.decode(acts)
+
+
+def test_a_latent_edit_survives_the_error_term(model):
+    """error = x − decode(encode(x)) of the UN-edited SAE: with an edit, splice = decode(edited) + error, which
+    differs from x by exactly decode(edited) − decode(encode(x)) (an error taken from the edited output would
+    cancel every edit)."""
+    sae, ids = EditingSAE(model.cfg.d_model), _ids(model)
+    kill = lambda acts, hook: acts * 0.0  # noqa: E731  (every latent off)
+    seen = {}
+
+    def grab(x, hook):
+        seen["x"] = x.detach().clone()
+
+    edited = sae_hook(sae, HOOK, use_error_term=True, sae_fwd_hooks=[("hook_sae_acts_post", kill)])
+    with torch.no_grad():
+        model.run_with_hooks(ids, fwd_hooks=[(HOOK, grab)])
+        x = seen["x"]
+        spliced = []
+        model.run_with_hooks(ids, fwd_hooks=[edited, (HOOK, lambda y, hook: spliced.append(y.detach().clone()))])
+    want = x - sae.decode(sae.encode(x))          # decode(0) = 0: the error term alone
+    torch.testing.assert_close(spliced[0], want, rtol=0, atol=1e-5)
+    assert (spliced[0] - x).abs().max() > 1e-2    # the edit is not cancelled

@@ -103,3 +103,20 @@ def test_bad_arguments(mdm, tmp_path):
         masked_kl(dream_model(), torch.tensor([[1, 5]]), lens=TunedLens.identity(mdm))
     with pytest.raises(CheckpointNotFoundError):
         TunedLens.load(tmp_path / "nothing")
+
+
+def test_translate_applies_resid_times_delta_transposed_plus_bias():
+    """The documented translator resid + resid A_lᵀ + b_l on a planted non-symmetric A (a zero, identity or
+    symmetric A cannot tell A from Aᵀ)."""
+    import torch
+
+    from mdm_lens.lens.tuned import TunedLens
+
+    lens = TunedLens(3, 2, layers=[1])
+    A = torch.tensor([[0.0, 2.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    with torch.no_grad():
+        lens.delta[0].copy_(A)
+        lens.bias[0].copy_(torch.tensor([0.5, 0.0, -1.0]))
+    resid = torch.tensor([[1.0, 10.0, 100.0]])
+    # resid Aᵀ = [Σ_j A[0, j] r_j, Σ_j A[1, j] r_j, Σ_j A[2, j] r_j] = [20, 0, 1]
+    assert lens.translate(resid, 1).tolist() == [[1.0 + 20.0 + 0.5, 10.0, 100.0 + 1.0 - 1.0]]
