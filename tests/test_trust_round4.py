@@ -212,3 +212,17 @@ def test_absorption_is_exact_on_planted_mass_and_nan_without_mass():
     got = absorption(received, anchors)
     assert got[0].item() == 100.0 * 2.5 / 4.0 and got[2].item() == 25.0
     assert torch.isnan(got[1])  # no mass at all: the share is undefined, not 0
+
+
+def test_unpaired_difference_is_mean_a_minus_mean_b():
+    """Two samples with different item ids: the estimate is mean(a) − mean(b) exactly, with each size reported
+    (a sum, or the paired path, would give other numbers here)."""
+    import pandas as pd
+
+    from mdm_lens.views.stats import difference
+
+    a = pd.Series([1.0, 2.0, 3.0], index=["x", "y", "z"])
+    b = pd.Series([10.0, 30.0], index=["u", "v"])
+    iv = difference(a, b, n_boot=200, seed=0)
+    assert iv.estimate == pytest.approx(2.0 - 20.0) and (iv.n, iv.n_other) == (3, 2)
+    assert iv.low <= -18.0 <= iv.high and iv.high < 0
