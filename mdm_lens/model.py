@@ -5,7 +5,7 @@ Llama / Qwen2) built on TransformerLens' `HookedRootModule`, so `run_with_hooks`
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from mdm_lens.hook_surface import CheckedHookSurface, NamesFilter
 from mdm_lens.loading.placement import execution_device
 from mdm_lens.qk_attention import make_block
 from mdm_lens.rotary import scaled_rotary_cos_sin  # noqa: F401  (re-exported: it lived here)
-from mdm_lens.errors import HookNameError, InputError, InputTypeError, OutOfRangeError
+from mdm_lens.errors import HookNameError, InputTypeError, OutOfRangeError
 from mdm_lens.readonly import read_only
 
 ReturnType = Literal["logits", "aligned", "raw_and_aligned", "loss", "both", None]
@@ -74,7 +74,7 @@ def _circuits() -> Any:
     return circuits_tl
 
 
-class HookedMDM(CheckedHookSurface):
+class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
     """A masked diffusion LM (bidirectional) or its autoregressive twin (causal) with TL hook points.
 
     Hook points (TransformerLens names and axis order): `hook_embed`, `blocks.{l}.hook_resid_pre`,
@@ -174,9 +174,6 @@ class HookedMDM(CheckedHookSurface):
         """TL's switch for `blocks.{l}.attn.hook_result` ([batch, pos, head, d_model]); hooking that name while
         it is off is an error (the hook would never fire)."""
         self.cfg.use_attn_result = validate.boolean(use_attn_result, name="use_attn_result")
-
-    def set_tokenizer(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
 
     # --- inputs -------------------------------------------------------------------------------------
     def positions(self, tokens: Tensor, attention_mask: Tensor | None) -> Int[Tensor, "batch pos"]:
@@ -408,31 +405,6 @@ class HookedMDM(CheckedHookSurface):
         for block in self.blocks[: layer + (1 if mlp_input else 0)]:
             out = out + block.attn.b_O
         return out
-
-    # --- text helpers (TL names; the work is in mdm_lens.tokenization) --------------------------------
-    def to_tokens(self, text: str | Sequence[str], prepend_bos: bool | None = None,
-                  padding_side: Literal["left", "right"] = "left", return_attention_mask: bool = False) -> Any:
-        """Tokenize one text or a batch; batches are padded (left by default) with the pad id, never the mask id."""
-        return tokenization.to_tokens(self, text, prepend_bos, padding_side, return_attention_mask)
-
-    def to_string(self, tokens: Tensor | Sequence[int] | int) -> str | list[str]:
-        """Decode `[batch, pos]` to a list of strings, `[pos]` or a 0-d tensor / int to one string (as TL)."""
-        return tokenization.to_string(self, tokens)
-
-    def to_str_tokens(self, tokens: Tensor | Sequence[int] | str) -> list[str]:
-        """One string per token; mask tokens are shown as `[MASK]` whatever the vocabulary calls them."""
-        return tokenization.to_str_tokens(self, tokens)
-
-    def to_single_token(self, string: str) -> int:
-        tok = tokenization.require(self.tokenizer)
-        if not isinstance(string, str):
-            raise InputTypeError(f"string={validate.describe(string)} is invalid: expected a str.", argument="string",
-                                 value=string, allowed="a str")
-        ids = tokenization.encode(tok, string)
-        if len(ids) != 1:
-            raise InputError(f"{string!r} is {len(ids)} tokens, not one.", argument="string", value=string,
-                             allowed="a string that is exactly one token")
-        return ids[0]
 
     def __repr__(self) -> str:  # nn.Module's repr of 32 blocks is not what anyone wants to read
         c = self.cfg

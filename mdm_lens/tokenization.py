@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -147,3 +147,38 @@ def to_str_tokens(model: Any, tokens: Any) -> list[str]:
                          value=tokens, allowed="one sequence")
     mask_id = model.cfg.mask_token_id
     return ["[MASK]" if int(i) == mask_id else id_to_token(tok, int(i)) for i in t.reshape(-1)]
+
+
+class TokenizerMethods:
+    """TransformerLens' tokenizer helpers (`to_tokens`, `to_string`, `to_str_tokens`, `to_single_token`,
+    `set_tokenizer`) for any model class with `tokenizer` and `cfg` (HookedMDM, HookedDDiT): the work is in the
+    functions above, so every family tokenizes the same way."""
+
+    tokenizer: Any
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def to_tokens(self, text: str | Sequence[str], prepend_bos: bool | None = None,
+                  padding_side: Literal["left", "right"] = "left", return_attention_mask: bool = False) -> Any:
+        """Tokenize one text or a batch; batches are padded (left by default) with the pad id, never the mask id."""
+        return to_tokens(self, text, prepend_bos, padding_side, return_attention_mask)
+
+    def to_string(self, tokens: Tensor | Sequence[int] | int) -> str | list[str]:
+        """Decode `[batch, pos]` to a list of strings, `[pos]` or a 0-d tensor / int to one string (as TL)."""
+        return to_string(self, tokens)
+
+    def to_str_tokens(self, tokens: Tensor | Sequence[int] | str) -> list[str]:
+        """One string per token; mask tokens are shown as `[MASK]` whatever the vocabulary calls them."""
+        return to_str_tokens(self, tokens)
+
+    def to_single_token(self, string: str) -> int:
+        tok = require(self.tokenizer)
+        if not isinstance(string, str):
+            raise InputTypeError(f"string={validate.describe(string)} is invalid: expected a str.", argument="string",
+                                 value=string, allowed="a str")
+        ids = encode(tok, string)
+        if len(ids) != 1:
+            raise InputError(f"{string!r} is {len(ids)} tokens, not one.", argument="string", value=string,
+                             allowed="a string that is exactly one token")
+        return int(ids[0])

@@ -16,7 +16,7 @@ from transformer_lens.hook_points import HookPoint
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
 from mdm_lens.ddit.components import AdaLN, DDiTBlock, TimestepEmbedder, WeightLayerNorm, modulate, rotary_tables
-from mdm_lens.ddit.text import TokenizerMethods
+from mdm_lens.tokenization import TokenizerMethods
 from mdm_lens.ddit.outputs import RETURN_TYPES, check_sigma, check_tokens, finish
 from mdm_lens.errors import InputError
 from mdm_lens.hook_surface import CheckedHookSurface
