@@ -20,7 +20,7 @@ from mdm_lens.hook_surface import CheckedHookSurface, NamesFilter
 from mdm_lens.loading.placement import execution_device
 from mdm_lens.qk_attention import make_block
 from mdm_lens.rotary import scaled_rotary_cos_sin  # noqa: F401  (re-exported: it lived here)
-from mdm_lens.errors import HookNameError, InputTypeError, OutOfRangeError
+from mdm_lens.errors import HookNameError, InputError, InputTypeError, OutOfRangeError
 from mdm_lens.readonly import read_only
 
 ReturnType = Literal["logits", "aligned", "raw_and_aligned", "loss", "both", None]
