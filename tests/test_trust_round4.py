@@ -226,3 +226,31 @@ def test_unpaired_difference_is_mean_a_minus_mean_b():
     iv = difference(a, b, n_boot=200, seed=0)
     assert iv.estimate == pytest.approx(2.0 - 20.0) and (iv.n, iv.n_other) == (3, 2)
     assert iv.low <= -18.0 <= iv.high and iv.high < 0
+
+
+class _FlowSweep:
+    """What flow_section reads of a sweep: a label and its flow table (item-level rows only: region NaN)."""
+
+    def __init__(self, label, ratios):
+        import numpy as np
+        import pandas as pd
+
+        rows = []
+        for i, r in enumerate(ratios):
+            for metric, v in (("gold_ratio_density", r), ("row_spread", 0.1), ("bos_share", 0.2)):
+                rows.append(dict(item_id=f"i{i}", metric=metric, value=v, region=np.nan, kind=np.nan, gold_index=0))
+        self.label, self._t = label, pd.DataFrame(rows)
+
+    def table(self, name):
+        return self._t if name == "flow" else None
+
+
+@pytest.mark.parametrize("ratios,says", [([0.5, 0.6, 0.55, 0.65, 0.58, 0.62], "less flow"),
+                                         ([1.5, 1.6, 1.55, 1.65, 1.58, 1.62], "more density-normalised")])
+def test_flow_finding_tests_the_gold_ratio_against_one(tmp_path, ratios, says):
+    """Gold ratio 1 = no preference: ratios all below 1 (yet positive) must read "less flow", never "more"."""
+    from mdm_lens.views.sweep_sections import flow_section
+
+    section = flow_section([_FlowSweep("m", ratios)], tmp_path)
+    assert says in section.finding
+    assert ("more density-normalised" in section.finding) == (says != "less flow")
