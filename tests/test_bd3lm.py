@@ -234,9 +234,28 @@ def test_sampler_refusals(bd3):
     model, _ = bd3
     with pytest.raises(SamplerConfigError, match="first_hitting"):
         model.generate(torch.full((2, 1), 7), gen_length=15, steps=4)
-    with pytest.raises(SamplerConfigError, match="multiple of block_size"):
-        model.generate(torch.full((1, 1), 7), gen_length=14, steps=4)
+    with pytest.raises(SamplerConfigError, match="multiple of block_size"):  # the cached form takes whole blocks
+        model.generate(torch.full((1, 1), 7), gen_length=14, steps=4, kv_cache=True)
     with pytest.raises(InputError, match="mask token"):
         model.generate(torch.tensor([[7, MASK]]), gen_length=14, steps=4)
     with pytest.raises(SamplerConfigError, match="context_size"):
         model.generate(torch.full((1, 1), 7), gen_length=15, steps=4, context_size=6)
+
+
+def test_a_ragged_last_block_leaves_the_whole_blocks_as_they_were(bd3):
+    """prompt 1 + gen 14 = 15 (block_size 4): blocks 0..2 are decoded exactly as in the 16-long canvas (same draws,
+    in the same order; the block-causal mask hides later blocks), the 3-long last block is decoded too, and the
+    plan counts 4 blocks; the state's block slice ends with the canvas."""
+    from mdm_lens.diffusion.registry import get
+
+    model, _ = bd3
+    whole = model.generate(torch.full((1, 1), 7), gen_length=15, steps=4, seed=5)
+    seen = []
+    ragged = model.generate(torch.full((1, 1), 7), gen_length=14, steps=4, seed=5,
+                            fwd_hooks=[("hook_embed", lambda x, hook: seen.append(model.state.block_slice))])
+    assert ragged.tokens.shape == (1, 15)
+    assert torch.equal(ragged.tokens[:, :12], whole.tokens[:, :12])
+    assert slice(12, 15) in seen and all(sl.stop <= 15 for sl in seen)
+    s = get("bd3lm").settings(model, dict(gen_length=14, steps=4))
+    assert get("bd3lm").plan(s, 1).n_blocks == 4 and get("bd3lm").plan(s, 1).n_steps == 16
+    assert ragged.attention_mask.shape == ragged.tokens.shape

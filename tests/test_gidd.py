@@ -62,11 +62,24 @@ def test_the_time_changes_the_output_and_the_hook_edits_it_exactly(gidd):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+def test_a_forward_without_t_outside_a_step_is_at_the_clean_time_t_eps(gidd):
+    """The probes' clean forwards of a final sequence take t = t_eps (the sampler's last grid time), read from the
+    config: set to 0.3 here so that it is visibly not t = 0 (and restored)."""
+    model, _ = gidd
+    z = torch.arange(L).remainder(model.cfg.d_vocab - 1)[None]
+    old = model.cfg.extra["t_eps"]
+    try:
+        model.cfg.extra["t_eps"] = 0.3
+        torch.testing.assert_close(model(z), model(z, sigma=0.3), atol=0, rtol=0)
+        assert (model(z) - model(z, sigma=0.0)).abs().max() > 1e-3
+        assert model.step_sigma() == 0.3
+    finally:
+        model.cfg.extra["t_eps"] = old
+
+
 def test_forward_refusals(gidd):
     model, _ = gidd
     z = torch.zeros(1, L, dtype=torch.long)
-    with pytest.raises(InputError, match="sigma"):
-        model(z)
     with pytest.raises(InputError, match=r"\[0, 1\]"):
         model(z, sigma=1.5)
     with pytest.raises(ArgumentError, match="subs"):

@@ -65,18 +65,14 @@ class HookedGIDD(HookedDDiT):
 
     def forward(self, tokens: Any, sigma: Any = None, return_type: str | None = "logits",
                 attention_mask: Tensor | None = None) -> Any:
-        """Logits at diffusion time t (`sigma=t`, a number or `[batch]` tensor in [0, 1]; required outside a
-        denoising step, where the step's t is the default).
+        """Logits at diffusion time t (`sigma=t`, a number or `[batch]` tensor in [0, 1]; omitted: `step_sigma()`,
+        the running step's t, else the clean-data time t_eps).
 
         return_type: "logits" / "aligned" (raw), "log_probs" / "gidd" (mask logit −1e6, log-softmax),
         "log_softmax" (plain), or None. "subs" is MDLM's and is refused."""
         kinds = ("logits", "aligned", "log_probs", "gidd", "log_softmax", None)
         return_type = validate.choice(return_type, kinds, name="return_type")
-        if sigma is None and self.state is not None:  # inside a denoising step (a run, a replay): that step's t
-            sigma = self.state.extra.get("sigma")
-        if sigma is None:
-            raise InputError("GIDD is conditioned on the diffusion time: pass sigma=t (in [0, 1]).",
-                             argument="sigma", value=None, allowed="a number or [batch] tensor in [0, 1]")
+        sigma = self.step_sigma() if sigma is None else sigma
         t = sigma if isinstance(sigma, Tensor) else torch.tensor(float(validate.number(sigma, name="sigma")))
         if bool((t > 1).any()):
             raise InputError(f"sigma={t.tolist()}: GIDD's conditioning is the time t in [0, 1].", argument="sigma",
@@ -84,6 +80,13 @@ class HookedGIDD(HookedDDiT):
         if return_type in ("log_probs", "gidd"):
             return gidd_log_probs(super().forward(tokens, sigma, "logits", attention_mask), self.cfg.mask_token_id)
         return super().forward(tokens, sigma, return_type, attention_mask)
+
+    def step_sigma(self) -> Tensor | float:
+        """The t a forward (or `readout`) without `sigma` takes: the running step's (`model.state.extra["sigma"]`,
+        set by `GiddSampler`, a replay, `out.at_step`); outside a step the clean-data time `t_eps` (the sampler's
+        last grid time): what the probes' clean forwards of a final sequence are conditioned on."""
+        state_t = None if self.state is None else self.state.extra.get("sigma")
+        return float(self.cfg.extra["t_eps"]) if state_t is None else state_t
 
     def __repr__(self) -> str:
         return super().__repr__().replace("HookedDDiT(", "HookedGIDD(", 1)[:-1] + \

@@ -30,9 +30,9 @@ from mdm_lens import validate
 from mdm_lens.ddit.outputs import subs
 from mdm_lens.diffusion import rules as R
 from mdm_lens.diffusion.canvas import CanvasSettings, Plan
-from mdm_lens.diffusion.ddit import DDiTSampler
+from mdm_lens.diffusion.ddit import DDiTSampler, _full_mask, commit
 from mdm_lens.diffusion.output import TrajectoryRecorder
-from mdm_lens.diffusion.registry import register
+from mdm_lens.diffusion.registry import register, resolved
 from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens.errors import InputError, SamplerConfigError
 
@@ -49,6 +49,7 @@ class BD3LMSettings(CanvasSettings):
     nucleus_p: float = 1.0
     kv_cache: bool = False
     context_size: int | None = None
+    block_size: int | None = resolved()  # the checkpoint's: the plan counts blocks before a prompt is seen
 
     def resolve(self, model: Any) -> "BD3LMSettings":
         n = model.cfg.n_ctx
@@ -58,7 +59,7 @@ class BD3LMSettings(CanvasSettings):
         if ctx % bs:
             raise SamplerConfigError(f"context_size={ctx} must be a multiple of block_size={bs}.",
                                      argument="context_size", value=ctx, allowed=f"a multiple of {bs}")
-        return dataclasses.replace(self, **self.lengths(model), context_size=ctx,
+        return dataclasses.replace(self, **self.lengths(model), context_size=ctx, block_size=bs,
                                    first_hitting=validate.boolean(self.first_hitting, name="first_hitting"),
                                    kv_cache=validate.boolean(self.kv_cache, name="kv_cache"),
                                    nucleus_p=validate.number(self.nucleus_p, name="nucleus_p", min=0, max=1,
@@ -106,8 +107,12 @@ class BD3LMSampler(DDiTSampler):
                  "forward is neither.")
     neutral = dict(nucleus_p=1.0, kv_cache=False)
 
-    def plan(self, s: Any) -> Plan:
-        return Plan(self._n_blocks * (s.steps + int(s.kv_cache)), n_blocks=self._n_blocks,
+    def plan(self, s: Any, prompt_length: int | None = None) -> Plan:
+        """The most forwards: `steps` per block (+1 storing it with `kv_cache`). With the prompt length unknown
+        (`mdm_lens.diffusion.generate.plan`) the bound counts the blocks a generation can touch, ⌈gen/bs⌉ + 1."""
+        bs = s.block_size
+        n_blocks = -(-s.gen_length // bs) + 1 if prompt_length is None else -(-(prompt_length + s.gen_length) // bs)
+        return Plan(n_blocks * (s.steps + int(s.kv_cache)), n_blocks=n_blocks,
                     adaptive="BD3LM ends each block when it holds no mask")
 
     def check_run(self, ids: Tensor, am: Tensor, s: Any, obs: Any) -> None:
@@ -126,17 +131,21 @@ class BD3LMSampler(DDiTSampler):
                              "being decoded. Remove it.", argument="prompt", value=ids,
                              allowed=f"token ids other than {mask_id}")
 
+    def check_ragged(self, model: Any, ids: Tensor, s: Any) -> None:
+        """A canvas that ends mid-block runs a shorter last block (an extension: the reference's canvas is whole
+        blocks); the cached form takes whole blocks only, so `kv_cache=True` needs prompt + gen a multiple of bs."""
+        bs, total = s.block_size, ids.shape[1] + s.gen_length
+        if s.kv_cache and total % bs:
+            raise SamplerConfigError(f"kv_cache=True: prompt ({ids.shape[1]}) + gen_length ({s.gen_length}) = {total} "
+                                     f"must be a multiple of block_size={bs} (the cached forward takes whole blocks "
+                                     "from position 0).", argument="gen_length", value=s.gen_length,
+                                     allowed=f"gen_length ≡ {-ids.shape[1] % bs} mod {bs}, or kv_cache=False")
+
     def generate(self, model: Any, prompt: Any, s: Any, obs: Any) -> Any:
         from mdm_lens.diffusion import arguments
 
         ids, _ = arguments.prompt_tokens(model, prompt, obs.attention_mask)
-        bs, total = model.cfg.extra["block_size"], ids.shape[1] + s.gen_length
-        if total % bs:
-            raise SamplerConfigError(f"prompt ({ids.shape[1]}) + gen_length ({s.gen_length}) = {total} must be a "
-                                     f"multiple of block_size={bs} (blocks start at position 0).",
-                                     argument="gen_length", value=s.gen_length,
-                                     allowed=f"gen_length ≡ {-ids.shape[1] % bs} mod {bs}")
-        self._n_blocks = total // bs
+        self.check_ragged(model, ids, s)
         return super().generate(model, prompt, s, obs)
 
     def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: BD3LMSettings,
@@ -148,64 +157,69 @@ class BD3LMSampler(DDiTSampler):
         recorder = TrajectoryRecorder(batch, x.shape[1], p_len, x.device)
         rng = Streams(generator, x.device)
         cache = model.new_kv_cache(batch) if s.kv_cache else None
-        run = dict(step=0, n=self.plan(s).n_steps, n_blocks=x.shape[1] // bs)
+        plan = self.plan(s, p_len)
+        run = dict(step=0, n=plan.n_steps, n_blocks=plan.n_blocks)
         for b in range(run["n_blocks"]):
             x = self._block(runner, model, s, x, prompt, b, cache, rng, recorder, run, bar)
-        return x, am, recorder
+        return x, _full_mask(am, x), recorder
 
     def _forward(self, runner: Any, x: Tensor, prompt: Tensor, b: int, t: Tensor, sigma: Tensor, run: dict, s: Any,
                  cache: Any, store: bool = False) -> Tensor:
-        bs, end = runner.model.cfg.extra["block_size"], (b + 1) * runner.model.cfg.extra["block_size"]
-        start = max(end - s.context_size, 0)
+        bs = runner.model.cfg.extra["block_size"]
+        lo, end = b * bs, min((b + 1) * bs, x.shape[1])  # a ragged last block ends with the canvas
+        start = max((b + 1) * bs - s.context_size, 0)  # window aligned to whole blocks (the block-causal mask's)
         masked = x == runner.model.cfg.mask_token_id
         state = DenoisingState(run["step"], run["n"], b, run["n_blocks"], x.clone(), masked, prompt,
-                               torch.ones_like(prompt), block_slice=slice(end - bs, end),
+                               torch.ones_like(prompt), block_slice=slice(lo, end),
                                extra=dict(t=t.clone(), sigma=sigma.clone(), kv_store=store))
         if cache is None:
             state.query_rows, state.key_cols = slice(start, end), slice(start, end)
-            return runner.forward(state, x[:, start:end], sigma=sigma)[:, -bs:]
+            return runner.forward(state, x[:, start:end], sigma=sigma)[:, lo - start:]
         state.query_rows, state.key_cols = slice(end - bs, end), slice(end - cache.length, end)
         return runner.forward(state, x[:, end - bs:end], sigma=sigma, kv_cache=cache, store_kv=store)
 
     def _block(self, runner: Any, model: Any, s: BD3LMSettings, x: Tensor, prompt: Tensor, b: int, cache: Any,
                rng: Streams, recorder: TrajectoryRecorder, run: dict, bar: Any) -> Tensor:
         mask_id, bs = model.cfg.mask_token_id, model.cfg.extra["block_size"]
-        end, batch = (b + 1) * bs, x.shape[0]
+        lo, end, batch = b * bs, min((b + 1) * bs, x.shape[1]), x.shape[0]
         ones = torch.ones((batch, 1), dtype=torch.float32)
         t: Any = 1
         timesteps, dt, p_x0 = torch.linspace(1, 0, s.steps), 1 / s.steps, None
         for i in range(s.steps):
-            if not bool((x[:, :end] == mask_id).any()):
+            # the block is done when it holds no mask (the reference tests the whole canvas, which differs only
+            # when an earlier block kept masks: first hitting with fewer steps than masks; there it would draw a
+            # position among none)
+            if not bool((x[:, lo:end] == mask_id).any()):
                 break
             if s.first_hitting:
-                t *= rng.np.rand() ** (1 / int((x[:, max(end - s.context_size, 0):end] == mask_id).sum()))
+                t *= rng.np.rand() ** (1 / int((x[:, max(lo + bs - s.context_size, 0):end] == mask_id).sum()))
             else:
                 t = timesteps[i]
             mc_t = t * ones
             mc_s = mc_t - dt
             sigma = torch.min(-torch.log(1 - mc_t), torch.tensor(SIGMA_MAX, dtype=torch.float32)).mean(-1)
-            blk = x[:, end - bs:end]
+            blk = x[:, lo:end]
             if p_x0 is None:
                 logits = self._forward(runner, x, prompt, b, mc_t[:, 0], sigma.to(x.device), run, s, cache)
                 p_x0 = nucleus(subs(logits, blk, mask_id).to(torch.float64).exp(), s.nucleus_p)
             new = self._draw(p_x0, blk, mc_s / mc_t, mask_id, s.first_hitting, rng)
-            x_new = torch.cat([x[:, :end - bs], new, x[:, end:]], dim=1)
+            x_new = torch.cat([x[:, :lo], new, x[:, end:]], dim=1)
             changed = x_new != x
-            recorder.record(run["step"], b, x, changed, None)
+            commit(runner, recorder, run["step"], x, x_new, b)
             run["step"] += 1
             if bar is not None:
                 bar.update(1)
             if cache is not None and not bool((new == mask_id).any()):
                 self._forward(runner, x_new, prompt, b, mc_t[:, 0], sigma.to(x.device), run, s, cache, store=True)
-                recorder.record(run["step"], b, x_new, torch.zeros_like(changed), None)
+                commit(runner, recorder, run["step"], x_new, x_new, b)  # the storing forward commits nothing
                 run["step"] += 1
             p_x0 = None if bool(changed.any()) else p_x0
             x = x_new
-        if cache is not None and i == 0 and not bool((x[:, end - bs:end] == mask_id).any()):
+        if cache is not None and i == 0 and not bool((x[:, lo:end] == mask_id).any()):
             # a block with no mask (all prompt): the reference never meets one; its keys are stored all the same
             zero = torch.zeros(batch, device=x.device)
             self._forward(runner, x, prompt, b, zero, zero, run, s, cache, store=True)
-            recorder.record(run["step"], b, x, torch.zeros_like(x, dtype=torch.bool), None)
+            commit(runner, recorder, run["step"], x, x, b)
             run["step"] += 1
         return x
 

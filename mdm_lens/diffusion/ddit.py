@@ -81,8 +81,9 @@ class DDiTSampler(CanvasSampler):
                                      allowed="no padding")
 
     def forward(self, runner: Any, step: int, n_steps: int, x: Tensor, prompt: Tensor, t: Tensor, sigma: Tensor,
-                mask_id: int | None) -> Tensor:
-        state = DenoisingState(step, n_steps, 0, 1, x.clone(), noisy_positions(x, prompt, mask_id), prompt,
+                mask_id: int | None, masked: Tensor | None = None) -> Tensor:
+        masked = noisy_positions(x, prompt, mask_id) if masked is None else masked  # GIDD passes its hybrid rule
+        state = DenoisingState(step, n_steps, 0, 1, x.clone(), masked, prompt,
                                torch.ones_like(prompt), extra=dict(t=t.clone(), sigma=sigma.clone()))
         return runner.forward(state, x, sigma=sigma)
 
@@ -110,10 +111,11 @@ def noisy_positions(x: Tensor, prompt: Tensor, mask_id: int | None) -> Tensor:
     return x == mask_id if mask_id is not None else ~prompt
 
 
-def commit(runner: Any, recorder: TrajectoryRecorder, step: int, x: Tensor, x_new: Tensor) -> None:
-    """Record step `step` (committed = the positions it changed) and, when the step ran a forward (an MDLM
-    `ddpm_cache` step that reused the cache did not), close it for the reducers with its post-commit state."""
-    recorder.record(step, 0, x, x_new != x, None)
+def commit(runner: Any, recorder: TrajectoryRecorder, step: int, x: Tensor, x_new: Tensor, block: int = 0) -> None:
+    """Record step `step` of block `block` (committed = the positions it changed) and, when the step ran a forward
+    (an MDLM `ddpm_cache` / BD3LM step that reused p(x0) did not), close it for the reducers with its post-commit
+    state."""
+    recorder.record(step, block, x, x_new != x, None)
     state = getattr(runner, "last_state", None)
     if state is not None and state.step == step:
         state.committed = x_new != x

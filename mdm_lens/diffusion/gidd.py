@@ -22,10 +22,11 @@ from mdm_lens import validate
 from mdm_lens.ddit.outputs import NEG_INFINITY as MASK_LOGIT  # −1e6, as GiddSampler
 from mdm_lens.diffusion import rules as R
 from mdm_lens.diffusion.canvas import CanvasSettings, Plan
-from mdm_lens.diffusion.ddit import DDiTSampler
+from mdm_lens.diffusion.ddit import DDiTSampler, _full_mask, commit
 from mdm_lens.diffusion.output import TrajectoryRecorder
 from mdm_lens.diffusion.registry import register, resolved
 from mdm_lens.errors import SamplerConfigError
+from mdm_lens.noisy import hybrid_noisy
 
 
 @dataclass
@@ -35,11 +36,12 @@ class GiddSettings(CanvasSettings):
     steps: int | None = 128
     min_p: float = 0.0
     t_eps: float | None = resolved()  # the checkpoint's; kept in out.settings so a replay rebuilds each step's t
+    p_uniform: float | None = resolved()  # the checkpoint's; says which positions a step's state calls noisy
 
     def resolve(self, model: Any) -> "GiddSettings":
         return dataclasses.replace(self, **self.lengths(model), min_p=validate.number(
             self.min_p, name="min_p", min=0, max=1, max_open=True, error=SamplerConfigError),
-            t_eps=float(model.cfg.extra["t_eps"]))
+            t_eps=float(model.cfg.extra["t_eps"]), p_uniform=float(model.cfg.extra["p_uniform"]))
 
 
 GiddSettings.rules = {**CanvasSettings.rules, "min_p": R.number(0, 1)}
@@ -84,7 +86,8 @@ class GiddSampler(DDiTSampler):
         ts = _grid(s.steps, s.t_eps)
         for k, i in enumerate(range(s.steps - 1, -1, -1)):
             t, s_ = ts[i], ts[max(0, i - 1)]
-            logits = self.forward(runner, k, s.steps, x, prompt, t.expand(batch), t.expand(batch), mask_id)
+            logits = self.forward(runner, k, s.steps, x, prompt, t.expand(batch), t.expand(batch), mask_id,
+                                  hybrid_noisy(x, prompt, mask_id, s.p_uniform))
             logits = logits.clone()
             logits[..., mask_id] = MASK_LOGIT
             q = gidd_posterior(noise, logits, x, t.to(x.device), s_.to(x.device))
@@ -92,17 +95,22 @@ class GiddSampler(DDiTSampler):
                 q = q * (q >= s.min_p)
                 q = q / q.sum(-1, keepdim=True)
             x_new = torch.where(prompt, x, inverse_cdf(q, generator))
-            recorder.record(k, 0, x, x_new != x, None)
+            commit(runner, recorder, k, x, x_new)
             x = x_new
             if bar is not None:
                 bar.update(1)
-        return x, am, recorder
+        return x, _full_mask(am, x), recorder
 
 
     def step_time(self, settings: dict, step: int, batch: int) -> tuple[Tensor, Tensor]:
         """(t, t) `[batch]` of step `step`: GIDD is conditioned on the time itself (passed as sigma)."""
         t = _grid(settings["steps"], settings["t_eps"])[settings["steps"] - 1 - step, 0] * torch.ones(batch)
         return t, t
+
+    def replay_state(self, out: Any, state: Any) -> Any:
+        state = super().replay_state(out, state)
+        state.masked = hybrid_noisy(state.x, state.prompt, out.settings["mask_id"], out.settings["p_uniform"])
+        return state
 
 
 def _grid(steps: int, eps: float) -> Tensor:

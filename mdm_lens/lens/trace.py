@@ -16,9 +16,26 @@ from mdm_lens.errors import ArgumentTypeError, InputError
 from mdm_lens.lens.logit import SOURCES, LensTrace, check_model, reduce_layer, resid_name
 from mdm_lens.lens.tuned import TunedLens
 
-# samplers over a masked canvas; mdlm / duo: "masked" positions are mdm_lens.noisy's (Duo: every generated position,
-# still resampleable noise)
-LENS_SAMPLERS = ("llada", "dream", "llada2", "sdar", "rnd1", "coda", "mdlm", "duo")
+# samplers over a masked canvas; mdlm / duo / gidd: "masked" positions are mdm_lens.noisy's (Duo: every generated
+# position, still resampleable noise; GIDD: [MASK] and, with p_uniform > 0, every generated position). BD3LM is not
+# here: its steps forward a window or one block against a KV cache, which a replay does not reproduce (no_replay)
+LENS_SAMPLERS = ("llada", "dream", "llada2", "sdar", "rnd1", "coda", "mdlm", "duo", "gidd")
+
+
+def lens_refusal(out: Any) -> str | None:
+    """Why a lens over this run's denoising steps cannot be read (None when it can): a causal run has no masked
+    canvas; a sampler whose steps a replay cannot rebuild (`Sampler.no_replay`) gives no step residuals."""
+    from mdm_lens.diffusion.registry import get, names
+
+    if out.causal:
+        return "causal (ARM) model: no masked canvas to read a lens over"
+    sampler = get(out.sampler) if out.sampler in names() else None
+    if sampler is not None and sampler.no_replay and out.sampler not in LENS_SAMPLERS:
+        return f"a {out.sampler!r} run cannot be replayed step by step: {sampler.no_replay}"
+    if out.sampler not in LENS_SAMPLERS:
+        return (f"the lens over denoising steps reads diffusion runs (sampler one of {LENS_SAMPLERS}); "
+                f"{out.sampler!r} is not one")
+    return None
 
 
 def _check_run(model: Any, out: Any) -> None:
@@ -31,10 +48,10 @@ def _check_run(model: Any, out: Any) -> None:
 
     require_fixed_length(out, "lens_trace", "the lens reads answer position p at every step, and a row inserted or "
                          "deleted before p puts another token (or none) in that column at earlier steps")
-    if out.causal or out.sampler not in LENS_SAMPLERS:
-        raise InputError(f"out is a {out.sampler!r} run; the lens over denoising steps reads diffusion runs "
-                         f"(sampler one of {LENS_SAMPLERS}): an autoregressive step has no masked canvas.",
-                         argument="out", value=out.sampler, allowed=f"a run of {LENS_SAMPLERS}")
+    why = lens_refusal(out)
+    if why is not None:
+        raise InputError(f"out is a {out.sampler!r} run; {why}.", argument="out", value=out.sampler,
+                         allowed=f"a run of {LENS_SAMPLERS}")
     out.check_model(model)
     if out.settings.get("kv_cache") is not None:  # window forwards: neither a replay nor the cache rows cover them
         raise InputError(f"out is a kv_cache={out.settings['kv_cache']!r} run: its window forwards attended to stale "

@@ -310,7 +310,10 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
 
 # samplers with a steps setting whose forwards are not all denoising steps of the canvas
 OWN_FORWARDS = {"nemotron": "also runs a causal prefill and a causal commit forward per block (9 forwards for "
-                            "gen_length=8, block_length=4), which are steps of the run"}
+                            "gen_length=8, block_length=4), which are steps of the run",
+                "bd3lm": "forwards one block against the stored blocks at each step (a window under the block-causal "
+                         "mask, or one block against its KV cache, plus a storing forward per block), and the "
+                         "whole-canvas forward knockout re-runs at step k is neither"}
 
 
 def _check_sampler(model: Any, generate_kwargs: dict) -> None:

@@ -193,6 +193,9 @@ def drift_from_output(out: Any, layer: int | None = None, rule: str = "zscore", 
     commit = None
     if sa.steps == list(range(out.n_steps)):
         cs = out.trajectory.commit_step[:, : sa.received.shape[-1]]
+        # -2 = never committed (the run ended with the position still masked: BD3LM's first hitting with fewer
+        # steps than a block's masks, LLaDA2 after EOS): masked at every step, as a commit after the last one
+        cs = torch.where(cs == -2, out.n_steps, cs)
         commit = cs.reshape(cs.shape[0], *([1] * (sa.received.ndim - 3)), cs.shape[-1])
     vis_b = sa.key_visible.reshape(sa.key_visible.shape[0], *([1] * (sa.received.ndim - 3)), *sa.key_visible.shape[1:])
     return floating.drift(sa.anchors, sa.received, commit_step=commit, step_visible=vis_b)

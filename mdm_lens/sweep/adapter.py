@@ -342,6 +342,11 @@ def knockout(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFram
     kw = _gen_kwargs(model, s)
     kw.pop("progress")
     kw["n_steps"] = kw.pop("steps")
+    refused = _knockout_refusal(model)
+    if refused is not None:  # NaN effects per item, the reason in `note` (as lens / cache record theirs)
+        ids = [i for i in batch.item_ids for _ in range(2)]
+        return pd.DataFrame({"item_id": ids, "metric": "effect", "condition": ["anchors", "random"] * len(batch.item_ids),
+                             "step": pd.array([pd.NA] * len(ids), dtype="Int64"), "value": np.nan, "note": refused})
     frames = []
     for b, r in enumerate(batch.rendered):
         answer = r.item.answers[0] if r.item.answers else None
@@ -354,6 +359,19 @@ def knockout(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFram
         frames.append(df)
     out = pd.concat(frames, ignore_index=True)
     return out.drop(columns=[c for c in ("label",) if c in out and out[c].isna().all()])
+
+
+def _knockout_refusal(model: Any) -> str | None:
+    """Why knockout refuses this model's default sampler (its step k is not a canvas forward: BD3LM, Nemotron),
+    else None."""
+    from mdm_lens.errors import SamplerConfigError
+    from mdm_lens.probes.knockout import _check_sampler
+
+    try:
+        _check_sampler(model, {})
+    except SamplerConfigError as e:
+        return str(e)
+    return None
 
 
 def atp(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:

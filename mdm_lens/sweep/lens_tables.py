@@ -13,7 +13,8 @@ Rows of two kinds, keyed by ``item_id``:
 
 ``answer_position`` counts from the first generated token, so it does not depend on the batch's padding. The
 residuals come from replaying each step of the shared sampler run (one extra forward per step). Causal (ARM)
-models have no masked canvas: one row per item with NaN and a note.
+models have no masked canvas, and a sampler whose steps cannot be replayed (BD3LM's window / KV-cache forwards) gives
+no step residuals: one row per item with NaN and the reason in ``note``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pandas as pd
 import torch
 
 from mdm_lens.lens import answer_emergence, lens_trace
+from mdm_lens.lens.trace import lens_refusal
 
 __all__ = ["lens", "STEP_METRICS", "EMERGENCE_METRICS", "COLUMNS"]
 
@@ -51,10 +53,10 @@ def _stop_ids(model: Any) -> set[int]:
 def lens(model: Any, batch: Any, s: Any, shared: dict) -> pd.DataFrame:
     out = shared["out"]
     ids = list(batch.item_ids)
-    if out.causal:
+    why = lens_refusal(out)  # causal (ARM) models, samplers a replay cannot rebuild (BD3LM): one NaN row per item
+    if why is not None:
         return _finish(pd.DataFrame({"item_id": ids, "step": pd.NA, "layer": pd.NA, "answer_position": pd.NA,
-                                     "answer": pd.NA, "metric": "acc_masked", "value": np.nan,
-                                     "note": "causal (ARM) model: no masked canvas to read a lens over"}))
+                                     "answer": pd.NA, "metric": "acc_masked", "value": np.nan, "note": why}))
     trace = lens_trace(model, out)             # every step, layer and canvas position (answer[b, p] relies on it)
     return pd.concat([_step_rows(trace, ids), _emergence_rows(model, trace, ids)], ignore_index=True)
 

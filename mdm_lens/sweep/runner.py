@@ -221,7 +221,8 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
         kw = A._gen_kwargs(model, s)
         C.check_sampler(model, kw)
         from mdm_lens.diffusion.generate import default_sampler
-        if default_sampler(model) in ("llada2", "sdar"):  # their reference loops decode one prompt at a time
+        # their reference loops decode one prompt at a time (BD3LM: first hitting, its default, needs batch 1)
+        if default_sampler(model) in ("llada2", "sdar", "bd3lm"):
             batch_size = 1
         sel = C.select(model, screened, names, tmpl, g, max_passages, str(data), skip_bad, limit)
         skipped = [dict(item_id=None, **d) for d in read.skipped] + sel.skipped

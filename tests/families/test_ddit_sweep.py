@@ -1,6 +1,8 @@
 """`mdm-lens sweep` (every probe) and `mdm-lens report` on tiny MDLM and Duo checkpoints in their hub layouts, with
 the character-level tokenizer of the family sweeps (test_family_sweep.py). Duo has no mask token: its probes read
-the generated positions as the noisy ones (mdm_lens.noisy)."""
+the generated positions as the noisy ones (mdm_lens.noisy); GIDD (p_uniform 0.1) reads [MASK] and the generated
+positions. BD3LM's steps forward one block against the stored ones, which no replay rebuilds: lens and knockout
+refuse, each item's rows NaN with the reason in `note`."""
 
 from __future__ import annotations
 
@@ -8,16 +10,25 @@ import json
 
 import pandas as pd
 import pytest
+from bd3gidd_checkpoints import BD3LM_CONFIG, GIDD_CONFIG, write_bd3lm, write_gidd
 from ddit_checkpoints import DUO_CONFIG, MDLM_CONFIG, write_ddit
 from test_family_sweep import ITEMS, PROBES, _char_tokenizer
 
 from mdm_lens.cli import main
 
 
-@pytest.mark.parametrize("family", ["mdlm", "duo"])
-def test_sweep_and_report_run_on_the_family(tmp_path, family):
+def _write(folder, family):
+    if family == "bd3lm":  # block_size 4, time_conditioning off, sampling eps 0.05 / 0.8 (not the defaults)
+        return write_bd3lm(folder, dict(BD3LM_CONFIG, vocab_size=101, model_length=128), seed=3)[0]
+    if family == "gidd":  # p_uniform 0.1, t_eps 1e-4
+        return write_gidd(folder, dict(GIDD_CONFIG, vocab_size=101, max_seq_len=128), seed=3)[0]
     config = dict(MDLM_CONFIG if family == "mdlm" else DUO_CONFIG, vocab_size=101, model_length=128)
-    folder, _ = write_ddit(tmp_path / "ckpt", config, seed=3)
+    return write_ddit(folder, config, seed=3)[0]
+
+
+@pytest.mark.parametrize("family", ["mdlm", "duo", "bd3lm", "gidd"])
+def test_sweep_and_report_run_on_the_family(tmp_path, family):
+    folder = _write(tmp_path / "ckpt", family)
     _char_tokenizer(folder)  # ids 0..94 printable; MDLM's mask is its last id, 100 = the tokenizer's <|mask|>
     data = tmp_path / "items.jsonl"
     data.write_text("\n".join(json.dumps(item) for item in ITEMS) + "\n")
@@ -30,7 +41,15 @@ def test_sweep_and_report_run_on_the_family(tmp_path, family):
         if "item_id" in table:
             assert set(table["item_id"]) == {"a", "b"}, probe
     notes = json.loads((out / "manifest.json").read_text())["model"]["notes"]
-    assert (notes == []) if family == "mdlm" else ("no [MASK] token" in notes[0])
+    if family in ("mdlm", "bd3lm"):
+        assert notes == []
+    else:
+        assert ("no [MASK] token" if family == "duo" else "hybrid mask/uniform") in notes[0]
+    if family == "bd3lm":  # refused, one reason per item (never a crash, never a number)
+        for probe in ("lens", "knockout"):
+            table = pd.read_parquet(out / f"{probe}.parquet")
+            assert table["value"].isna().all(), probe
+            assert table["note"].str.contains("bd3lm").all(), probe
     knock = pd.read_parquet(out / "knockout_summary.parquet") if (out / "knockout_summary.parquet").exists() else None
     assert knock is None or len(knock) > 0
     assert main(["report", str(out)]) == 0
