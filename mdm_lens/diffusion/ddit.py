@@ -104,6 +104,16 @@ class DDiTSampler(CanvasSampler):
         return state
 
 
+def masked_canvas(ids: Tensor, gen_length: int, mask_id: int) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
+    """The prompt followed by `gen_length` mask ids, its prompt index and a recorder of that canvas (the MDLM and GIDD
+    loops start from it)."""
+    batch, p_len = ids.shape
+    x = torch.cat([ids, ids.new_full((batch, gen_length), mask_id)], dim=1)
+    prompt = torch.zeros_like(x, dtype=torch.bool)
+    prompt[:, :p_len] = True
+    return x, prompt, TrajectoryRecorder(batch, x.shape[1], p_len, x.device)
+
+
 def noisy_positions(x: Tensor, prompt: Tensor, mask_id: int | None) -> Tensor:
     """`DenoisingState.masked` of a DDiT step. MDLM: the positions holding the mask id. Duo (uniform-state, no mask
     token): every generated position, since each one holds a token the sampler may still resample until the run's
@@ -166,11 +176,8 @@ class MDLMSampler(DDiTSampler):
 
     def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: MDLMSettings,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
-        mask_id, (batch, p_len) = model.cfg.mask_token_id, ids.shape
-        x = torch.cat([ids, ids.new_full((batch, s.gen_length), mask_id)], dim=1)
-        prompt = torch.zeros_like(x, dtype=torch.bool)
-        prompt[:, :p_len] = True
-        recorder = TrajectoryRecorder(batch, x.shape[1], p_len, x.device)
+        mask_id, batch = model.cfg.mask_token_id, ids.shape[0]
+        x, prompt, recorder = masked_canvas(ids, s.gen_length, mask_id)
         n = self.plan(s).n_steps
         ts, dt, cache = torch.linspace(1, s.eps, s.steps + 1), (1 - s.eps) / s.steps, None
         step = self._analytic_step if s.predictor == "analytic" else self._ddpm_step

@@ -22,7 +22,7 @@ from mdm_lens import validate
 from mdm_lens.ddit.outputs import NEG_INFINITY as MASK_LOGIT  # −1e6, as GiddSampler
 from mdm_lens.diffusion import rules as R
 from mdm_lens.diffusion.canvas import CanvasSettings, Plan
-from mdm_lens.diffusion.ddit import DDiTSampler, _full_mask, commit
+from mdm_lens.diffusion.ddit import DDiTSampler, masked_canvas, _full_mask, commit
 from mdm_lens.diffusion.output import TrajectoryRecorder
 from mdm_lens.diffusion.registry import register, resolved
 from mdm_lens.errors import SamplerConfigError
@@ -77,11 +77,8 @@ class GiddSampler(DDiTSampler):
 
     def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: GiddSettings,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
-        mask_id, (batch, p_len) = model.cfg.mask_token_id, ids.shape
-        x = torch.cat([ids, ids.new_full((batch, s.gen_length), mask_id)], dim=1)
-        prompt = torch.zeros_like(x, dtype=torch.bool)
-        prompt[:, :p_len] = True
-        recorder = TrajectoryRecorder(batch, x.shape[1], p_len, x.device)
+        mask_id, batch = model.cfg.mask_token_id, ids.shape[0]
+        x, prompt, recorder = masked_canvas(ids, s.gen_length, mask_id)
         noise = model.noise()
         ts = _grid(s.steps, s.t_eps)
         for k, i in enumerate(range(s.steps - 1, -1, -1)):
