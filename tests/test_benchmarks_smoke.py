@@ -54,3 +54,12 @@ def test_unknown_benchmark_is_refused(capsys):
     from benchmarks.__main__ import main
 
     assert main(["--only", "nope", "--out", "-"]) == 2
+
+
+def test_families2_forward_benchmark_runs_tiny_and_checks_agreement():
+    """Issue #30's forward ratios: one tiny round per family, with the logit agreement checked before timing."""
+    from benchmarks.bench_families2 import run
+
+    rows = run("tiny", 1)
+    assert [r.case.split()[0] for r in rows] == ["rnd1", "coda", "nemotron"]
+    assert all(r.ratio > 0 and float(r.note.split()[-1]) <= 1e-3 for r in rows)
