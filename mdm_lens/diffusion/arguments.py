@@ -64,6 +64,14 @@ def _short(items: list[int]) -> str:
     return str(items) if len(items) <= 12 else f"{items[:8]}... ({len(items)} in all)"
 
 
+def one_unpadded_row(sampler: str, ids: Tensor, am: Tensor, reason: str) -> None:
+    """Refuse a prompt batch of more than one row, or a padded one, for a sampler whose canvas is one row."""
+    if ids.shape[0] != 1 or not bool(am.all()):
+        raise SamplerConfigError(f"sampler={sampler!r} decodes one unpadded prompt at a time ({reason}); got a "
+                                 f"{tuple(ids.shape)} batch{' with padding' if not bool(am.all()) else ''}.",
+                                 argument="prompt", value=tuple(ids.shape), allowed="a [1, pos] prompt without padding")
+
+
 def prompt_tokens(model: Any, prompt: Any, attention_mask: Any) -> tuple[Tensor, Tensor]:
     """The prompt as `[batch, pos]` ids and a left-padded 0/1 attention mask, checked."""
     if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], str)):

@@ -158,11 +158,7 @@ class AlignedBlockSampler(CanvasSampler):
 
     def generate(self, model: Any, prompt: Any, s: Any, obs: Observation) -> GenerateOutput:
         ids, am = arguments.prompt_tokens(model, prompt, obs.attention_mask)
-        if ids.shape[0] != 1 or not bool(am.all()):
-            raise SamplerConfigError(f"sampler={self.name!r} decodes one unpadded prompt at a time (its reference "
-                                     f"builds a canvas of one row); got a batch of {ids.shape[0]}"
-                                     f"{' with padding' if not bool(am.all()) else ''}.", argument="prompt",
-                                     value=tuple(ids.shape), allowed="one row without padding")
+        arguments.one_unpadded_row(self.name, ids, am, "its reference builds a canvas of one row")
         prompt_length = ids.shape[1]
         self._check_prompt(model, ids, s.gen_length)
         first, num_blocks, total = layout(prompt_length, s.gen_length, s.block_length)

@@ -212,11 +212,7 @@ class DreamOnSampler(Sampler):
 
     def canvas(self, model: Any, prompt: Any, s: DreamOnSettings, obs: Observation) -> tuple[Tensor, int]:
         ids, am = arguments.prompt_tokens(model, prompt, obs.attention_mask)
-        if ids.shape[0] != 1 or not bool(am.all()):
-            raise SamplerConfigError(f"sampler 'dreamon' infills one unpadded prompt at a time (the reference "
-                                     f"requires batch 1); got a {tuple(ids.shape)} batch"
-                                     f"{' with padding' if not bool(am.all()) else ''}.", argument="prompt",
-                                     value=tuple(ids.shape), allowed="a [1, pos] prompt without padding")
+        arguments.one_unpadded_row(self.name, ids, am, "it infills one canvas; the reference requires batch 1")
         suffix = _suffix(model, s.suffix, ids.device)
         mask = model.cfg.mask_token_id
         inp = torch.cat([ids, ids.new_full((1, s.min_gen_len), mask), suffix, ids.new_full((1, 1), s.eos_id)], 1)

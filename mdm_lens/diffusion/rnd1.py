@@ -26,6 +26,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from mdm_lens import validate
+from mdm_lens.diffusion import arguments
 from mdm_lens.diffusion import rules as R
 from mdm_lens.diffusion.canvas import CanvasSampler, CanvasSettings, Plan
 from mdm_lens.diffusion.output import TrajectoryRecorder
@@ -202,10 +203,7 @@ class RND1Sampler(CanvasSampler):
         return Plan(s.steps, adaptive="RND1 stops scoring once no position is maskable")
 
     def check_run(self, ids: Tensor, am: Tensor, s: RND1Settings, obs: Any) -> None:
-        if ids.shape[0] != 1 or not bool(am.all()):
-            raise SamplerConfigError(f"RND1's sampler decodes one unpadded prompt (its canvas is (1, seq_len)); got "
-                                     f"a batch of shape {tuple(ids.shape)}.", argument="prompt",
-                                     value=tuple(ids.shape), allowed="a [1, pos] prompt without padding")
+        arguments.one_unpadded_row(self.name, ids, am, "its canvas is (1, seq_len)")
 
     def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: RND1Settings,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
