@@ -38,6 +38,8 @@ def _record(model: Any, names: Sequence[str], batch: int, pos: int,
             # logits: the final norm fires only on the way to them; an encoder-decoder (DiffusionGemma through the
             # bridge) gets the same ids as prompt and canvas, so encoder and decoder hooks both fire
             extra = {"decoder_input_ids": tokens} if getattr(model, "is_block_diffusion", False) else {}
+            if callable(getattr(model, "step_sigma", None)):  # a DDiT: a time-conditioned BD3LM requires its σ
+                extra["sigma"] = torch.zeros(batch, device=device)
             model(tokens, **extra)
     finally:
         model.state = previous

@@ -108,11 +108,14 @@ class LensTrace:
 
     def accuracy(self, which: str = "masked") -> Float[Tensor, "step layer batch"]:
         """Share of answer positions whose lens top-1 is the final token, per step, layer and row: over the
-        positions still masked in that step's input ("masked": known before decoded) or over all ("all").
-        NaN where the set is empty (every position already decoded)."""
+        positions still masked in that step's input ("masked": known before decoded) or over all ("all"), among
+        the positions the step's forward computed. NaN where the set is empty (every position already decoded)."""
         which = validate.choice(which, ("masked", "all"), name="which")
         hit = self.correct.double()
-        sel = (self.masked if which == "masked" else torch.ones_like(self.masked))[:, None].double()
+        # a cell whose forward did not compute the position (NaN probability: another block, a nemotron commit
+        # forward) is no lens reading at all: left out, not counted as a miss
+        sel = ((self.masked if which == "masked" else torch.ones_like(self.masked))[:, None]
+               & ~torch.isnan(self.top1_prob)).double()
         n = sel.sum(-1)
         return torch.where(n > 0, (hit * sel).sum(-1) / n.clamp(min=1), torch.full_like(n, float("nan")))
 

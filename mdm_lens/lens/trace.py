@@ -15,11 +15,17 @@ from mdm_lens.noisy import noisy_positions
 from mdm_lens.errors import ArgumentTypeError, InputError
 from mdm_lens.lens.logit import SOURCES, LensTrace, check_model, reduce_layer, resid_name
 from mdm_lens.lens.tuned import TunedLens
+from mdm_lens.diffusion.own_forwards import OWN_FORWARDS
+from mdm_lens.lens.run_only import _at_positions, run_only_trace
 
 # samplers over a masked canvas; mdlm / duo / gidd: "masked" positions are mdm_lens.noisy's (Duo: every generated
 # position, still resampleable noise; GIDD: [MASK] and, with p_uniform > 0, every generated position). BD3LM is not
 # here: its steps forward a window or one block against a KV cache, which a replay does not reproduce (no_replay)
-LENS_SAMPLERS = ("llada", "dream", "llada2", "sdar", "rnd1", "coda", "mdlm", "duo", "gidd")
+LENS_SAMPLERS = ("llada", "dream", "llada2", "sdar", "rnd1", "coda", "mdlm", "duo", "gidd", "nemotron", "bd3lm")
+# read from the run's own cache only (no replay rebuilds their forwards; own_forwards): steps that are no denoising
+# forward (nemotron's prefill / commit, bd3lm's storing forward) or ran no forward are NaN with the reason
+RUN_ONLY = tuple(OWN_FORWARDS)
+CACHE_HOW = "generate with cache='blocks.*.hook_resid_post' (HookedDDiT with time conditioning: also 'hook_sigma')"
 
 
 def lens_refusal(out: Any) -> str | None:
@@ -30,6 +36,12 @@ def lens_refusal(out: Any) -> str | None:
     if out.causal:
         return "causal (ARM) model: no masked canvas to read a lens over"
     sampler = get(out.sampler) if out.sampler in names() else None
+    if out.sampler in RUN_ONLY:
+        c = out.cache
+        if c is None or "cond" not in getattr(c, "phases", ()) or not any(n.endswith("hook_resid_post") for n in c.names):
+            return (f"a {out.sampler!r} run is read from its own forwards (no replay rebuilds them): {CACHE_HOW}, "
+                    "every step")
+        return None
     if sampler is not None and sampler.no_replay and out.sampler not in LENS_SAMPLERS:
         return f"a {out.sampler!r} run cannot be replayed step by step: {sampler.no_replay}"
     if out.sampler not in LENS_SAMPLERS:
@@ -53,7 +65,7 @@ def _check_run(model: Any, out: Any) -> None:
         raise InputError(f"out is a {out.sampler!r} run; {why}.", argument="out", value=out.sampler,
                          allowed=f"a run of {LENS_SAMPLERS}")
     out.check_model(model)
-    if out.settings.get("kv_cache") is not None:  # window forwards: neither a replay nor the cache rows cover them
+    if out.settings.get("kv_cache") is not None and out.sampler not in RUN_ONLY:  # window forwards: neither a replay nor the cache rows cover them
         raise InputError(f"out is a kv_cache={out.settings['kv_cache']!r} run: its window forwards attended to stale "
                          "keys/values and computed a window of rows, so a lens over replayed (fresh) forwards would "
                          "not be what the sampler read. Lens a run without kv_cache, or see probes.cache_effect.",
@@ -99,6 +111,8 @@ def lens_trace(model: Any, out: Any, *, layers: Any = None, steps: Any = None, p
         lens.check_model(model)
         for l in layers:
             lens.check_layer(l)
+    if out.sampler in RUN_ONLY:
+        return run_only_trace(model, out, layers, steps, positions, lens, source, CACHE_HOW)
     if source == "auto":
         source = "cache" if _cached(out, layers, steps) else "replay"
     elif source == "cache" and not _cached(out, layers, steps):
@@ -144,13 +158,3 @@ def _replay_step(model: Any, out: Any, step: int, layers: list[int], reduce: Cal
         return fn
 
     out.replay(model, step, fwd_hooks=[(resid_name(l), hook_for(l)) for l in layers])
-
-
-def _at_positions(resid: Tensor, start: int, width: int) -> Tensor:
-    """`[batch, width, d]` with the rows of `resid` at positions `[start, start + rows)` and NaN elsewhere (a
-    position the forward did not compute: earlier / later blocks, positions past a block run's forward)."""
-    if start == 0 and resid.shape[1] == width:
-        return resid
-    out = resid.new_full((resid.shape[0], width, resid.shape[2]), float("nan"))
-    out[:, start:start + resid.shape[1]] = resid
-    return out

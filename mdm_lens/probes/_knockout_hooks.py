@@ -104,9 +104,9 @@ class KnockoutHooks:
                                  "use_block_cache=False")
             if "block_length" in st.extra:
                 return rows, lambda: self._block_rerun(tokens, st.extra)
-        if st is not None and "query_end" in st.extra:
-            # a KV-cached window (llada / dream kv_cache="prefix"/"dual", nemotron): the pre-pass is this very
-            # forward re-run unablated (same window, same cache), so its anchors are the forward's own
+        if st is not None and ("query_end" in st.extra or (st.query_rows is not None and "forward_call" in st.extra)):
+            # a KV-cached window (llada / dream kv_cache="prefix"/"dual", nemotron) or a block window (bd3lm): the
+            # pre-pass is this very forward re-run unablated (same window, same cache), so its anchors are its own
             return rows, st.extra["forward_call"]
         kw = {} if st is not None else self.forward_kwargs
         return rows, lambda: self.model(tokens, attention_mask=am, return_type=None, **kw)
@@ -139,7 +139,11 @@ class KnockoutHooks:
         kv = C.visible_keys(scores)
         if not self.needs_prepass:
             m = torch.zeros_like(kv)
-            m[:, [p for p in self.targets if p < m.shape[1]]] = True
+            # key column c is canvas position k0 + c (a window that does not start at 0: bd3lm past its context)
+            st = self.model.state
+            k0 = st.keys.start if st is not None and st.key_cols is not None and not is_block_diffusion(
+                self.model) else 0
+            m[:, [p - k0 for p in self.targets if 0 <= p - k0 < m.shape[1]]] = True
             return m & kv
         # under the block-causal mask a block run's forward holds the first keys of the pre-pass over the whole
         # canvas, with the same values (later blocks never reach earlier ones): the anchors are cut to its keys
@@ -165,7 +169,7 @@ class KnockoutHooks:
             if rows.shape[-1] != scores.shape[-2]:  # a block run's forward: the query rows it computes
                 state = self.model.state
                 # a replay computes rows [0, query_end) (replay_rows), the sampler's forward [query_start, query_end)
-                span = (state.extra.get("replay_rows", (state.extra.get("query_start", 0),))
+                span = (state.extra.get("replay_rows", (state.extra.get("query_start", state.rows.start),))
                         if state is not None else (0,))
                 q0 = int(span[0])
                 rows = rows[:, q0:q0 + scores.shape[-2]]

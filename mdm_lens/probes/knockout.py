@@ -57,6 +57,10 @@ from mdm_lens.noisy import notes_for
 from ._runtools import noisy_canvas
 from .run import is_causal, step_canvas, step_forward_kwargs
 
+from mdm_lens.diffusion.own_forwards import OWN_FORWARDS
+
+from .knockout_bd import knockout_block_diffusion
+from .knockout_windowed import grid_size, knockout_windowed
 from ._knockout_hooks import (KnockoutHooks, _answer_totals, _exact_match, _GoldScorer, _hooks_for,  # noqa: F401
                               readout_hook,
                               _RandomListHooks, _replay_scores)
@@ -95,6 +99,8 @@ class KnockoutResult(ResultMixin):
     gold_source: str = "answer"     # "answer" or "clean generation"
     notes: list[str] = field(default_factory=list)
     condition_notes: list[str] = field(default_factory=list)  # per condition: NaN reason, unmatched control, …
+    # sampled-only routes (DiffusionGemma, nemotron, bd3lm): forwards each condition's knockout cut; None elsewhere
+    forwards_cut: Tensor | None = None
 
     _dims: ClassVar = {"value": ("condition",), "effect": ("condition",), "answer_logprob": ("condition",),
                        "answer_rank": ("condition",), "exact_match": ("condition",),
@@ -220,9 +226,12 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
                          name="gen_length", min=1)
     ns = g if is_causal(model) else validate.integer(n_steps if n_steps is not None else g, name="n_steps", min=1)
     ls = validate.indices(layers, model.cfg.n_layers, name="layers", what="layer")
-    chosen = _resolve_steps(steps, ns)
-    step_list = chosen if chosen is not None else list(range(ns))
     P = prompt.shape[1]
+    sampler = None if is_block_diffusion(model) else _check_sampler(model, generate_kwargs)
+    # nemotron / bd3lm: the grid is the run's denoising forwards (own_forwards), not the sampler's steps setting
+    grid = grid_size(model, sampler, P, g, ns) if sampler in OWN_FORWARDS else ns
+    chosen = _resolve_steps(steps, grid)
+    step_list = chosen if chosen is not None else list(range(grid))
     if isinstance(targets, str):
         validate.choice(targets, ("anchors", "random"), name="targets")
     else:
@@ -239,11 +248,11 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
     else:
         validate.choice(metric, ANSWER_METRICS + C.POSITION_METRICS, name="metric")
     step_metric = C.check_position_metric(step_metric, "step_metric")
-    if is_block_diffusion(model):
-        return _block_diffusion(model, prompt, step_list, chosen, ls, targets, queries, rule, n_random, seed, metric,
-                                answer, off, g, ns, decode, generate_kwargs)
-
-    _check_sampler(model, generate_kwargs)
+    if sampler is None or sampler in OWN_FORWARDS:  # DiffusionGemma, nemotron, bd3lm: the sampled metrics only
+        route = (knockout_block_diffusion if sampler is None else
+                 lambda *a, **kw: knockout_windowed(*a, sampler=sampler, **kw))
+        return _sampled_only(route, model, prompt, step_list, chosen, ls, targets, queries, rule, n_random, seed,
+                             metric, answer, off, g, ns, decode, generate_kwargs)
 
     def gen(hooks: Sequence[Any] = ()) -> Any:
         return model.generate(prompt, steps=ns, gen_length=g, fwd_hooks=list(hooks), **generate_kwargs)
@@ -308,15 +317,7 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
         gold=gold_ids, gold_source=source, notes=notes, condition_notes=_condition_notes(names, per, value))
 
 
-# samplers with a steps setting whose forwards are not all denoising steps of the canvas
-OWN_FORWARDS = {"nemotron": "also runs a causal prefill and a causal commit forward per block (9 forwards for "
-                            "gen_length=8, block_length=4), which are steps of the run",
-                "bd3lm": "forwards one block against the stored blocks at each step (a window under the block-causal "
-                         "mask, or one block against its KV cache, plus a storing forward per block), and the "
-                         "whole-canvas forward knockout re-runs at step k is neither"}
-
-
-def _check_sampler(model: Any, generate_kwargs: dict) -> None:
+def _check_sampler(model: Any, generate_kwargs: dict) -> str:
     """Knockout drives the sampler by `steps=` and `gen_length=` and cuts step k's forward: a sampler without a
     `steps` setting (fastdllm_v2 commits by threshold, nemotron_ar is autoregressive) is refused before any run,
     naming the sampler, not with the sampler's own complaint about a `steps=` the user never passed."""
@@ -329,13 +330,6 @@ def _check_sampler(model: Any, generate_kwargs: dict) -> None:
     plugin = registry.get(default_sampler(model) if name == "auto" else name)
     fields = {f.name for f in dataclasses.fields(plugin.Settings)} if dataclasses.is_dataclass(
         getattr(plugin, "Settings", None)) else set()
-    if plugin.name in OWN_FORWARDS:
-        raise SamplerConfigError(
-            f"knockout's step grid (teacher-forced metrics at step k, hooks bound to step k) assumes step k is a "
-            f"denoising forward of the canvas; sampler={plugin.name!r} {OWN_FORWARDS[plugin.name]}. Cut its forwards "
-            "yourself with KnockoutHooks in model.generate(fwd_hooks=...) (its anchor pre-pass re-runs each cached "
-            "forward exactly).", argument="sampler", value=plugin.name, allowed="a sampler other than "
-            + ", ".join(OWN_FORWARDS))
     if not {"steps", "gen_length"} <= fields:
         raise SamplerConfigError(
             f"knockout runs the sampler with steps= and gen_length= and cuts the forward of each step; sampler="
@@ -343,6 +337,7 @@ def _check_sampler(model: Any, generate_kwargs: dict) -> None:
             "chosen by step. Use a sampler with a steps setting (llada, dream, llada2, sdar, ...), or cut its forwards "
             "yourself with KnockoutHooks in model.generate(fwd_hooks=...).", argument="sampler", value=plugin.name,
             allowed="a sampler with steps and gen_length settings")
+    return plugin.name
 
 
 def _clean_scores(gen: Any, clean: Any, model: Any, gold: Tensor) -> tuple[Tensor, Tensor]:
@@ -363,7 +358,8 @@ def _condition_notes(names: list[str], per: list[dict], value: Tensor) -> list[s
     for name, p, v in zip(names, per, value.tolist()):
         why = []
         if math.isnan(v):
-            why.append("NaN: no gold answer position was scored (none committed at a scored forward, or no gold)")
+            why.append("NaN: a gold answer position was not scored (never committed, or committed at no scored "
+                       "forward), or there is no gold")
         if p.get("unmatched", 0) > 0:
             why.append(f"unmatched control: at {p['unmatched']:g} (forward, layer) cuts fewer other keys were visible "
                        "than there are targets, so it cut fewer keys (compare n_targets)")
@@ -374,13 +370,12 @@ def _condition_notes(names: list[str], per: list[dict], value: Tensor) -> list[s
     return notes
 
 
-def _block_diffusion(model: Any, prompt: Tensor, step_list: list[int], chosen: list[int] | None, ls: list[int],
-                     targets: Any, queries: str, rule: str, n_random: int, seed: int, metric: Any, answer: Any,
-                     off: int, g: int, ns: int, decode: Any, generate_kwargs: dict) -> KnockoutResult:
-    """:func:`knockout` on DiffusionGemma: the sampled metrics (:mod:`knockout_bd`); the teacher-forced ones NaN."""
-    from .knockout_bd import knockout_block_diffusion
-
-    r = knockout_block_diffusion(model, prompt, step_list=step_list, chosen=chosen, layers=ls, targets=targets,
+def _sampled_only(route: Any, model: Any, prompt: Tensor, step_list: list[int], chosen: list[int] | None,
+                  ls: list[int], targets: Any, queries: str, rule: str, n_random: int, seed: int, metric: Any,
+                  answer: Any, off: int, g: int, ns: int, decode: Any, generate_kwargs: dict) -> KnockoutResult:
+    """:func:`knockout` on DiffusionGemma (:mod:`knockout_bd`) and on nemotron / bd3lm (:mod:`knockout_windowed`):
+    the sampled metrics; the teacher-forced ones and the per-step committed metric NaN (noted)."""
+    r = route(model, prompt, step_list=step_list, chosen=chosen, layers=ls, targets=targets,
                                  queries=queries, rule=rule, n_random=n_random, seed=seed, metric=metric,
                                  answer=answer, offset=off, g=g, ns=ns, decode=decode,
                                  conditions=_conditions(targets, n_random), generate_kwargs=generate_kwargs)
@@ -395,4 +390,4 @@ def _block_diffusion(model: Any, prompt: Tensor, step_list: list[int], chosen: l
         tf_answer_logprob_mean=nan_cond, tf_answer_rank_mean=nan_cond.clone(), step_metric_name="not applicable",
         step_metric=nan_steps.clone(), metric_mean=nan_cond.clone(), n_targets=t("nt"), agreement=t("agreement"),
         accuracy=t("accuracy"), gold=r["gold_ids"], gold_source=r["source"], notes=r["notes"],
-        condition_notes=_condition_notes(r["names"], r["per"], value))
+        condition_notes=_condition_notes(r["names"], r["per"], value), forwards_cut=t("forwards_cut"))

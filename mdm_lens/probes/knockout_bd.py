@@ -74,17 +74,48 @@ def _agreement(out: Any, clean: Any) -> float:
     return float((b[:, :n] == a).float().mean())
 
 
-def knockout_block_diffusion(model: Any, prompt: Tensor, *, step_list: list[int], chosen: list[int] | None,
-                             layers: list[int], targets: Any, queries: str, rule: str, n_random: int, seed: int,
-                             metric: Any, answer: Any, offset: int, g: int, ns: int, decode: Any,
-                             conditions: list[tuple[str, Any]], generate_kwargs: dict) -> dict:
+class _CanvasDraw:
+    """One DiffusionGemma condition run: the knockout bound to run steps, the canvas scorer on each denoiser pass."""
+
+    def __init__(self, model: Any, gold: Tensor, ko: Any, chosen: list[int] | None):
+        self.ko, self.scorer = ko, CanvasGoldScorer(model, gold)
+        self.hooks = ([] if ko is None else ko.step_hooks(chosen)) + [("ln_final.hook_out", self.scorer)]
+
+    def n_targets(self, step_list: list[int]) -> list[float]:
+        by = {} if self.ko is None else self.ko.knocked_by_step
+        return [float(np.mean(by[s])) if s in by else 0.0 for s in step_list]
+
+    def n_cut(self) -> int:
+        return 0 if self.ko is None else len(self.ko.knocked_by_step)
+
+
+def _unchanged(scores: Tensor, hook: Any) -> None:
+    """A hook that leaves the scores as they are (it only makes the attention take its explicit path)."""
+
+
+def knockout_block_diffusion(model: Any, prompt: Tensor, **kw: Any) -> dict:
     """The per-condition numbers of :func:`knockout` on a block-diffusion model (see the module docstring)."""
+    return sampled_knockout(model, prompt, draw=_CanvasDraw, notes=[NOT_APPLICABLE], **kw)
+
+
+def sampled_knockout(model: Any, prompt: Tensor, *, draw: Any, notes: list[str], step_list: list[int],
+                     chosen: list[int] | None, layers: list[int], targets: Any, queries: str, rule: str,
+                     n_random: int, seed: int, metric: Any, answer: Any, offset: int, g: int, ns: int, decode: Any,
+                     conditions: list[tuple[str, Any]], generate_kwargs: dict) -> dict:
+    """Knockout read from the sampled runs alone (no teacher-forced forward): per condition, ``model.generate`` with
+    the knockout and a gold scorer, both from ``draw(model, gold, ko, chosen)`` (its ``hooks``, ``scorer`` with
+    ``at_commit``, ``n_targets(step_list)``, ``n_cut()``). The clean run goes through the same path, so a knockout
+    that cuts nothing equals it exactly. Used by DiffusionGemma and by the samplers of
+    :mod:`mdm_lens.diffusion.own_forwards` (nemotron, bd3lm)."""
     validate.choice(metric, ("answer_logprob", "answer_rank", "exact_match"), name="metric")
 
     def gen(hooks: Sequence[Any] = ()) -> Any:
         return model.generate(prompt, gen_length=g, steps=ns, fwd_hooks=list(hooks), **generate_kwargs)
 
-    clean = gen()
+    # every condition, clean included, takes the attention's explicit path (a hook on the scores forces it; unhooked,
+    # SDPA runs): so a knockout that cuts nothing equals clean exactly, not to kernel rounding
+    explicit = [(f"blocks.{l}.attn.hook_attn_scores", _unchanged) for l in layers]
+    clean = gen(explicit)
     P = prompt.shape[1]
     if answer is None:
         gold_ids, source = C.clean_answer(model, clean.generated.cpu(), offset), "clean generation"
@@ -96,20 +127,18 @@ def knockout_block_diffusion(model: Any, prompt: Tensor, *, step_list: list[int]
     for name, spec in [("clean", None)] + conditions:
         draws = []
         for d in range(n_random if name == "random" else 1):
-            scorer = CanvasGoldScorer(model, gold)
             ko = None if spec is None else _hooks_for(model, spec, layers, queries, rule, P, seed + d)
-            hooks = ([] if ko is None else ko.step_hooks(chosen)) + [("ln_final.hook_out", scorer)]
-            out = gen(hooks)
-            lp, rk = scorer.at_commit(out.trajectory.commit_step)
+            run = draw(model, gold, ko, chosen)
+            out = gen(run.hooks + (explicit if ko is None else []))
+            lp, rk = run.scorer.at_commit(out.trajectory.commit_step)
             a_lp, a_rank = _answer_totals(lp, rk, have)
             acc = (float(np.mean([answer_correct(model, r.cpu(), answer, decode) for r in out.generated]))
                    if answer is not None else math.nan)
-            nt = [float(np.mean(ko.knocked_by_step[s])) if ko is not None and s in ko.knocked_by_step else 0.0
-                  for s in step_list]
             draws.append(dict(answer_logprob=a_lp, answer_rank=a_rank, agreement=_agreement(out, clean),
                               exact_match=_exact_match(model, out, gold_ids, answer, offset, decode), accuracy=acc,
-                              nt=nt, unmatched=0 if ko is None else ko.unmatched,
+                              nt=run.n_targets(step_list), forwards_cut=run.n_cut(),
+                              unmatched=0 if ko is None else ko.unmatched,
                               kept=0 if ko is None else sum(ko.rows_kept.values())))
         names.append(name)
         per.append({k: np.mean([dr[k] for dr in draws], 0) for k in draws[0]})
-    return dict(names=names, per=per, gold_ids=gold_ids, source=source, notes=[NOT_APPLICABLE])
+    return dict(names=names, per=per, gold_ids=gold_ids, source=source, notes=list(notes))

@@ -105,10 +105,13 @@ def run_block_mask(model: Any, block_length: int | None) -> Iterator[None]:
         model.cfg.extra["block_length"] = default
 
 
-def generate(model: Any, ids: Tensor, am: Tensor, s: Settings, seed: int, record: list | None = None) -> Any:
+def generate(model: Any, ids: Tensor, am: Tensor, s: Settings, seed: int, record: list | None = None,
+             cache: Any = None) -> Any:
     """The batch's shared sampler run (the model's default sampler, always fixed-length today; checked, because
-    every table reads its columns as positions shared by all steps)."""
-    out = model.generate(ids, attention_mask=am, seed=seed, record=record or [], **_gen_kwargs(model, s))
+    every table reads its columns as positions shared by all steps). ``cache``: what the run records for the lens
+    on samplers it cannot replay (``lens_tables.run_cache``)."""
+    extra = {} if cache is None else {"cache": cache}
+    out = model.generate(ids, attention_mask=am, seed=seed, record=record or [], **_gen_kwargs(model, s), **extra)
     require_fixed_length(out, "the sweep", "its tables key every step's values by canvas position, and a row "
                          "inserted or deleted mid-run has no position shared by all steps")
     return out
@@ -356,14 +359,25 @@ def knockout(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFram
         df.insert(0, "item_id", batch.item_ids[b])
         # why a condition's value is NaN or not comparable (an unmatched random control): KnockoutResult.condition_notes
         df["note"] = df["condition"].map(dict(zip(res.conditions, res.condition_notes))).fillna("")
+        _metric_notes(df, res.notes)
         frames.append(df)
     out = pd.concat(frames, ignore_index=True)
     return out.drop(columns=[c for c in ("label",) if c in out and out[c].isna().all()])
 
 
+def _metric_notes(df: pd.DataFrame, notes: list[str]) -> None:
+    """NaN rows of a metric the run's sampler cannot give (teacher-forced on DiffusionGemma / nemotron / bd3lm) or of
+    a grid step the run never reached carry the result's note saying so, not an empty one."""
+    tf = tuple(c for c in df["metric"].unique() if c.startswith("tf_")) + ("step_metric", "metric_mean")
+    for prefix, metrics in (("teacher-forced metrics", tf), ("steps [", ("n_targets",))):
+        why = next((n for n in notes if n.startswith(prefix)), None)
+        if why is not None:
+            at = df["metric"].isin(metrics) & df["value"].isna()
+            df.loc[at, "note"] = why
+
+
 def _knockout_refusal(model: Any) -> str | None:
-    """Why knockout refuses this model's default sampler (its step k is not a canvas forward: BD3LM, Nemotron),
-    else None."""
+    """Why knockout refuses this model's default sampler (one without a steps setting), else None."""
     from mdm_lens.errors import SamplerConfigError
     from mdm_lens.probes.knockout import _check_sampler
 
@@ -398,7 +412,8 @@ def preflight(model: Any, n_items: int, probes: list[str], s: Settings) -> None:
 def _run_tables(model: Any, run: Batch, probes: list[str], s: Settings) -> dict[str, pd.DataFrame]:
     """The batched probes on one run: one sampler call and the shared clean forwards."""
     record = [ReceivedAttention()] if "temporal" in probes else None
-    shared: dict[str, Any] = {"out": generate(model, run.ids, run.attention_mask, s, run.seeds[0], record)}
+    cache = lens_tables.run_cache(model) if "lens" in probes else None
+    shared: dict[str, Any] = {"out": generate(model, run.ids, run.attention_mask, s, run.seeds[0], record, cache)}
     tables: dict[str, pd.DataFrame] = {}
     if any(p in _ATTENTION for p in probes):
         tables.update(attention_tables(model, run, s, shared, probes))

@@ -12,9 +12,11 @@ Rows of two kinds, keyed by ``item_id``:
   (EOS / EoT / pad), i.e. the answer's own tokens.
 
 ``answer_position`` counts from the first generated token, so it does not depend on the batch's padding. The
-residuals come from replaying each step of the shared sampler run (one extra forward per step). Causal (ARM)
-models have no masked canvas, and a sampler whose steps cannot be replayed (BD3LM's window / KV-cache forwards) gives
-no step residuals: one row per item with NaN and the reason in ``note``.
+residuals come from replaying each step of the shared sampler run (one extra forward per step); on nemotron and
+bd3lm, whose forwards no replay rebuilds, from the run itself (the shared run then caches every layer's residual,
+``run_cache``), and a step that is no denoising forward (nemotron's prefill / commit, bd3lm's storing forward) has
+NaN rows with the reason in ``note``. Causal (ARM) models have no masked canvas: one row per item with NaN and the
+reason in ``note``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,18 @@ def _stop_ids(model: Any) -> set[int]:
     return {c.eos_token_id, c.pad_token_id, c.extra.get("eot_token_id")} - {None}
 
 
+def run_cache(model: Any) -> list[str] | None:
+    """What the shared run caches so the lens can read a sampler no replay rebuilds (nemotron, bd3lm): every layer's
+    residual (+ the σ a time-conditioned DDiT's readout needs); None for the other samplers."""
+    from mdm_lens.diffusion.generate import default_sampler
+    from mdm_lens.lens.trace import RUN_ONLY
+
+    if default_sampler(model) not in RUN_ONLY:
+        return None
+    sigma = callable(getattr(model, "readout", None)) and model.cfg.extra.get("time_conditioning", False)
+    return ["blocks.*.hook_resid_post"] + (["hook_sigma"] if sigma else [])
+
+
 def lens(model: Any, batch: Any, s: Any, shared: dict) -> pd.DataFrame:
     out = shared["out"]
     ids = list(batch.item_ids)
@@ -72,7 +86,10 @@ def _step_rows(trace: Any, ids: list[str]) -> pd.DataFrame:
     parts = []
     for metric in STEP_METRICS:
         v = values[metric].numpy()[si, li, bi].astype(float)
-        note = np.where(np.isnan(v), "no position is masked at this step", None).astype(object)
+        # a step that is no denoising forward (nemotron / bd3lm, lens.run_only) says so; else none is masked
+        why = np.asarray([trace.meta.get("step_notes", {}).get(st, "no position is masked at this step")
+                          for st in trace.steps], object)[si]
+        note = np.where(np.isnan(v), why, None).astype(object)
         parts.append(pd.DataFrame({"item_id": np.asarray(ids, object)[bi], "step": np.asarray(trace.steps)[si],
                                    "layer": np.asarray(trace.layers)[li], "answer_position": pd.NA, "answer": pd.NA,
                                    "metric": metric, "value": v, "note": note}))

@@ -1,8 +1,9 @@
 """`mdm-lens sweep` (every probe) and `mdm-lens report` on tiny MDLM and Duo checkpoints in their hub layouts, with
 the character-level tokenizer of the family sweeps (test_family_sweep.py). Duo has no mask token: its probes read
 the generated positions as the noisy ones (mdm_lens.noisy); GIDD (p_uniform 0.1) reads [MASK] and the generated
-positions. BD3LM's steps forward one block against the stored ones, which no replay rebuilds: lens and knockout
-refuse, each item's rows NaN with the reason in `note`."""
+positions. BD3LM's steps forward one block against the stored ones, which no replay rebuilds: lens and knockout read
+the run itself (its cached residuals, its own forwards cut and scored); what they cannot give is NaN with the reason
+in `note`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ddit_checkpoints import DUO_CONFIG, MDLM_CONFIG, write_ddit
 from test_family_sweep import ITEMS, PROBES, _char_tokenizer
 
 from mdm_lens.cli import main
+from mdm_lens.probes.knockout_windowed import NOT_APPLICABLE
 
 
 def _write(folder, family):
@@ -45,12 +47,26 @@ def test_sweep_and_report_run_on_the_family(tmp_path, family):
         assert notes == []
     else:
         assert ("no [MASK] token" if family == "duo" else "hybrid mask/uniform") in notes[0]
-    if family == "bd3lm":  # refused, one reason per item (never a crash, never a number)
-        for probe in ("lens", "knockout"):
-            table = pd.read_parquet(out / f"{probe}.parquet")
-            assert table["value"].isna().all(), probe
-            assert table["note"].str.contains("bd3lm").all(), probe
+    if family == "bd3lm":  # read from the run itself (lens.run_only, probes.knockout_windowed): values, NaN noted
+        _check_bd3lm_tables(out)
     knock = pd.read_parquet(out / "knockout_summary.parquet") if (out / "knockout_summary.parquet").exists() else None
     assert knock is None or len(knock) > 0
     assert main(["report", str(out)]) == 0
     assert any((out / "report").iterdir())
+
+
+def _check_bd3lm_tables(out):
+    lens = pd.read_parquet(out / "lens.parquet")
+    for metric in ("acc_all", "n_masked"):  # every step of a 2-step block run is a denoising forward (no kv_cache)
+        rows = lens[lens["metric"] == metric]
+        assert len(rows) > 0 and rows["value"].notna().all(), metric
+    assert lens.loc[lens["value"].isna(), "note"].notna().all()
+    knock = pd.read_parquet(out / "knockout.parquet")
+    for metric in ("exact_match", "agreement"):
+        assert knock.loc[knock["metric"] == metric, "value"].notna().all(), metric
+    clean = knock[(knock["metric"] == "answer_logprob") & (knock["condition"] == "clean")]
+    assert clean["value"].notna().any()  # 2 steps per 4-slot block: an item whose answer kept a mask is NaN, noted
+    assert clean.loc[clean["value"].isna(), "note"].str.startswith("NaN: a gold answer position was not scored").all()
+    tf = knock[knock["metric"].str.startswith("tf_")]
+    assert len(tf) > 0 and tf["value"].isna().all()
+    assert (tf["note"] == NOT_APPLICABLE.format(sampler="bd3lm")).all()
