@@ -41,7 +41,9 @@ class KnockoutHooks:
     Block samplers (llada2, sdar, fastdllm_v2): the pre-pass is the canvas up to the forward's end under its block
     mask, without a KV cache; in ``out.replay`` the rows are the replay's (``state.extra["replay_rows"]``). A
     fastdllm_v2 ``use_block_cache=True`` run is refused for "anchors"/"random" (its sub-block forwards read stale
-    cached keys that no pre-pass re-runs).
+    cached keys that no pre-pass re-runs). Windowed forwards (nemotron's KV-cached blocks, bd3lm's block windows):
+    the pre-pass is the forward itself re-run unablated (`state.extra["forward_call"]`), rows start at
+    `state.rows.start`, fixed targets are absolute positions mapped onto the forward's keys (`state.keys`).
     """
 
     def __init__(self, model: Any, layers: Sequence[int], targets: Any = "anchors", queries: str = "masked",

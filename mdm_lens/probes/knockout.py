@@ -28,6 +28,10 @@ predicts the answer's still-masked slots).  Per condition (clean, the knockout, 
 - ``agreement``: fraction of generated tokens equal to the clean generation; ``accuracy``: substring match
   of the generation with ``answer`` (NaN without one).
 
+On DiffusionGemma (:mod:`knockout_bd`) and on the ``nemotron`` / ``bd3lm`` samplers (:mod:`knockout_windowed`: step k
+is the k-th denoising forward of the run, not its causal prefill / commit or storing forwards) only the sampled
+metrics exist; the teacher-forced ones and ``step_metric`` are NaN with a note.
+
 Without ``answer`` the gold is the clean run's own answer, so the metrics say how far the knockout moves
 the model from what it said.  With classifier-free guidance the log-probs read the conditional forward.
 """
