@@ -96,7 +96,8 @@ def run_only_trace(model: Any, out: Any, layers: list[int], steps: list[int], po
     for s in steps:
         reason = notes.get(s) or (None if s in cached else _no_forward_reason(out, s, cached, how))
         cells: dict[int, tuple] = {}
-        reduce: Callable = lambda resid, l: cells.__setitem__(l, reduce_layer(model, resid, l, lens, src, target))  # noqa: E731
+        reduce: Callable = lambda resid, l: cells.__setitem__(  # noqa: E731
+            l, reduce_layer(model, resid, l, lens, src, target))
         if reason is not None:
             why[s] = reason
             blank = torch.full((out.tokens.shape[0], width, model.cfg.d_model), float("nan"))

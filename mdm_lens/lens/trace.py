@@ -19,8 +19,8 @@ from mdm_lens.diffusion.own_forwards import OWN_FORWARDS
 from mdm_lens.lens.run_only import _at_positions, run_only_trace
 
 # samplers over a masked canvas; mdlm / duo / gidd: "masked" positions are mdm_lens.noisy's (Duo: every generated
-# position, still resampleable noise; GIDD: [MASK] and, with p_uniform > 0, every generated position). BD3LM is not
-# here: its steps forward a window or one block against a KV cache, which a replay does not reproduce (no_replay)
+# position, still resampleable noise; GIDD: [MASK] and, with p_uniform > 0, every generated position). nemotron and
+# bd3lm forward windows against a KV cache, which a replay does not reproduce (no_replay): RUN_ONLY
 LENS_SAMPLERS = ("llada", "dream", "llada2", "sdar", "rnd1", "coda", "mdlm", "duo", "gidd", "nemotron", "bd3lm")
 # read from the run's own cache only (no replay rebuilds their forwards; own_forwards): steps that are no denoising
 # forward (nemotron's prefill / commit, bd3lm's storing forward) or ran no forward are NaN with the reason
@@ -38,7 +38,8 @@ def lens_refusal(out: Any) -> str | None:
     sampler = get(out.sampler) if out.sampler in names() else None
     if out.sampler in RUN_ONLY:
         c = out.cache
-        if c is None or "cond" not in getattr(c, "phases", ()) or not any(n.endswith("hook_resid_post") for n in c.names):
+        resid = c is not None and any(n.endswith("hook_resid_post") for n in getattr(c, "names", ()))
+        if not resid or "cond" not in getattr(c, "phases", ()):
             return (f"a {out.sampler!r} run is read from its own forwards (no replay rebuilds them): {CACHE_HOW}, "
                     "every step")
         return None
@@ -65,7 +66,8 @@ def _check_run(model: Any, out: Any) -> None:
         raise InputError(f"out is a {out.sampler!r} run; {why}.", argument="out", value=out.sampler,
                          allowed=f"a run of {LENS_SAMPLERS}")
     out.check_model(model)
-    if out.settings.get("kv_cache") is not None and out.sampler not in RUN_ONLY:  # window forwards: neither a replay nor the cache rows cover them
+    # window forwards: neither a replay nor the cache rows cover them (RUN_ONLY runs read exactly those rows)
+    if out.settings.get("kv_cache") is not None and out.sampler not in RUN_ONLY:
         raise InputError(f"out is a kv_cache={out.settings['kv_cache']!r} run: its window forwards attended to stale "
                          "keys/values and computed a window of rows, so a lens over replayed (fresh) forwards would "
                          "not be what the sampler read. Lens a run without kv_cache, or see probes.cache_effect.",
@@ -139,8 +141,11 @@ def lens_trace(model: Any, out: Any, *, layers: Any = None, steps: Any = None, p
         per_step.append([cells[l] for l in layers])
     stack = lambda k: torch.stack([torch.stack([c[k] for c in row]) for row in per_step])  # noqa: E731
     x = out.trajectory.x_steps[steps][:, :, absolute]
-    return LensTrace("logit" if lens is None else "tuned", steps, layers, positions, S, out.prompt_length, stack(0),
-                     stack(1), stack(2), stack(3), target, out.trajectory.commit_step[:, absolute].clone(),
+    top1_prob = stack(1)
+    undefined = torch.isnan(top1_prob)  # a position the forward did not compute (SDAR's other blocks): no reading
+    return LensTrace("logit" if lens is None else "tuned", steps, layers, positions, S, out.prompt_length,
+                     stack(0).masked_fill(undefined, -1), top1_prob, stack(2), stack(3).masked_fill(undefined, -1),
+                     target, out.trajectory.commit_step[:, absolute].clone(),
                      noisy_positions(model.cfg, x, out.prompt_length), source,
                      {"model": model.cfg.model_name, "sampler": out.sampler})
 

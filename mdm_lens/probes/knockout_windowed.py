@@ -32,8 +32,8 @@ from . import _causal as C
 from ._knockout_hooks import _GoldScorer, readout, readout_hook
 from .knockout_bd import sampled_knockout
 
-NOT_APPLICABLE = ("teacher-forced metrics (tf_*) and the per-step committed metric are NaN on sampler={sampler!r}: they "
-                  "re-run a step's forward with the gold answer placed in the canvas, and its windowed KV-cached "
+NOT_APPLICABLE = ("teacher-forced metrics (tf_*) and the per-step committed metric are NaN on sampler={sampler!r}: "
+                  "they re-run a step's forward with the gold answer placed in the canvas, and its windowed KV-cached "
                   "forwards cannot be re-run without a replay of the sampler's own forward")
 
 
