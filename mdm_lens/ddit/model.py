@@ -193,6 +193,17 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
 
         return generate(self, prompt, **kwargs)
 
+    def memory_plan(self, prompt: Any = None, sampler: str = "auto", **kwargs: Any) -> Any:
+        """Per-device bytes of `generate(prompt, **kwargs)` before running it, as `HookedMDM.memory_plan`
+        (`mdm_lens.hooks.plan`: weights, streamed offloaded blocks, activations per device of `hf_device_map`);
+        `.check()` refuses a run over a budget. The KV-cache column is the generic 2·d_model per position and
+        layer; BD3LM's cache holds q, k and v of `model_length` positions (3·d_model·model_length per layer)."""
+        from mdm_lens.diffusion.generate import default_sampler
+        from mdm_lens.diffusion.memory_guard import memory_plan
+
+        name = default_sampler(self) if sampler == "auto" else sampler
+        return memory_plan(self, prompt, sampler=name, **kwargs)
+
     def __repr__(self) -> str:
         c = self.cfg
         return (f"HookedDDiT({c.family} {c.model_name!r}: {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads, "
