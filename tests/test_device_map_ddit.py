@@ -213,11 +213,15 @@ def test_auto_map_under_a_memory_budget_offloads_whole_blocks(tmp_path):
         off.generate(torch.tensor([[5, 9]]), gen_length=6, steps=3)
 
 
-def test_hookedddit_from_pretrained_takes_the_same_options(tmp_path):
+def test_hookedddit_from_pretrained_takes_a_nested_map_with_the_embedding_on_disk(tmp_path):
+    """`HookedDDiT.from_pretrained` directly; a nested map ('' split into its children); the embedding offloaded
+    (token ids then go to the execution device, its weight sits on meta)."""
     folder = write("mdlm", tmp_path / "ckpt")
-    model = HookedDDiT.from_pretrained(str(folder), load_tokenizer=False, device_map=ddit_map("cpu"),
-                                       offload_folder=tmp_path / "off")
-    assert model.hf_device_map == ddit_map("cpu")
+    model = HookedDDiT.from_pretrained(str(folder), load_tokenizer=False, offload_folder=tmp_path / "off",
+                                       device_map={"": "cpu", "embed": "disk", "blocks.2": "disk"})
+    placed = model.hf_device_map
+    assert placed["embed"] == placed["blocks.2"] == "disk" and placed["time_embed"] == placed["blocks.1"] == "cpu"
+    assert "" not in placed and model.W_E.device.type == "meta" and model.input_device == torch.device("cpu")
     ref = HookedDDiT.from_pretrained(str(folder), load_tokenizer=False)
     tokens = _tokens(ref)
     with torch.no_grad():
