@@ -3,8 +3,7 @@ Nemotron-Labs-Diffusion), each from its tiny hub layout: resident vs blocks on '
 logits, cached activations, sampled tokens with step hooks, reducers, trajectory cache and absorption table.
 The test bodies are those of test_device_map_families (imported, so pytest runs them here with this module's
 `pair` fixture); only the checkpoints and each family's sampler settings differ. The DDiT research models
-(MDLM, BD3LM, Duo, GIDD) refuse placement options: they fit one device (tests/test_device_map_new_families.py
-test_ddit_families_refuse_placement_options)."""
+(MDLM, BD3LM, Duo, GIDD) have their own file: tests/test_device_map_ddit.py."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from test_device_map_families import (test_absorption_table_matches,  # noqa: E4
                                       test_sampler_tokens_reducers_and_cache_match)
 
 from mdm_lens import HookedMDM  # noqa: E402
-from mdm_lens.errors import ConfigError  # noqa: E402
 
 base.GEN.update(rnd1=dict(sampler="rnd1", steps=8, gen_length=8), coda=dict(sampler="coda", steps=8, gen_length=8),
                 nemotron=dict(sampler="nemotron", gen_length=8))
@@ -50,12 +48,3 @@ def pair(request, tmp_path_factory):
     assert "disk" in off.hf_device_map.values() and "cpu" in off.hf_device_map.values()
     return request.param, ref, off, dev
 
-
-def test_ddit_families_refuse_placement_options(tmp_path):
-    from ddit_checkpoints import MDLM_CONFIG, write_ddit
-
-    folder = write_ddit(tmp_path / "mdlm", MDLM_CONFIG)[0]
-    for kw in (dict(device_map="auto"), dict(max_memory={"cpu": 10**9}), dict(offload_folder=tmp_path / "o")):
-        with pytest.raises(ConfigError, match="not supported for the DDiT family 'mdlm'"):
-            HookedMDM.from_pretrained(str(folder), load_tokenizer=False, **kw)
-    assert torch.is_tensor(next(HookedMDM.from_pretrained(str(folder), load_tokenizer=False).parameters()))

@@ -25,10 +25,11 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
-from mdm_lens.ddit.components import DDiTAttention, DDiTBlock, modulate, rotary_tables, rotate_half
+from mdm_lens.ddit.components import DDiTAttention, DDiTBlock, rotary_tables, rotate_half
 from mdm_lens.ddit.model import HookedDDiT
 from mdm_lens.ddit.outputs import RETURN_TYPES, check_sigma, check_tokens, finish
 from mdm_lens.errors import InputError
+from mdm_lens.loading.placement import execution_device
 
 
 def block_diff_mask(n: int, block_size: int, device: Any = "cpu") -> Bool[Tensor, "2n 2n"]:
@@ -59,8 +60,10 @@ class BD3KVCache:
     def __init__(self, model: "HookedBD3LM", batch: int):
         cfg = model.cfg
         self.n, self.block_size, self.batch, self.idx = cfg.n_ctx, cfg.extra["block_size"], int(batch), 0
-        self.layers = [torch.zeros(self.batch, self.n, 3 * cfg.d_model, dtype=cfg.dtype, device=model.W_E.device)
-                       for _ in range(cfg.n_layers)]
+        # each layer's entries where its block computes (a device map may spread the blocks over devices)
+        self.layers = [torch.zeros(self.batch, self.n, 3 * cfg.d_model, dtype=cfg.dtype,
+                                   device=execution_device(block, lambda: model.input_device))
+                       for block in model.blocks]
 
     @property
     def length(self) -> int:
@@ -97,6 +100,8 @@ class BD3Attention(DDiTAttention):
         b, p, _ = x.shape
         h, d = self.cfg.n_heads, self.cfg.d_head
         mask, cache = self.context.get("mask"), self.context.get("cache")
+        if mask is not None:  # the context is not a forward argument: accelerate's hooks do not move it
+            mask = mask.to(x.device)
         qkv = self.qkv(x)
         if cache is not None:
             qkv = cache.write(self.layer, qkv)
@@ -167,7 +172,7 @@ class HookedBD3LM(HookedDDiT):
         sigma = check_sigma(sigma, batch, self.cfg, tokens.device)
         full, mask, cos, sin, rows = self._layout(tokens, x0, kv_cache, store_kv)
         c = self.conditioning(sigma)
-        resid = self.hook_embed(self.W_E[full])
+        resid = self.hook_embed(self.embed(full))
         with self._attention_context(mask=mask, cache=kv_cache):
             for block in self.blocks:
                 resid = block(resid, c, cos, sin)
@@ -175,9 +180,8 @@ class HookedBD3LM(HookedDDiT):
             kv_cache.store()
         if return_type is None:
             return None
-        m = self.final_adaLN(c)
-        z = self.hook_final_modulated(modulate(self.ln_final(resid), m["shift"], m["scale"]))
-        return finish(self.unembed(z)[:, :rows], tokens, return_type, self.cfg)
+        raw = self.unembed(self.hook_final_modulated(self.final_modulate(resid, c)))[:, :rows]
+        return finish(raw, tokens.to(raw.device), return_type, self.cfg)
 
     def _layout(self, tokens: Tensor, x0: Any, cache: BD3KVCache | None, store_kv: bool
                 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor, int]:

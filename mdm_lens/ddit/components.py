@@ -34,6 +34,18 @@ def timestep_frequencies(sigma: Float[Tensor, "batch"]) -> Float[Tensor, "batch 
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
+class DDiTEmbed(nn.Module):
+    """The token embedding `W_E` [d_vocab, d_model] as a module of its own (TL's `embed.W_E`): a device map places
+    it like any other module, and under disk offload accelerate loads its weight when it is called."""
+
+    def __init__(self, cfg: MDMConfig):
+        super().__init__()
+        self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model, dtype=cfg.dtype))
+
+    def forward(self, tokens: Tensor) -> Float[Tensor, "batch pos d_model"]:
+        return self.W_E[tokens]
+
+
 class TimestepEmbedder(nn.Module):
     """σ → 256 frequency features → Linear → SiLU → Linear (`hook_time_embed` sees the MLP output; the caller's
     outer SiLU gives the conditioning vector)."""

@@ -17,7 +17,7 @@ import torch
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
 from mdm_lens.ddit.config import ddit_config
-from mdm_lens.ddit.loading import _dtype, ddit_plan, read_state
+from mdm_lens.ddit.loading import PLACEMENT, _dtype, ddit_plan, load_weights
 from mdm_lens.errors import ArgumentTypeError, CheckpointError, ConfigError
 from mdm_lens.loading.values import check_raw, is_bool, nonnegative_number, positive_int
 
@@ -129,7 +129,8 @@ def _gidd_rotary(reader: Any, cfg: MDMConfig) -> None:
 
 
 def load_hub(folder: Path, family: str, name: str, *, dtype: Any = torch.float32, device: Any = "cpu",
-             load_tokenizer: bool = True, **options: Any) -> Any:
+             load_tokenizer: bool = True, device_map: Any = None, max_memory: Any = None, n_devices: Any = None,
+             offload_folder: Any = None, **options: Any) -> Any:
     from mdm_lens.ddit.bd3lm import HookedBD3LM
     from mdm_lens.ddit.gidd import HookedGIDD
     from mdm_lens.loading.readers import CheckpointReader
@@ -137,8 +138,9 @@ def load_hub(folder: Path, family: str, name: str, *, dtype: Any = torch.float32
 
     if options:
         raise ArgumentTypeError(f"from_pretrained got {sorted(options)}: {family} checkpoints take dtype, device, "
-                                "allow_download, load_tokenizer.", argument=sorted(options)[0], value=options,
-                                allowed="dtype, device, allow_download, load_tokenizer")
+                                f"allow_download, load_tokenizer, {', '.join(PLACEMENT)}.",
+                                argument=sorted(options)[0], value=options,
+                                allowed=f"dtype, device, allow_download, load_tokenizer, {', '.join(PLACEMENT)}")
     dtype, device = _dtype(dtype), validate.device(device, name="device")
     path = Path(folder) / "config.json"
     raw = json.loads(path.read_text())
@@ -156,8 +158,8 @@ def load_hub(folder: Path, family: str, name: str, *, dtype: Any = torch.float32
     else:
         _gidd_rotary(reader, cfg)
         reader = _Renamed(reader, "backbone.", {"rotary_emb.cos_cached", "rotary_emb.sin_cached"})
-    state = read_state(reader, ddit_plan(cfg), model, cfg)
-    model.load_state_dict({k: t.to(device=device, dtype=dtype) for k, t in state.items()}, strict=True, assign=True)
+    load_weights(model, reader, ddit_plan(cfg), dict(device_map=device_map, max_memory=max_memory, n_devices=n_devices,
+                                                     offload_folder=offload_folder))
     if validate.boolean(load_tokenizer, name="load_tokenizer"):
         model.tokenizer = read_tokenizer(folder)
         mask = getattr(model.tokenizer, "mask_token_id", None)

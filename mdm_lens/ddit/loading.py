@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -20,6 +20,7 @@ from mdm_lens.errors import ArgumentTypeError, CheckpointError, ConfigError
 from mdm_lens.loading.values import SCHEMAS, check_raw
 
 ARCHITECTURES = {"MDLM": "mdlm", "DUO": "duo"}
+PLACEMENT = ("device_map", "max_memory", "n_devices", "offload_folder")  # as HookedMDM.from_pretrained
 MODEL_TYPES = {"mdlm": "mdlm", "duo": "duo"}
 
 
@@ -57,7 +58,7 @@ def config_from_ddit(raw: dict[str, Any], family: str, name: str, path: Path) ->
 
 def ddit_plan(cfg: MDMConfig) -> dict[str, str]:
     """Our parameter name → the hub's (`backbone.` + the reference module names, families-2.md §1.1)."""
-    plan = {"W_E": "vocab_embed.embedding", "time_embed.fc1.weight": "sigma_map.mlp.0.weight",
+    plan = {"embed.W_E": "vocab_embed.embedding", "time_embed.fc1.weight": "sigma_map.mlp.0.weight",
             "time_embed.fc1.bias": "sigma_map.mlp.0.bias", "time_embed.fc2.weight": "sigma_map.mlp.2.weight",
             "time_embed.fc2.bias": "sigma_map.mlp.2.bias", "ln_final.w": "output_layer.norm_final.weight",
             "unembed.weight": "output_layer.linear.weight", "unembed.bias": "output_layer.linear.bias",
@@ -75,16 +76,20 @@ def ddit_plan(cfg: MDMConfig) -> dict[str, str]:
 
 
 def load_ddit(cls: type, name_or_path: str | os.PathLike, *, dtype: Any = torch.float32, device: Any = "cpu",
-              allow_download: bool = False, load_tokenizer: bool = True, autocast: bool = False, **options: Any) -> Any:
-    """`HookedDDiT.from_pretrained`; `autocast=True` turns on the bf16 autocast-faithful path (`set_autocast`)."""
+              allow_download: bool = False, load_tokenizer: bool = True, autocast: bool = False, device_map: Any = None,
+              max_memory: Any = None, n_devices: Any = None, offload_folder: Any = None, **options: Any) -> Any:
+    """`HookedDDiT.from_pretrained`; `autocast=True` turns on the bf16 autocast-faithful path (`set_autocast`).
+    `device_map` / `max_memory` / `n_devices` / `offload_folder` place the model as `HookedMDM.from_pretrained`
+    does (`load_weights`)."""
     from mdm_lens.loading.readers import CheckpointReader
     from mdm_lens.loading.resolve import load_tokenizer as read_tokenizer
     from mdm_lens.loading.resolve import resolve
 
     if options:
         raise ArgumentTypeError(f"from_pretrained got {sorted(options)}: DDiT checkpoints take dtype, device, "
-                                "allow_download, load_tokenizer, autocast.", argument=sorted(options)[0],
-                                value=options, allowed="dtype, device, allow_download, load_tokenizer, autocast")
+                                f"allow_download, load_tokenizer, autocast, {', '.join(PLACEMENT)}.",
+                                argument=sorted(options)[0], value=options,
+                                allowed=f"dtype, device, allow_download, load_tokenizer, autocast, {', '.join(PLACEMENT)}")
     autocast = validate.boolean(autocast, name="autocast")
     dtype, device = _dtype(dtype), validate.device(device, name="device")
     folder, known = resolve(name_or_path, allow_download=validate.boolean(allow_download, name="allow_download"))
@@ -97,8 +102,8 @@ def load_ddit(cls: type, name_or_path: str | os.PathLike, *, dtype: Any = torch.
     cfg.dtype, cfg.device = dtype, device
     with torch.device("meta"):
         model = cls(cfg)
-    state = read_state(CheckpointReader(folder), ddit_plan(cfg), model, cfg)
-    model.load_state_dict({k: t.to(device=device, dtype=dtype) for k, t in state.items()}, strict=True, assign=True)
+    load_weights(model, CheckpointReader(folder), ddit_plan(cfg), dict(device_map=device_map, max_memory=max_memory,
+                                                                      n_devices=n_devices, offload_folder=offload_folder))
     if validate.boolean(load_tokenizer, name="load_tokenizer"):
         model.tokenizer = read_tokenizer(folder)
     return model.set_autocast(autocast).eval()
@@ -114,9 +119,33 @@ def _dtype(dtype: Any) -> torch.dtype:
     return value
 
 
-def read_state(reader: Any, plan: dict[str, str], model: Any, cfg: MDMConfig) -> dict[str, torch.Tensor]:
+def load_weights(model: Any, reader: Any, plan: dict[str, str], placement_options: dict[str, Any]) -> None:
+    """Read the checkpoint into `model` (built on meta, `cfg.dtype` / `cfg.device` set): on one device, or placed
+    by the shared planner (`mdm_lens.loading.placement`: accelerate's map with the DDiT blocks as no-split units,
+    disk offload, `dispatch_model`) when a device map, `n_devices` > 1, `max_memory` or `offload_folder` is given.
+    Either way `model.hf_device_map` says where each module lives."""
+    import mdm_lens.loading.placement as placement  # the module, not the package (which imports this one)
+
+    cfg = model.cfg
+    placer = placement.prepare(model, placement_options["device_map"], placement_options["max_memory"],
+                               placement_options["n_devices"], placement_options["offload_folder"], cfg.dtype,
+                               torch.device(cfg.device))  # every option checked before a tensor is read
+    if placer is None:
+        state = read_state(reader, plan, model, cfg)
+        model.load_state_dict({k: t.to(device=cfg.device, dtype=cfg.dtype) for k, t in state.items()}, strict=True,
+                              assign=True)
+        model.hf_device_map = {"": str(cfg.device)}  # one device: the attribute a dispatched model has
+        return
+    place = lambda name, t: placer(name, t.to(dtype=cfg.dtype))  # noqa: E731
+    placement.finish(model, read_state(reader, plan, model, cfg, place=place), placer)
+
+
+def read_state(reader: Any, plan: dict[str, str], model: Any, cfg: MDMConfig,
+               place: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor the plan names, with the shape our model expects; an unknown key is an error (a layout this
-    loader does not understand must not load silently). `rotary_emb.inv_freq` must equal the fp32 formula."""
+    loader does not understand must not load silently). `rotary_emb.inv_freq` must equal the fp32 formula.
+    `place` (a `placement.Placer` call) puts each tensor on its device as it is read; a disk-bound one is written
+    to the offload folder and left out, so a disk block is never whole in host memory."""
     keys = set(reader.keys())
     inv = "backbone.rotary_emb.inv_freq"
     missing, extra = sorted(set(plan.values()) - keys), sorted(keys - set(plan.values()) - {inv})
@@ -133,7 +162,11 @@ def read_state(reader: Any, plan: dict[str, str], model: Any, cfg: MDMConfig) ->
         t = reader.get(theirs)
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise CheckpointError(f"{reader.folder}: {theirs} holds NaN or inf values; the checkpoint is corrupt.")
-        out[ours] = t
+        if place is None:
+            out[ours] = t
+        elif (placed := place(ours, t)) is not None:
+            out[ours] = placed
+        del t
     if inv in keys:
         d = cfg.d_head
         want = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))

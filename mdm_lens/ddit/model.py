@@ -15,11 +15,13 @@ from transformer_lens.hook_points import HookPoint
 
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
-from mdm_lens.ddit.components import AdaLN, DDiTBlock, TimestepEmbedder, WeightLayerNorm, modulate, rotary_tables
+from mdm_lens.ddit.components import (AdaLN, DDiTBlock, DDiTEmbed, TimestepEmbedder, WeightLayerNorm, modulate,
+                                      rotary_tables)
 from mdm_lens.tokenization import TokenizerMethods
 from mdm_lens.ddit.outputs import RETURN_TYPES, check_sigma, check_tokens, finish
 from mdm_lens.errors import InputError
 from mdm_lens.hook_surface import CheckedHookSurface
+from mdm_lens.loading.placement import execution_device
 
 
 CLEAN_T = 1e-5  # the samplers' default last time (their `eps`): a final sequence's noise level
@@ -40,7 +42,7 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.chat_template: Any = None
-        self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model, dtype=cfg.dtype))
+        self.embed = DDiTEmbed(cfg)  # first: `from_config` draws the parameters in registration order
         self.time_embed = TimestepEmbedder(cfg)
         self.blocks = nn.ModuleList(DDiTBlock(cfg, layer) for layer in range(cfg.n_layers))
         self.ln_final = WeightLayerNorm(cfg)
@@ -82,6 +84,10 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
 
     # --- TL views ------------------------------------------------------------------------------------
     @property
+    def W_E(self) -> Float[Tensor, "d_vocab d_model"]:
+        return self.embed.W_E
+
+    @property
     def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
         return self.unembed.weight.T
 
@@ -91,7 +97,9 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
 
     @property
     def input_device(self) -> torch.device:
-        return self.W_E.device
+        """Where token ids go: the embedding's execution device (under a device map with disk offload its weight
+        sits on meta; `mdm_lens.loading.placement`)."""
+        return execution_device(self.embed, lambda: self.embed.W_E.device)
 
     # --- forward -------------------------------------------------------------------------------------
     def conditioning(self, sigma: Float[Tensor, "batch"]) -> Float[Tensor, "batch cond"]:
@@ -119,17 +127,24 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
         tokens = check_tokens(tokens, self.cfg, attention_mask)
         sigma = check_sigma(self.step_sigma() if sigma is None else sigma, tokens.shape[0], self.cfg, tokens.device)
         c = self.conditioning(sigma)  # fp32 always: the references compute it outside their autocast
-        resid = self.hook_embed(self.W_E[tokens])
+        resid = self.hook_embed(self.embed(tokens))
         cos, sin = rotary_tables(tokens.shape[1], self.cfg.d_head, self.cfg.rope_theta, tokens.device)
         with torch.autocast(device_type=tokens.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             for block in self.blocks:
                 resid = block(resid, c, cos, sin)
             if return_type is None:
                 return None
-            m = self.final_adaLN(c)
-            z = self.hook_final_modulated(modulate(self.ln_final(resid), m["shift"], m["scale"]))
+            z = self.hook_final_modulated(self.final_modulate(resid, c))
             raw = self.unembed(z)
-        return finish(raw, tokens, return_type, self.cfg)
+        return finish(raw, tokens.to(raw.device), return_type, self.cfg)
+
+    def final_modulate(self, resid: Float[Tensor, "batch pos d_model"], c: Float[Tensor, "batch cond"]
+                       ) -> Float[Tensor, "batch pos d_model"]:
+        """The output layer's adaLN: `ln_final(resid)·(1 + scale) + shift`. Under a device map `final_adaLN` and
+        `ln_final` may compute on different devices; the modulation moves to the normalised residual's."""
+        m = self.final_adaLN(c)
+        x = self.ln_final(resid)
+        return modulate(x, m["shift"].to(x.device), m["scale"].to(x.device))
 
     def set_autocast(self, enabled: bool = True) -> "HookedDDiT":
         """The autocast-faithful path: the blocks and the final layer run under `torch.autocast(bfloat16)` as the
@@ -167,8 +182,7 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
                                  argument="sigma", value=sigma, allowed="a number (or equal values)")
             sigma = sigma.reshape(-1)[:1]
         sigma = check_sigma(sigma, r.shape[0], self.cfg, r.device)
-        m = self.final_adaLN(self.conditioning(sigma))
-        return self.unembed(modulate(self.ln_final(r), m["shift"], m["scale"])).reshape(*resid.shape[:-1], -1)
+        return self.unembed(self.final_modulate(r, self.conditioning(sigma))).reshape(*resid.shape[:-1], -1)
 
     def aligned_logits(self, raw: Tensor) -> Tensor:
         return raw  # DDiT logits are position-aligned (row i predicts token i)
@@ -178,6 +192,17 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
         from mdm_lens.diffusion.generate import generate
 
         return generate(self, prompt, **kwargs)
+
+    def memory_plan(self, prompt: Any = None, sampler: str = "auto", **kwargs: Any) -> Any:
+        """Per-device bytes of `generate(prompt, **kwargs)` before running it, as `HookedMDM.memory_plan`
+        (`mdm_lens.hooks.plan`: weights, streamed offloaded blocks, activations per device of `hf_device_map`);
+        `.check()` refuses a run over a budget. The KV-cache column is the generic 2·d_model per position and
+        layer; BD3LM's cache holds q, k and v of `model_length` positions (3·d_model·model_length per layer)."""
+        from mdm_lens.diffusion.generate import default_sampler
+        from mdm_lens.diffusion.memory_guard import memory_plan
+
+        name = default_sampler(self) if sampler == "auto" else sampler
+        return memory_plan(self, prompt, sampler=name, **kwargs)
 
     def __repr__(self) -> str:
         c = self.cfg

@@ -235,21 +235,18 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
     from mdm_lens.ddit.hub import hub_family
     from mdm_lens.ddit.loading import folder_family
 
-    ddit = hub_family(folder) or folder_family(folder)
-    if ddit is not None and any(v is not None for v in (device_map, max_memory, n_devices, offload_folder)):
-        # the DDiT research models are 110-170M parameters: placement across devices is not implemented for them
-        raise ConfigError(f"device_map / max_memory / n_devices / offload_folder are not supported for the DDiT "
-                          f"family {ddit!r} ({folder}); these models fit one device: pass device= instead.")
+    # the DDiT research models are placed by the same planner (ddit.loading.load_weights → placement)
+    placing = dict(device_map=device_map, max_memory=max_memory, n_devices=n_devices, offload_folder=offload_folder)
     if hub_family(folder) is not None:  # BD3LM / GIDD-DiT (mdm_lens.ddit.hub)
         from mdm_lens.ddit.hub import load_hub
 
         return load_hub(folder, hub_family(folder), known.name if known else str(name_or_path), dtype=dtype,
-                        device=device, load_tokenizer=load_tokenizer)
+                        device=device, load_tokenizer=load_tokenizer, **placing)
     if folder_family(folder) is not None:  # MDLM / Duo load into HookedDDiT (mdm_lens.ddit)
         from mdm_lens.ddit.loading import load_ddit
         from mdm_lens.ddit.model import HookedDDiT
 
-        return load_ddit(HookedDDiT, folder, dtype=dtype, device=device, load_tokenizer=load_tokenizer)
+        return load_ddit(HookedDDiT, folder, dtype=dtype, device=device, load_tokenizer=load_tokenizer, **placing)
     name = known.name if known else str(name_or_path)
     cfg, family = read_config(folder, name, known)
     cfg.dtype, cfg.device = dtype, device
