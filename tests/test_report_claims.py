@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from mdm_lens.errors import ArgumentError, InputError
 from mdm_lens.sweep import schema, summary
@@ -267,20 +268,28 @@ def test_figure_titles_say_the_mode_and_absent_models_are_named(tmp_path, monkey
 # --- summaries --------------------------------------------------------------------------------------
 
 def test_jaccard_of_two_empty_sets_is_excluded_and_counted():
-    # steps' anchor counts 0 0 2 2: pairs (∅, ∅), (∅, S), (S, S'); the probe scores (∅, ∅) as 1, so with
-    # J = 0 and 0.5 for the others its mean is 0.5; defined: (0 + 0.5) / 2 = 0.25, one empty pair
-    rows = [dict(item_id="a", layer=0, step=s, metric="n_anchors", value=v) for s, v in enumerate([0, 0, 2, 2])]
-    rows += [dict(item_id="a", layer=0, step=None, metric="mean_jaccard", value=0.5)]
+    # steps' anchor sets ∅ ∅ {0,1} {1,2}: pairs (∅, ∅) undefined, (∅, S) 0, (S, S') 1/3. The probe itself leaves
+    # the empty pair out (NaN, nan-mean), so its mean_jaccard is 1/6 and jaccard_defined is that same 1/6 (the
+    # summary once removed the empty pair a second time: (1/6·3 − 1)/2 = −1/4)
+    from mdm_lens.probes.drift import drift
+
+    sets = [[], [], [0, 1], [1, 2]]
+    anchors = torch.zeros(4, 4, dtype=torch.bool)
+    for s, keys in enumerate(sets):
+        anchors[s, keys] = True
+    probe_mean = float(drift(anchors, torch.full((4, 4), 0.25)).mean_jaccard)
+    assert probe_mean == pytest.approx(1 / 6)
+    rows = [dict(item_id="a", layer=0, step=s, metric="n_anchors", value=float(len(k))) for s, k in enumerate(sets)]
+    rows += [dict(item_id="a", layer=0, step=None, metric="mean_jaccard", value=probe_mean)]
     rows += [dict(item_id="b", layer=0, step=s, metric="n_anchors", value=0.0) for s in range(3)]  # all empty
-    rows += [dict(item_id="b", layer=0, step=None, metric="mean_jaccard", value=1.0)]
+    rows += [dict(item_id="b", layer=0, step=None, metric="mean_jaccard", value=float("nan"))]
     t = pd.DataFrame(rows).astype({"step": "Int64"})
     jd = summary.jaccard_defined(t).set_index(["item_id", "metric"])["value"]
-    assert jd[("a", "jaccard_defined")] == 0.25 and jd[("a", "n_empty_pairs")] == 1.0
+    assert jd[("a", "jaccard_defined")] == pytest.approx(1 / 6) and jd[("a", "n_empty_pairs")] == 1.0
     assert np.isnan(jd[("b", "jaccard_defined")]) and jd[("b", "n_empty_pairs")] == 2.0
     s = summary.summarize({"temporal": t})["temporal"].set_index("metric")
-    assert (s.loc["jaccard_defined", "mean"], s.loc["jaccard_defined", "n"],
-            s.loc["jaccard_defined", "n_excluded"]) == (0.25, 1, 1)
-    assert s.loc["mean_jaccard", "mean"] == 0.75                       # the probe's own, kept and labelled
+    assert s.loc["jaccard_defined", "mean"] == pytest.approx(1 / 6)
+    assert (s.loc["jaccard_defined", "n"], s.loc["jaccard_defined", "n_excluded"]) == (1, 1)
 
 
 def test_summaries_never_average_positions_or_mix_passage_counts():

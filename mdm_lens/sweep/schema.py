@@ -133,7 +133,7 @@ METRICS: dict[str, dict[str, tuple[str, str]]] = {
     "temporal": {"n_anchors": ("count", "|S_s|"), "top1_key": (_POS, "most-received key"),
                  "top1_mass": ("share", "attention the top-1 key receives"),
                  "anchor_mass": ("share", "attention the anchor set receives"),
-                 "mean_jaccard": ("fraction", "probe's mean Jaccard of S_s, S_s+1 (two empty sets count as 1)"),
+                 "mean_jaccard": ("fraction", "probe's mean Jaccard of S_s, S_s+1 over the pairs not both empty (NaN if all are)"),
                  "drift_index": ("fraction", "1 − mean_jaccard"),
                  "n_distinct": ("count", "|∪_s S_s|"), "stability": ("fraction", "steps the modal anchor is in S_s"),
                  "modal_anchor": (_POS, "the most persistent anchor (NaN: no anchor at any step)"),

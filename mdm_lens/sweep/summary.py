@@ -64,9 +64,12 @@ def _flow(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def jaccard_defined(df: pd.DataFrame) -> pd.DataFrame:
-    """Per item and layer, from the temporal table: ``jaccard_defined`` (the probe's mean Jaccard with the step
-    pairs whose anchor sets are both empty removed, NaN when all are) and ``n_empty_pairs``. The probe scores
-    such a pair 1, so mean_jaccard·P = Σ_defined J + E over P pairs, E of them empty: J_def = (mean·P − E)/(P − E)."""
+    """Per item and layer, from the temporal table: ``jaccard_defined`` (the mean Jaccard over the step pairs whose
+    anchor sets are not both empty; NaN when all are) and ``n_empty_pairs`` (how many pairs were left out).
+    The probe (`probes.drift`) already scores a pair of empty sets NaN and leaves it out of its nan-mean, so
+    jaccard_defined is the probe's `mean_jaccard`; the rows exist so the report can say how many pairs each
+    mean rests on. (An earlier summary "removed" empty pairs scored as 1 a second time, which pushed the value
+    down, even below 0.)"""
     steps = df[df.step.notna() & (df.metric == "n_anchors")].sort_values(["item_id", "layer", "step"], kind="stable")
     keys = ["item_id", "layer"]
     empty = (steps["value"] == 0).astype(float)
@@ -74,9 +77,8 @@ def jaccard_defined(df: pd.DataFrame) -> pd.DataFrame:
     g = both.groupby([steps[k] for k in keys], sort=False)
     per = pd.DataFrame({"n_empty": g.sum(), "pairs": g.size() - 1})
     mean = df[df.step.isna() & (df.metric == "mean_jaccard")].groupby(keys, sort=False)["value"].first()
-    per["mean"] = mean.reindex(per.index)
     defined = per.pairs > per.n_empty
-    jd = ((per["mean"] * per.pairs - per.n_empty) / (per.pairs - per.n_empty).where(defined)).where(defined)
+    jd = mean.reindex(per.index).where(defined)
     out = pd.concat([jd.rename("value").reset_index().assign(metric="jaccard_defined"),
                      per.n_empty.where(per.pairs > 0).rename("value").reset_index().assign(metric="n_empty_pairs")])
     out = out.assign(step=pd.NA)[["item_id", "layer", "step", "metric", "value"]]
