@@ -7,10 +7,11 @@ Both are refused here with the same `SamplerConfigError`, naming the sampler, th
 
 The rule:
 - a DDiT sampler (`sampler.family` set: mdlm, duo, bd3lm, gidd) runs checkpoints of its own family only;
-- a sampler without σ (every other one) runs a DDiT model only when σ never reaches the network and its attention
-  is the plain bidirectional one: MDLM with `time_conditioning` off (σ is zeroed inside, so the clean σ the model
-  falls back to is what it uses anyway). Duo and GIDD are always conditioned on the noise level; BD3LM is
-  block-causal and decodes block by block.
+- a sampler without σ (every other one) runs a DDiT model only when σ never reaches the network, its attention
+  is the plain bidirectional one and the sampler's forward is a plain `model(canvas)`: the canvas samplers in
+  `PLAIN_CANVAS` on an MDLM with `time_conditioning` off (σ is zeroed inside, so the clean σ the model falls back to
+  is what it uses anyway). Duo and GIDD are always conditioned on the noise level; BD3LM is block-causal and decodes
+  block by block; the other samplers hand the forward what a DDiT forward does not take (position ids, KV caches).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Iterable
 from mdm_lens.errors import SamplerConfigError
 
 DDIT_FAMILIES = ("mdlm", "duo", "bd3lm", "gidd")
+PLAIN_CANVAS = ("llada", "dream", "coda", "rnd1")  # samplers whose every forward is model(canvas[, attention_mask])
 
 
 def mismatch(sampler: Any, model: Any) -> str:
@@ -36,6 +38,9 @@ def mismatch(sampler: Any, model: Any) -> str:
     if model.cfg.extra.get("time_conditioning", True):
         return (f"this {family} model is conditioned on the noise level σ, which sampler {sampler.name!r} never "
                 "sets: every step would be denoised at the clean σ, as if the canvas held no masks")
+    if sampler.name not in PLAIN_CANVAS:
+        return (f"sampler {sampler.name!r} was written for another architecture (its forwards take position ids "
+                f"or caches a DDiT forward has not); on an MDLM without time conditioning {list(PLAIN_CANVAS)} run too")
     return ""
 
 
