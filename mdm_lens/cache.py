@@ -91,29 +91,51 @@ class MDMActivationCache(ActivationCache):
             arguments[layer] = self._resid_layer(arguments[layer], helper)
         return arguments
 
+    def _supported(self, helper: str, arguments: dict[str, Any] | None = None) -> None:
+        """Refuse a helper whose TL math does not hold for this model (`model.unsupported_cache_helpers`: helper →
+        why; "name(apply_ln=True)" entries refuse only that form), naming the helpers that do."""
+        refused: dict[str, str] = getattr(self.model, "unsupported_cache_helpers", {})
+        key = helper
+        if arguments is not None and arguments.get("apply_ln"):
+            key = f"{helper}(apply_ln=True)"
+        if key not in refused:
+            return
+        ok = getattr(self.model, "supported_cache_helpers", "")
+        raise ArgumentError(f"cache.{key} is not defined for a {type(self.model).__name__} cache: {refused[key]}. "
+                            f"Supported here: {ok}.", argument=helper, value=key, allowed=ok)
+
     def accumulated_resid(self, *args: Any, **kwargs: Any) -> Any:
-        return super().accumulated_resid(**self._checked("accumulated_resid", args, kwargs))
+        arguments = self._checked("accumulated_resid", args, kwargs)
+        self._supported("accumulated_resid", arguments)
+        return super().accumulated_resid(**arguments)
 
     def decompose_resid(self, *args: Any, **kwargs: Any) -> Any:
         """TL's `decompose_resid`; `mode` must be "all", "attn" or "mlp" (TL reads any other value as "all")."""
-        return super().decompose_resid(**self._checked("decompose_resid", args, kwargs))
+        arguments = self._checked("decompose_resid", args, kwargs)
+        self._supported("decompose_resid", arguments)
+        return super().decompose_resid(**arguments)
 
     def get_full_resid_decomposition(self, *args: Any, **kwargs: Any) -> Any:
+        self._supported("get_full_resid_decomposition")
         return super().get_full_resid_decomposition(**self._checked("get_full_resid_decomposition", args, kwargs))
 
     def stack_head_results(self, *args: Any, **kwargs: Any) -> Any:
+        self._supported("stack_head_results")
         return super().stack_head_results(**self._checked("stack_head_results", args, kwargs))
 
     def stack_neuron_results(self, *args: Any, **kwargs: Any) -> Any:
+        self._supported("stack_neuron_results")
         return super().stack_neuron_results(**self._checked("stack_neuron_results", args, kwargs))
 
     def get_neuron_results(self, *args: Any, **kwargs: Any) -> Any:
+        self._supported("get_neuron_results")
         arguments = self._checked("get_neuron_results", args, kwargs, layer=None)
         arguments["layer"] = validate.index(arguments.get("layer"), self.model.cfg.n_layers, name="layer",
                                             what="layer")
         return super().get_neuron_results(**arguments)
 
     def apply_ln_to_stack(self, *args: Any, **kwargs: Any) -> Any:
+        self._supported("apply_ln_to_stack")
         return super().apply_ln_to_stack(**self._checked("apply_ln_to_stack", args, kwargs))
 
     def apply_slice_to_batch_dim(self, *args: Any, **kwargs: Any) -> Any:
@@ -124,6 +146,7 @@ class MDMActivationCache(ActivationCache):
         """TL's logit attributions, with the stack checked first, every argument checked (slices against the
         cached run), `incorrect_tokens` shaped like `tokens`, and a shape mismatch between the stack and the
         tokens named (TL lets torch's broadcasting fail with a bare ``RuntimeError`` deep inside)."""
+        self._supported("logit_attrs")
         d_model = self.model.cfg.d_model
         validate.tensor(residual_stack, name="residual_stack", dtype="float")
         if residual_stack.ndim < 2 or residual_stack.shape[-1] != d_model:

@@ -26,8 +26,8 @@ from torch import Tensor
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
 from mdm_lens.ddit.components import DDiTAttention, DDiTBlock, rotary_tables, rotate_half
-from mdm_lens.ddit.model import HookedDDiT
-from mdm_lens.ddit.outputs import RETURN_TYPES, check_sigma, check_tokens, finish
+from mdm_lens.ddit.model import FORWARD_KEYWORDS, HookedDDiT
+from mdm_lens.ddit.outputs import RETURN_TYPES, check_sigma, check_tokens, finish, refuse_keywords
 from mdm_lens.errors import InputError
 from mdm_lens.loading.placement import execution_device
 
@@ -153,7 +153,7 @@ class HookedBD3LM(HookedDDiT):
 
     def forward(self, tokens: Any, sigma: Any = None, return_type: str | None = "logits",
                 attention_mask: Tensor | None = None, *, x0: Any = None, kv_cache: BD3KVCache | None = None,
-                store_kv: bool = False) -> Any:
+                store_kv: bool = False, **unknown: Any) -> Any:
         """Logits of BD3LM at conditioning σ (zeroed inside when `time_conditioning` is off, the released default).
 
         Args:
@@ -165,6 +165,7 @@ class HookedBD3LM(HookedDDiT):
             kv_cache: a `BD3KVCache` (`model.new_kv_cache(batch)`): selects the cached form.
             store_kv: with `kv_cache`, keep this block in the cache after the forward.
         """
+        refuse_keywords(unknown, (*FORWARD_KEYWORDS, "x0", "kv_cache", "store_kv"), self.cfg)
         return_type = validate.choice(return_type, RETURN_TYPES, name="return_type")
         tokens = check_tokens(tokens, self.cfg, attention_mask)
         store_kv = validate.boolean(store_kv, name="store_kv")

@@ -16,7 +16,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from mdm_lens import validate
-from mdm_lens.ddit.model import HookedDDiT
+from mdm_lens.ddit.model import FORWARD_KEYWORDS, HookedDDiT
+from mdm_lens.ddit.outputs import refuse_keywords
 from mdm_lens.errors import InputError
 
 CLIP_NOISE = 20.0  # HybridDiffusion(clip_noise=20, gamma=1)
@@ -64,12 +65,13 @@ class HookedGIDD(HookedDDiT):
         return HybridNoise(self.cfg.d_vocab, self.cfg.mask_token_id, self.cfg.extra["p_uniform"])
 
     def forward(self, tokens: Any, sigma: Any = None, return_type: str | None = "logits",
-                attention_mask: Tensor | None = None) -> Any:
+                attention_mask: Tensor | None = None, **unknown: Any) -> Any:
         """Logits at diffusion time t (`sigma=t`, a number or `[batch]` tensor in [0, 1]; omitted: `step_sigma()`,
         the running step's t, else the clean-data time t_eps).
 
         return_type: "logits" / "aligned" (raw), "log_probs" / "gidd" (mask logit −1e6, log-softmax),
         "log_softmax" (plain), or None. "subs" is MDLM's and is refused."""
+        refuse_keywords(unknown, FORWARD_KEYWORDS, self.cfg)  # `t=` names sigma=t
         kinds = ("logits", "aligned", "log_probs", "gidd", "log_softmax", None)
         return_type = validate.choice(return_type, kinds, name="return_type")
         sigma = self.step_sigma() if sigma is None else sigma

@@ -18,7 +18,9 @@ from mdm_lens.config import MDMConfig
 from mdm_lens.ddit.components import (AdaLN, DDiTBlock, DDiTEmbed, TimestepEmbedder, WeightLayerNorm, modulate,
                                       rotary_tables)
 from mdm_lens.tokenization import TokenizerMethods
-from mdm_lens.ddit.outputs import RETURN_TYPES, check_sigma, check_tokens, finish
+from mdm_lens.ddit.outputs import RETURN_TYPES, check_sigma, check_tokens, finish, refuse_keywords
+
+FORWARD_KEYWORDS = ("tokens", "sigma", "return_type", "attention_mask")
 from mdm_lens.errors import InputError
 from mdm_lens.hook_surface import CheckedHookSurface
 from mdm_lens.loading.placement import execution_device
@@ -34,6 +36,25 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
     reference zeroes it), `time_embed.hook_freqs` [batch, 256], `hook_time_embed` [batch, cond] (the embedder MLP's
     output), `hook_cond` [batch, cond] (after the outer SiLU: what every adaLN reads). Per block: see `DDiTBlock`.
     Final layer: `ln_final.hook_normalized`, `final_adaLN.hook_shift/hook_scale`, `hook_final_modulated`."""
+
+    # TL's ActivationCache helpers that assume a TL block (W_O / W_out projecting ungated head / neuron outputs, a
+    # final LayerNorm followed by a linear unembedding) are wrong for DDiT: each branch is scaled by its adaLN gate
+    # and the final norm is modulated by σ (shift and scale per batch row), so they are refused by name
+    supported_cache_helpers = ("indexing, accumulated_resid(apply_ln=False), decompose_resid(apply_ln=False), "
+                               "model.readout(resid, sigma) for the logits of a residual")
+    unsupported_cache_helpers = {
+        **{f"{h}(apply_ln=True)": "the final norm is followed by the σ-dependent adaLN modulation, so the cached "
+           "LayerNorm scale is not the readout's; read logits with model.readout(resid, sigma)"
+           for h in ("accumulated_resid", "decompose_resid")},
+        "apply_ln_to_stack": "the final norm is followed by the σ-dependent adaLN modulation (model.readout applies "
+                             "both)",
+        "logit_attrs": "the readout is σ-modulated (no fixed residual directions per token); use "
+                       "model.readout(resid, sigma)",
+        **{h: "each head's / neuron's output reaches the residual scaled by the block's adaLN gate, which TL's "
+           "W_O / W_out product leaves out (hook_attn_out / hook_mlp_out hold the gated branch outputs)"
+           for h in ("stack_head_results", "get_full_resid_decomposition", "stack_neuron_results",
+                     "get_neuron_results")},
+    }
 
     hook_name_hint = "names follow TransformerLens, e.g. 'blocks.0.attn.hook_pattern', 'hook_cond'."
 
@@ -110,8 +131,9 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
         return self.hook_cond(torch.nn.functional.silu(emb))
 
     def forward(self, tokens: Int[Tensor, "batch pos"], sigma: Any = None, return_type: str | None = "logits",
-                attention_mask: Tensor | None = None) -> Any:
-        """Logits of the DDiT network at conditioning σ.
+                attention_mask: Tensor | None = None, **unknown: Any) -> Any:
+        """Logits of the DDiT network at conditioning σ (a keyword it does not take, e.g. `t=`, is an InputError
+        naming the one to use).
 
         Args:
             tokens: ids `[batch, pos]` (pos ≤ n_ctx, the checkpoint's `model_length`).
@@ -123,6 +145,7 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
                 their own token (0 there, −1e6 elsewhere); Duo log-softmax), "subs", "log_softmax", or None.
             attention_mask: accepted for the sampler interface only; DDiT attends everywhere (must be all ones).
         """
+        refuse_keywords(unknown, FORWARD_KEYWORDS, self.cfg)
         return_type = validate.choice(return_type, RETURN_TYPES, name="return_type")
         tokens = check_tokens(tokens, self.cfg, attention_mask)
         sigma = check_sigma(self.step_sigma() if sigma is None else sigma, tokens.shape[0], self.cfg, tokens.device)

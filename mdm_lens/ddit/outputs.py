@@ -8,11 +8,12 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from mdm_lens import validate
+from mdm_lens import inputs, validate
 from mdm_lens.config import MDMConfig
 from mdm_lens.errors import InputError
 
 RETURN_TYPES = ("logits", "aligned", "log_probs", "subs", "log_softmax", None)
+LENGTH_KEY = {"gidd": "max_seq_len"}  # the config.json key of n_ctx where it is not `model_length`
 NEG_INFINITY = -1000000.0  # the reference's `neg_infinity` constant (a finite stand-in for −inf)
 
 
@@ -44,12 +45,17 @@ def finish(raw: Tensor, tokens: Tensor, return_type: str, cfg: MDMConfig) -> Ten
 def check_tokens(tokens: Any, cfg: MDMConfig, attention_mask: Any) -> Tensor:
     tokens = validate.tensor(tokens, name="tokens", ndim=2, dtype="int")
     if tokens.shape[1] > cfg.n_ctx:
-        raise InputError(f"tokens have {tokens.shape[1]} positions; this model's length (model_length) is "
+        key = LENGTH_KEY.get(cfg.family, "model_length")
+        raise InputError(f"tokens have {tokens.shape[1]} positions; this model's length ({key} in its config.json) is "
                          f"{cfg.n_ctx}.", argument="tokens", value=tuple(tokens.shape), allowed=f"pos <= {cfg.n_ctx}")
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= cfg.d_vocab):
         raise InputError(f"token ids must lie in [0, {cfg.d_vocab}); got min {int(tokens.min())}, max "
                          f"{int(tokens.max())}.", argument="tokens", value=tokens, allowed=f"[0, {cfg.d_vocab})")
-    if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
+    if attention_mask is not None:
+        # the checks HookedMDM applies (a tensor, 0/1 values of an int / bool / float dtype, the tokens' shape):
+        # an all-ones mask of the wrong shape or values is a caller's mistake even when it pads nothing
+        attention_mask = inputs.attention_mask(attention_mask, tokens, cfg)
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise InputError("attention_mask with padding: DDiT models attend to every position (the references have no "
                          "padding mask); pass unpadded rows.", argument="attention_mask", value=attention_mask,
                          allowed="None or all ones")
@@ -73,3 +79,25 @@ def check_sigma(sigma: Any, batch: int, cfg: MDMConfig, device: torch.device) ->
         raise InputError(f"sigma={sigma.tolist()} must be finite and >= 0.", argument="sigma", value=sigma,
                          allowed="finite values >= 0")
     return sigma.to(device=device, dtype=torch.float32).reshape(-1).expand(batch).contiguous()
+
+
+TIME_WORDS = ("t", "time", "timestep", "timesteps", "noise_level", "alpha", "alpha_t")
+
+
+def refuse_keywords(unknown: dict[str, Any], accepted: tuple[str, ...], cfg: MDMConfig) -> None:
+    """A typed error for keywords a DDiT forward does not take (Python's would be a bare TypeError), naming the
+    nearest accepted one; a time-like keyword is pointed to `sigma`, the one conditioning input."""
+    if not unknown:
+        return
+    import difflib
+
+    name = next(iter(unknown))
+    if name in TIME_WORDS:
+        hint = ("GIDD is conditioned on the time itself: pass sigma=t (in [0, 1])" if cfg.family == "gidd" else
+                f"the {cfg.family} network reads the noise level σ, not the time: pass sigma= (log-linear schedule: "
+                "σ = −log(1 − (1 − 1e-3)·t); Duo: −log α_t)")
+    else:
+        close = difflib.get_close_matches(name, accepted, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}=?" if close else f"it takes {', '.join(accepted)}"
+    raise InputError(f"{name}={validate.describe(unknown[name])} is not a keyword of this {cfg.family} forward: "
+                     f"{hint}.", argument=name, value=unknown[name], allowed=", ".join(accepted))

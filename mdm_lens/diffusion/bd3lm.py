@@ -30,7 +30,7 @@ from mdm_lens import validate
 from mdm_lens.ddit.outputs import subs
 from mdm_lens.diffusion import rules as R
 from mdm_lens.diffusion.canvas import CanvasSettings, Plan
-from mdm_lens.diffusion.ddit import DDiTSampler, _full_mask, commit
+from mdm_lens.diffusion.ddit import DDiTSampler, _full_mask, commit, warn_masked_answer
 from mdm_lens.diffusion.output import TrajectoryRecorder
 from mdm_lens.diffusion.registry import register, resolved
 from mdm_lens.diffusion.state import DenoisingState
@@ -42,7 +42,8 @@ SIGMA_MAX = -math.log1p(-(1 - 1e-3))  # LogLinearNoise(eps=1e-3).sigma_max: only
 @dataclass
 class BD3LMSettings(CanvasSettings):
     """`steps`: steps per block (`algo.T`; the gen-PPL script: 5000), `first_hitting` True, `nucleus_p` 1.0 (script:
-    0.9), `kv_cache` False (script: True), `context_size` (default model_length: the forward window)."""
+    0.9), `kv_cache` False (script: True), `context_size` (default model_length: the window of the recomputing
+    forward; refused with `kv_cache=True`, whose cache, as the reference's, always spans model_length)."""
 
     steps: int | None = 5000
     first_hitting: bool = True
@@ -62,12 +63,17 @@ class BD3LMSettings(CanvasSettings):
         return dataclasses.replace(self, **self.lengths(model), context_size=ctx, block_size=bs,
                                    first_hitting=validate.boolean(self.first_hitting, name="first_hitting"),
                                    kv_cache=validate.boolean(self.kv_cache, name="kv_cache"),
-                                   nucleus_p=validate.number(self.nucleus_p, name="nucleus_p", min=0, max=1,
-                                                             min_open=True, error=SamplerConfigError))
+                                   nucleus_p=R.apply(self, "nucleus_p"))
 
 
-BD3LMSettings.rules = {**CanvasSettings.rules, "first_hitting": R.boolean(), "nucleus_p": R.number(0, 1),
-                       "kv_cache": R.boolean(), "context_size": R.integer(1, none=True)}
+# context_size is the window of the recomputing forward; the reference's KV cache (§3.4) attends to every stored
+# block up to model_length and has no window of its own, so under kv_cache=True a context_size would do nothing
+BD3LMSettings.rules = {**CanvasSettings.rules, "first_hitting": R.boolean(),
+                       "nucleus_p": R.number(0, 1, low_open=True), "kv_cache": R.boolean(),
+                       "context_size": R.integer(1, none=True, active=lambda s: not s.kv_cache,
+                                                 when="kv_cache=False (the cached forward attends to every stored "
+                                                      "block up to model_length, as the reference's cache does)",
+                                                 on={"kv_cache": False}, off={"kv_cache": True})}
 
 
 def nucleus(p_x0: Tensor, p: float) -> Tensor:
@@ -161,6 +167,9 @@ class BD3LMSampler(DDiTSampler):
         run = dict(step=0, n=plan.n_steps, n_blocks=plan.n_blocks)
         for b in range(run["n_blocks"]):
             x = self._block(runner, model, s, x, prompt, b, cache, rng, recorder, run, bar)
+        # first hitting commits one position per step: fewer steps than masks per block leaves masks (the reference
+        # returns them too)
+        warn_masked_answer(x, p_len, model, self.name)
         return x, _full_mask(am, x), recorder
 
     def _forward(self, runner: Any, x: Tensor, prompt: Tensor, b: int, t: Tensor, sigma: Tensor, run: dict, s: Any,

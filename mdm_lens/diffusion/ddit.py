@@ -47,8 +47,7 @@ class DDiTSettings(CanvasSettings):
     eps: float = 1e-5  # sampling eps: the last time of the linspace(1, eps, steps + 1) grid
 
     def checked(self, model: Any, **changes: Any) -> dict[str, Any]:
-        return dict(**self.lengths(model), eps=validate.number(self.eps, name="eps", min=0, max=1, min_open=True,
-                                                               max_open=True, error=SamplerConfigError), **changes)
+        return dict(**self.lengths(model), eps=R.apply(self, "eps"), **changes)
 
 
 class DDiTSampler(CanvasSampler):
@@ -132,6 +131,15 @@ def commit(runner: Any, recorder: TrajectoryRecorder, step: int, x: Tensor, x_ne
         runner.end_step(state)
 
 
+def warn_masked_answer(x: Tensor, prompt_length: int, model: Any, sampler: str) -> None:
+    """A masked-state run (MDLM, BD3LM, GIDD) whose answer still holds the mask id when its steps ran out warns
+    (`MaskedAnswerWarning`, as LLaDA2): the tokens are returned as the reference returns them, never silently."""
+    from mdm_lens.diffusion.arguments import warn_masked
+
+    n = x.shape[1] - prompt_length
+    warn_masked(x, prompt_length, [n] * x.shape[0], model.cfg.mask_token_id, sampler)
+
+
 def _full_mask(am: Tensor, x: Tensor) -> Tensor:
     """The prompt's attention mask extended over the generated positions (GenerateOutput's mask spans the canvas)."""
     return torch.cat([am, am.new_ones((am.shape[0], x.shape[1] - am.shape[1]))], dim=1)
@@ -167,7 +175,9 @@ class MDLMSettings(DDiTSettings):
 
 
 MDLM_PREDICTORS = ("ddpm_cache", "ddpm", "analytic")
-MDLMSettings.rules = {**CanvasSettings.rules, "eps": R.number(0, 1), "predictor": R.choice(MDLM_PREDICTORS),
+# eps is the last time of the grid: 0 would ask for σ(0) (no noise), 1 for an empty grid
+EPS_RULE = R.number(0, 1, low_open=True, high_open=True)
+MDLMSettings.rules = {**CanvasSettings.rules, "eps": EPS_RULE, "predictor": R.choice(MDLM_PREDICTORS),
                       "noise_removal": R.boolean()}
 
 
@@ -191,6 +201,7 @@ class MDLMSampler(DDiTSampler):
             x = self._denoiser_final(runner, x, prompt, s, model, generator, recorder)
         elif s.noise_removal:
             x = _greedy_final(self, runner, x, prompt, s.steps, s.eps, loglinear_sigma, mask_id, recorder)
+        warn_masked_answer(x, ids.shape[1], model, self.name)
         return x, _full_mask(am, x), recorder
 
     def _log_p(self, runner: Any, i: int, n: int, x: Tensor, prompt: Tensor, t: Tensor, mask_id: int) -> Tensor:
@@ -276,12 +287,12 @@ class DuoSettings(DDiTSettings):
             model, use_float64=validate.boolean(self.use_float64, name="use_float64"),
             noise_removal=None if self.noise_removal is None else validate.choice(
                 self.noise_removal, ("ancestral", "greedy"), name="noise_removal", error=SamplerConfigError),
-            p_nucleus=validate.number(self.p_nucleus, name="p_nucleus", min=0, max=1, min_open=True,
-                                      error=SamplerConfigError)))
+            p_nucleus=R.apply(self, "p_nucleus")))
 
 
-DuoSettings.rules = {**CanvasSettings.rules, "eps": R.number(0, 1), "use_float64": R.boolean(),
-                     "noise_removal": R.choice(("ancestral", "greedy"), none=True), "p_nucleus": R.number(0, 1)}
+DuoSettings.rules = {**CanvasSettings.rules, "eps": EPS_RULE, "use_float64": R.boolean(),
+                     "noise_removal": R.choice(("ancestral", "greedy"), none=True),
+                     "p_nucleus": R.number(0, 1, low_open=True)}  # a nucleus of mass 0 keeps no token
 
 
 class DuoSampler(DDiTSampler):

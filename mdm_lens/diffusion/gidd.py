@@ -18,14 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mdm_lens import validate
 from mdm_lens.ddit.outputs import NEG_INFINITY as MASK_LOGIT  # −1e6, as GiddSampler
 from mdm_lens.diffusion import rules as R
 from mdm_lens.diffusion.canvas import CanvasSettings, Plan
-from mdm_lens.diffusion.ddit import DDiTSampler, masked_canvas, _full_mask, commit
+from mdm_lens.diffusion.ddit import DDiTSampler, _full_mask, commit, masked_canvas, warn_masked_answer
 from mdm_lens.diffusion.output import TrajectoryRecorder
 from mdm_lens.diffusion.registry import register, resolved
-from mdm_lens.errors import SamplerConfigError
 from mdm_lens.noisy import hybrid_noisy
 
 
@@ -39,12 +37,12 @@ class GiddSettings(CanvasSettings):
     p_uniform: float | None = resolved()  # the checkpoint's; says which positions a step's state calls noisy
 
     def resolve(self, model: Any) -> "GiddSettings":
-        return dataclasses.replace(self, **self.lengths(model), min_p=validate.number(
-            self.min_p, name="min_p", min=0, max=1, max_open=True, error=SamplerConfigError),
+        return dataclasses.replace(self, **self.lengths(model), min_p=R.apply(self, "min_p"),
             t_eps=float(model.cfg.extra["t_eps"]), p_uniform=float(model.cfg.extra["p_uniform"]))
 
 
-GiddSettings.rules = {**CanvasSettings.rules, "min_p": R.number(0, 1)}
+# min_p = 1 zeroes every entry below probability 1 (all of them short of a one-hot): nothing left to renormalise
+GiddSettings.rules = {**CanvasSettings.rules, "min_p": R.number(0, 1, high_open=True)}
 
 
 def inverse_cdf(q: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -96,6 +94,7 @@ class GiddSampler(DDiTSampler):
             x = x_new
             if bar is not None:
                 bar.update(1)
+        warn_masked_answer(x, ids.shape[1], model, self.name)
         return x, _full_mask(am, x), recorder
 
 

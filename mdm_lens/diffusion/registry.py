@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Sequence
 from torch import Tensor
 
 from mdm_lens import validate
+from mdm_lens.diffusion.family_check import check_family
 from mdm_lens.diffusion.rules import Rule, check_given, undeclared
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, SamplerConfigError
 
@@ -100,8 +101,10 @@ class Sampler:
         return value is neutral or (neutral is not None and value is not None and _equal(value, neutral))
 
     def settings(self, model: Any, given: dict[str, Any]) -> SamplerSettings:
-        """This sampler's settings from `generate`'s keywords: own options kept, another sampler's option at its
-        neutral value dropped, anything else refused, then `Settings.resolve(model)`."""
+        """This sampler's settings from `generate`'s keywords: first the sampler against the model's family
+        (`family_check`: a sampler on a family it was not written for is refused), then own options kept, another
+        sampler's option at its neutral value dropped, anything else refused, then `Settings.resolve(model)`."""
+        check_family(self, model, _REGISTRY.values())  # before anything reads the model's config
         own = settings_names(self)
         kept: dict[str, Any] = {}
         for option, value in given.items():

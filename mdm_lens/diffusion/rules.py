@@ -91,6 +91,14 @@ def check_given(sampler_name: str, settings: Any, given: dict[str, Any]) -> None
                                      allowed=f"{defaults[name]!r} unless {rule.when}")
 
 
+def apply(settings: Any, name: str) -> Any:
+    """`settings.name` checked by its own rule: `resolve` calls this instead of restating the interval, so the
+    interval checked and the one its message names are the rules table's, whichever step refuses the value."""
+    rule = type(settings).rules[name]
+    value = getattr(settings, name)
+    return value if rule.check is None else rule.check(value, name)
+
+
 def _same(a: Any, b: Any) -> bool:
     try:
         return a is b or bool(a == b)

@@ -38,7 +38,7 @@ def sigma_patch(model: Any, out: Any, step: int, source_step: int, *, fwd_hooks:
     sigma_j = out.state_at(j).extra.get("sigma")
     if sigma_j is None:
         raise ArgumentError(f"sigma_patch: this {out.sampler!r} run records no σ per step.", argument="out",
-                            value=out.sampler, allowed="an 'mdlm' or 'duo' run")
+                            value=out.sampler, allowed="a run of sampler 'mdlm', 'duo', 'bd3lm' or 'gidd'")
     sigma_j = sigma_j.to(model.input_device)
 
     def to_source(sigma: Tensor, hook: Any) -> Tensor:
@@ -48,5 +48,12 @@ def sigma_patch(model: Any, out: Any, step: int, source_step: int, *, fwd_hooks:
 
 
 def sigma_of_steps(out: Any) -> Float[Tensor, "step batch"]:
-    """σ of every step of a DDiT run (what each step's forward was conditioned on)."""
-    return torch.stack([out.state_at(s).extra["sigma"] for s in range(out.n_steps)])
+    """σ of every step of a DDiT run (what each step's forward was conditioned on). A run whose sampler sets no
+    σ on its steps (LLaDA, Dream, …: their models are not conditioned on the noise level) is refused, as
+    `sigma_patch` refuses it."""
+    sigmas = [out.state_at(s).extra.get("sigma") for s in range(out.n_steps)]
+    if any(sigma is None for sigma in sigmas):
+        raise ArgumentError(f"sigma_of_steps: this {out.sampler!r} run records no σ per step (only the DDiT "
+                            "samplers condition their forwards on σ).", argument="out", value=out.sampler,
+                            allowed="a run of sampler 'mdlm', 'duo', 'bd3lm' or 'gidd'")
+    return torch.stack(sigmas)

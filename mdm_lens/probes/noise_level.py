@@ -135,7 +135,8 @@ def noise_level(model: Any, tokens: Any, levels: Sequence[float] | Tensor, *, qu
     Args:
         levels: conditioning values to sweep (σ ≥ 0; GIDD: t in [0, 1]).
         queries: "all" or "masked" (positions holding the mask id; refused for Duo).
-        layers: the layers to report (default all).
+        layers: the layers to report (default all): an int, a slice or distinct ints, negatives counting from the
+            end (`validate.indices`, as the lenses); an empty or repeated selection is refused.
     An undefined anchor share (no anchor in any head at that level and layer) is NaN, with `n_anchors` 0."""
     from mdm_lens.ddit.model import HookedDDiT
 
@@ -148,8 +149,8 @@ def noise_level(model: Any, tokens: Any, levels: Sequence[float] | Tensor, *, qu
     lv = validate.tensor(torch.as_tensor(levels, dtype=torch.float32), name="levels", ndim=1)
     if lv.numel() == 0:
         raise ArgumentError("levels is empty.", argument="levels", value=levels, allowed="one value or more")
-    layers = list(range(model.cfg.n_layers)) if layers is None else \
-        [validate.integer(x, name="layers", min=0, max=model.cfg.n_layers - 1) for x in layers]
+    # the library's layer selection: negatives count from the end, an empty or repeated selection is refused
+    layers = validate.indices(layers, model.cfg.n_layers, name="layers", what="layer")
     qmask = _query_mask(model, tokens, queries)
     n = tokens.shape[1]
     block = model.cfg.extra.get("block_size") if model.cfg.family == "bd3lm" else None
