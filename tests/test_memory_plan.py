@@ -36,9 +36,11 @@ def test_single_device_figures_are_exact(tiny):
     # and the [b, h, T, T] scores, masked copy, fp32 softmax, cleaned softmax
     attention = 2 * 16 * (2 * 128 + 128 + 2 * 128) * 4 + 2 * 16 * 16 + 2 * 4 * 16 * 16 * 16
     head = 2 * 16 * 322 * (4 + 16)  # logits + Fast-dLLM's (dual cache) fp64 copy and fp64 softmax
+    mlp += 2 * 16 * 16  # the boolean mask every block receives
     assert block_activation_bytes(c, 2, 16, 4, "explicit", kv_cache=True) == max(attention, mlp) == mlp
     assert head_activation_bytes(c, 2, 16, 4, 16) == head
-    assert row.activations == max(mlp, attention, head) == 262144
+    carried = 2 * 16 * 322 * 4  # the previous step's logits, referenced until the next forward returns
+    assert row.activations == max(mlp + carried, head) == 262144 + 512 + carried
     assert row.streamed == 0 and row.total == row.weights + row.activations + row.kv_cache + row.caches
     assert row.budget_source.startswith("available") and plan.fits
     text = repr(plan)

@@ -78,7 +78,8 @@ def block_activation_bytes(cfg: Any, batch: int, pos: int, dtype_bytes: int, pat
     layers where `cfg.extra["moe_layers"]` says so)."""
     moe_layers = cfg.extra.get("moe_layers") or []
     ffn = max(mlp_phase_bytes(cfg, batch, pos, dtype_bytes, bool(m)) for m in (list(moe_layers) or [False]))
-    return max(attention_phase_bytes(cfg, batch, pos, dtype_bytes, path, kv_cache), ffn)
+    mask = batch * pos * pos  # the boolean visibility mask (padding, block masks) is passed to every block
+    return max(attention_phase_bytes(cfg, batch, pos, dtype_bytes, path, kv_cache), ffn + mask)
 
 
 def sampler_logit_bytes(settings: Any, dtype_bytes: int) -> int:
@@ -98,8 +99,18 @@ def sampler_logit_bytes(settings: Any, dtype_bytes: int) -> int:
     return extra
 
 
-def head_activation_bytes(cfg: Any, batch: int, pos: int, dtype_bytes: int, per_logit: int = 16) -> int:
+def carried_logit_bytes(settings: Any, dtype_bytes: int) -> int:
+    """Bytes per logit of the previous step the sampler still references while the next forward runs (`logits =
+    model(...)` rebinds only once the forward returns): the logits, and LLaDA's low-confidence softmax `p`."""
+    fast = settings is None or any(getattr(settings, a, None) is not None for a in ("kv_cache", "threshold", "factor"))
+    keeps_p = not fast and getattr(settings, "remasking", None) == "low_confidence"
+    return dtype_bytes * (1 + int(keeps_p))
+
+
+def head_activation_bytes(cfg: Any, batch: int, pos: int, dtype_bytes: int, per_logit: int = 16,
+                          carried: int = 0) -> int:
     """The logits `[batch, pos, d_vocab]` in the model dtype plus `per_logit` sampler bytes each, or, if larger,
-    the unembedding's own moment (final residual, its normalised copy and the logits)."""
+    the unembedding's own moment (final residual, its normalised copy, the new logits and the `carried` bytes per
+    logit of the previous step)."""
     bt, s = batch * pos, dtype_bytes
-    return bt * max(cfg.d_vocab * (s + per_logit), 2 * cfg.d_model * s + cfg.d_vocab * s)
+    return bt * max(cfg.d_vocab * (s + per_logit), 2 * cfg.d_model * s + cfg.d_vocab * (s + carried))

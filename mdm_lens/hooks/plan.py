@@ -19,7 +19,7 @@ from torch import nn
 
 from mdm_lens.errors import MemoryBudgetError
 from mdm_lens.hooks.forward_bytes import (block_activation_bytes, head_activation_bytes,  # noqa: F401 (re-exported)
-                                          sampler_logit_bytes)
+                                          carried_logit_bytes, sampler_logit_bytes)
 from mdm_lens.hooks.memory import estimate_bytes, human
 
 COLUMNS = ("weights", "streamed", "activations", "kv_cache", "caches")
@@ -119,7 +119,9 @@ def build_plan(model: Any, batch: int, pos: int, steps: int, kv_cache: bool, cac
     cfg = model.cfg
     s = torch.finfo(cfg.dtype).bits // 8
     path = _attention_path(model, cache, record)
-    head = head_activation_bytes(cfg, batch, pos, s, sampler_logit_bytes(settings, s))
+    carried = carried_logit_bytes(settings, s)  # the previous step's logits live through the next forward
+    head = head_activation_bytes(cfg, batch, pos, s, sampler_logit_bytes(settings, s), carried)
+    block = block_activation_bytes(cfg, batch, pos, s, path, kv_cache) + batch * pos * cfg.d_vocab * carried
     rows: dict[str, DeviceMemory] = {}
     row = lambda d: rows.setdefault(d, DeviceMemory(d))  # noqa: E731
     for name, where, run, nbytes in _placement(model):
@@ -129,7 +131,7 @@ def build_plan(model: Any, batch: int, pos: int, steps: int, kv_cache: bool, cac
         blocks = [i for i in range(cfg.n_layers) if name in ("", "blocks") or name == f"blocks.{i}"
                   or name.startswith(f"blocks.{i}.")]
         if blocks:
-            row(run).activations = max(row(run).activations, block_activation_bytes(cfg, batch, pos, s, path, kv_cache))
+            row(run).activations = max(row(run).activations, block)
             if kv_cache:
                 row(run).kv_cache += len(blocks) * 2 * batch * pos * cfg.n_key_value_heads * cfg.d_head * s
         if name in ("", "unembed"):
