@@ -1,7 +1,6 @@
 """`model.memory_plan(...)`'s run part (activations + KV caches + requested caches) against torch.profiler's peak of
 live CPU tensor bytes during the same `generate` call. Memory counts are deterministic (the allocator's exact
-tensor allocations, not RSS and not time), so a tolerance on them is a real check: the former model, which summed
-one block's buffers, the logits and an fp32 softmax, was 1.03-1.20x off on these runs and failed."""
+tensor allocations, not RSS and not time), so a tolerance on them is a real check."""
 
 from __future__ import annotations
 
