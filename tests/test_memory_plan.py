@@ -30,8 +30,17 @@ def test_single_device_figures_are_exact(tiny):
     resid, pattern = 2 * 16 * 128 * 4, 2 * 4 * 16 * 16 * 4
     records = 4 * 2 * 4 * 4 * 16 * 4  # steps · batch · layers · heads · keys · fp32
     assert row.caches == 2 * (resid + pattern) + records
-    assert row.activations == block_activation_bytes(c, 2, 16, 4) + head_activation_bytes(c, 2, 16, 4)
-    assert head_activation_bytes(c, 2, 16, 4) == 2 * 16 * (128 * 4 + 322 * 12)
+    # phases are never alive together: the peak is the largest; here the MLP phase (4·d + 4·d_mlp per position)
+    mlp = 2 * 16 * (4 * 128 + 4 * 384) * 4
+    # explicit path (hook_pattern is cached): block input, ln1 out, q (k, v are the KV cache's), scaled q, z, mask,
+    # and the [b, h, T, T] scores, masked copy, fp32 softmax, cleaned softmax
+    attention = 2 * 16 * (2 * 128 + 128 + 2 * 128) * 4 + 2 * 16 * 16 + 2 * 4 * 16 * 16 * 16
+    head = 2 * 16 * 322 * (4 + 16)  # logits + Fast-dLLM's (dual cache) fp64 copy and fp64 softmax
+    mlp += 2 * 16 * 16  # the boolean mask every block receives
+    assert block_activation_bytes(c, 2, 16, 4, "explicit", kv_cache=True) == max(attention, mlp) == mlp
+    assert head_activation_bytes(c, 2, 16, 4, 16) == head
+    carried = 2 * 16 * 322 * 4  # the previous step's logits, referenced until the next forward returns
+    assert row.activations == max(mlp + carried, head) == 262144 + 512 + carried
     assert row.streamed == 0 and row.total == row.weights + row.activations + row.kv_cache + row.caches
     assert row.budget_source.startswith("available") and plan.fits
     text = repr(plan)

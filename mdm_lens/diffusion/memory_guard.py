@@ -28,7 +28,7 @@ def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: 
     gen = getattr(resolved, "gen_length", None) or getattr(resolved, "max_new_tokens", 0)
     steps = getattr(resolved, "steps", None) or gen  # Fast-dLLM v2 has no step count: at most one per token
     kv = getattr(resolved, "kv_cache", None) is not None or bool(getattr(resolved, "use_block_cache", False))
-    return build_plan(model, batch, prompt_length + gen, steps, kv, cache, list(record), max_memory)
+    return build_plan(model, batch, prompt_length + gen, steps, kv, cache, list(record), max_memory, resolved)
 
 
 def guard(model: Any, prompt: Any, sampler: str, settings: dict[str, Any], record: Sequence[Any], cache: Any) -> None:

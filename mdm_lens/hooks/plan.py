@@ -3,9 +3,10 @@ requested caches of one `generate` call, and a refusal (with the table) when a d
 
 Budgets: `max_memory` given to the plan, else the one the model was loaded with (`from_pretrained(max_memory=…)`),
 else what the device has: CUDA's free memory (`torch.cuda.mem_get_info`) or the host's available memory, plus the
-weights already resident there (they are loaded, so they are not in the free figure). The activation figure is an
-upper bound on one block's live buffers (hooked path: q/k/v, the scores and pattern of
-`memory.pattern_transient_bytes`, the MLP's hidden states) plus the logits and the sampler's fp32 softmax.
+weights already resident there (they are loaded, so they are not in the free figure). The activation figure is the
+peak of live tensors of one forward and its sampler step (`mdm_lens.hooks.forward_bytes`: the largest of a block's
+attention and feed-forward phases and of the logits with the sampler's per-logit buffers, which are never alive
+together); KV caches and requested caches are added, as they live through the run.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 from torch import nn
 
 from mdm_lens.errors import MemoryBudgetError
-from mdm_lens.hooks.memory import estimate_bytes, human, pattern_transient_bytes
+from mdm_lens.hooks.forward_bytes import (block_activation_bytes, head_activation_bytes,  # noqa: F401 (re-exported)
+                                          carried_logit_bytes, sampler_logit_bytes)
+from mdm_lens.hooks.memory import estimate_bytes, human
 
 COLUMNS = ("weights", "streamed", "activations", "kv_cache", "caches")
 
@@ -107,26 +110,18 @@ def _placement(model: Any) -> list[tuple[str, str, str, int]]:
     return out
 
 
-def block_activation_bytes(cfg: Any, batch: int, pos: int, dtype_bytes: int) -> int:
-    """Upper bound on one block's live buffers on the hooked path (residual in/out and normalised copy, q/k/v and
-    rotated q/k, the attention's score/pattern buffers, z, the MLP's gate/up/product)."""
-    b, t = batch, pos
-    resid = 3 * b * t * cfg.d_model
-    qkv = b * t * (2 * cfg.n_heads + 3 * cfg.n_key_value_heads) * cfg.d_head + b * t * cfg.n_heads * cfg.d_head
-    mlp = 3 * b * t * cfg.d_mlp
-    mask = b * t * t  # the boolean visibility mask (bytes, not elements)
-    return (resid + qkv + mlp) * dtype_bytes + mask + pattern_transient_bytes(cfg, b, t, None, dtype_bytes, True)
-
-
-def head_activation_bytes(cfg: Any, batch: int, pos: int, dtype_bytes: int) -> int:
-    """The final norm's output, the logits and the sampler's fp32 softmax and confidence over the vocabulary."""
-    return batch * pos * (cfg.d_model * dtype_bytes + cfg.d_vocab * (dtype_bytes + 2 * 4))
-
-
 def build_plan(model: Any, batch: int, pos: int, steps: int, kv_cache: bool, cache: Any, record: Sequence[Any],
-               max_memory: dict | None) -> MemoryPlan:
+               max_memory: dict | None, settings: Any = None) -> MemoryPlan:
+    """Per device: weights where they live, the largest streamed module, and the run's peak where it computes: the
+    largest of its block phases and of the head phase (never alive together: the sum over-counted small runs by
+    ~15%), plus the KV caches and requested caches, which live through the whole run. `settings` (the sampler's
+    resolved settings) say what the sampler allocates per logit (`forward_bytes.sampler_logit_bytes`)."""
     cfg = model.cfg
     s = torch.finfo(cfg.dtype).bits // 8
+    path = _attention_path(model, cache, record)
+    carried = carried_logit_bytes(settings, s)  # the previous step's logits live through the next forward
+    head = head_activation_bytes(cfg, batch, pos, s, sampler_logit_bytes(settings, s), carried)
+    block = block_activation_bytes(cfg, batch, pos, s, path, kv_cache) + batch * pos * cfg.d_vocab * carried
     rows: dict[str, DeviceMemory] = {}
     row = lambda d: rows.setdefault(d, DeviceMemory(d))  # noqa: E731
     for name, where, run, nbytes in _placement(model):
@@ -136,16 +131,29 @@ def build_plan(model: Any, batch: int, pos: int, steps: int, kv_cache: bool, cac
         blocks = [i for i in range(cfg.n_layers) if name in ("", "blocks") or name == f"blocks.{i}"
                   or name.startswith(f"blocks.{i}.")]
         if blocks:
-            row(run).activations = max(row(run).activations, block_activation_bytes(cfg, batch, pos, s))
+            row(run).activations = max(row(run).activations, block)
             if kv_cache:
                 row(run).kv_cache += len(blocks) * 2 * batch * pos * cfg.n_key_value_heads * cfg.d_head * s
         if name in ("", "unembed"):
-            row(run).activations += head_activation_bytes(cfg, batch, pos, s)
+            row(run).activations = max(row(run).activations, head)
     main = str(model.input_device)
     _requested(model, rows, row, cache, record, batch, pos, steps, s, main)
     _budgets(model, rows, max_memory)
     notes = [] if kv_cache else ["no KV cache in these settings (kv_cache='prefix'/'dual' or use_block_cache adds one)"]
     return MemoryPlan(rows, batch, pos, steps, notes)
+
+
+def _attention_path(model: Any, cache: Any, record: Sequence[Any]) -> str:
+    """The attention path the run takes: the full explicit pattern when a cache holds `hook_pattern` /
+    `hook_attn_scores`, query chunks when reducers read pattern rows, SDPA otherwise."""
+    if cache is not None:
+        from mdm_lens.hooks.names import expand_names
+        from mdm_lens.hooks.trajectory import TrajectoryCache
+
+        names = expand_names(model, TrajectoryCache.from_request(cache).names_arg)
+        if any(n.endswith(("hook_pattern", "hook_attn_scores")) for n in names):
+            return "explicit"
+    return "chunked" if record else "sdpa"
 
 
 def _requested(model: Any, rows: dict, row: Any, cache: Any, record: Sequence[Any], batch: int, pos: int, steps: int,

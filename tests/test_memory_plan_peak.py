@@ -1,0 +1,62 @@
+"""`model.memory_plan(...)`'s run part (activations + KV caches + requested caches) against torch.profiler's peak of
+live CPU tensor bytes during the same `generate` call. Memory counts are deterministic (the allocator's exact
+tensor allocations, not RSS and not time), so a tolerance on them is a real check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mdm_lens import HookedMDM, ReceivedAttention
+
+TOL = 0.10
+
+
+def peak_live_bytes(fn) -> int:
+    """The largest sum of live tensor bytes over the allocation/free records of `fn`'s run (ordered by time)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]")
+    live = peak = 0
+    for _, n in records:
+        live += n
+        peak = max(peak, live)
+    return peak
+
+
+def _ratio(model, prompt, **kw) -> float:
+    plan = model.memory_plan(prompt, **kw).rows["cpu"]
+    with torch.no_grad():
+        measured = peak_live_bytes(lambda: model.generate(prompt, **kw))
+    assert measured > 0
+    return (plan.total - plan.weights) / measured
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+
+
+@pytest.mark.parametrize("batch,prompt_len,gen,kw", [
+    (1, 32, 32, dict(kv_cache="dual", record=[ReceivedAttention()])),  # Fast-dLLM dual cache, chunked rows
+    (4, 16, 48, dict()),  # LLaDA's plain loop, SDPA
+])
+def test_plan_matches_the_profiled_peak_of_the_trained_twin(tiny, batch, prompt_len, gen, kw):
+    prompt = torch.randint(5, 300, (batch, prompt_len), generator=torch.Generator().manual_seed(batch))
+    ratio = _ratio(tiny, prompt, steps=4, gen_length=gen, block_length=gen, **kw)
+    assert abs(ratio - 1) <= TOL, ratio
+
+
+def test_plan_matches_the_profiled_peak_of_an_moe_family(tmp_path: Path):
+    from tests.families.family_checkpoints import write_lladamoe
+
+    folder, _, _ = write_lladamoe(tmp_path / "lladamoe")
+    model = HookedMDM.from_pretrained(str(folder))
+    assert model.cfg.extra["moe"]["score"] == "softmax" and any(model.cfg.extra["moe_layers"])
+    prompt = torch.randint(0, 90, (4, 64), generator=torch.Generator().manual_seed(0))
+    ratio = _ratio(model, prompt, steps=4, gen_length=64)
+    assert abs(ratio - 1) <= TOL, ratio
