@@ -209,8 +209,12 @@ def test_auto_map_under_a_memory_budget_offloads_whole_blocks(tmp_path):
     plan = off.memory_plan(torch.tensor([[5, 9]]), gen_length=6, steps=3)
     assert set(plan.rows) == {"cpu", "disk"} and plan.rows["disk"].weights > 0 and plan.rows["cpu"].streamed > 0
     assert plan.rows["cpu"].weights + plan.rows["disk"].weights == total
-    with pytest.raises(MemoryBudgetError, match="would not fit on cpu"):  # generate's guard reads max_memory
-        off.generate(torch.tensor([[5, 9]]), gen_length=6, steps=3)
+    # generate's guard reads max_memory: a batch whose planned run no longer fits the cpu budget is refused
+    big = torch.tensor([[5, 9]]).repeat(64, 1)
+    over = off.memory_plan(big, gen_length=6, steps=3)
+    assert over.rows["cpu"].total > off.max_memory["cpu"] >= plan.rows["cpu"].total - plan.rows["cpu"].activations
+    with pytest.raises(MemoryBudgetError, match="would not fit on cpu"):
+        off.generate(big, gen_length=6, steps=3)
 
 
 def test_hookedddit_from_pretrained_takes_a_nested_map_with_the_embedding_on_disk(tmp_path):
