@@ -197,8 +197,6 @@ class _Run:
 
 class NemotronSampler(CanvasSampler):
     name, Settings = "nemotron", NemotronSettings
-    no_replay = ("its forwards are a causal prefill, block windows attending to a KV cache and causal commit passes, "
-                 "which the trajectory does not record one per step (a full-canvas forward is none of them).")
     renamed = {"max_new_tokens": "gen_length"}
 
     def plan(self, s: Any, prompt_length: int | None = None) -> Plan:
