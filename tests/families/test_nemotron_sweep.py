@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 from nemotron_fixture import write_nemotron
 from test_family_sweep import ITEMS, _char_tokenizer
@@ -28,5 +29,8 @@ def test_sweep_and_report_run_on_nemotron(tmp_path):
         assert len(table) > 0, probe
         if "item_id" in table:
             assert set(table["item_id"]) == {"a", "b"}, probe
+    feats = pd.read_parquet(out / "features.parquet")  # each step's own forward replayed (window_replay)
+    assert not feats["note"].str.contains("not replayable").any()
+    assert feats["feature"].map(lambda f: f is not None and bool(np.isfinite(np.asarray(f)).all())).any()
     assert main(["report", str(out)]) == 0
     assert any((out / "report").iterdir())
