@@ -12,6 +12,9 @@ own step, `state.extra["kv_store"]`). Three random streams, as the reference see
 `np.random.seed(seed)`: numpy `RandomState(seed)`, the CPU torch generator (`randint`), and the uniforms' generator
 (the same CPU generator on CPU; a device generator seeded `seed` on an accelerator).
 
+Each step keeps what its forward was (`out.trajectory.forwards[k]`: rows, keys, t, σ, cache use; a step that reused
+p(x0) names its source) so that `out.replay(model, k)` rebuilds it exactly (`mdm_lens.diffusion.window_replay`).
+
 Not reproduced: the low-entropy stop-and-retry over the last 256 tokens (the reference discards such samples),
 `var_length`, and the bf16 cache of the reference on CUDA (ours is in the model dtype)."""
 
