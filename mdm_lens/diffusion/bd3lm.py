@@ -12,6 +12,9 @@ own step, `state.extra["kv_store"]`). Three random streams, as the reference see
 `np.random.seed(seed)`: numpy `RandomState(seed)`, the CPU torch generator (`randint`), and the uniforms' generator
 (the same CPU generator on CPU; a device generator seeded `seed` on an accelerator).
 
+Each step keeps what its forward was (`out.trajectory.forwards[k]`: rows, keys, t, σ, cache use; a step that reused
+p(x0) names its source) so that `out.replay(model, k)` rebuilds it exactly (`mdm_lens.diffusion.window_replay`).
+
 Not reproduced: the low-entropy stop-and-retry over the last 256 tokens (the reference discards such samples),
 `var_length`, and the bf16 cache of the reference on CUDA (ours is in the model dtype)."""
 
@@ -108,9 +111,6 @@ class Streams:
 
 class BD3LMSampler(DDiTSampler):
     name, Settings, family = "bd3lm", BD3LMSettings, "bd3lm"
-    no_replay = ("each step's forward is one block against the stored blocks (a window under the block-causal mask, "
-                 "or a block against the KV cache), which the trajectory does not record per step; a full-canvas "
-                 "forward is neither.")
     neutral = dict(nucleus_p=1.0, kv_cache=False)
 
     def plan(self, s: Any, prompt_length: int | None = None) -> Plan:
@@ -164,7 +164,8 @@ class BD3LMSampler(DDiTSampler):
         rng = Streams(generator, x.device)
         cache = model.new_kv_cache(batch) if s.kv_cache else None
         plan = self.plan(s, p_len)
-        run = dict(step=0, n=plan.n_steps, n_blocks=plan.n_blocks)
+        recorder.forwards = []  # one entry per step (`_note`): what `out.replay` rebuilds the step's forward from
+        run = dict(step=0, n=plan.n_steps, n_blocks=plan.n_blocks, forwards=recorder.forwards)
         for b in range(run["n_blocks"]):
             x = self._block(runner, model, s, x, prompt, b, cache, rng, recorder, run, bar)
         # first hitting commits one position per step: fewer steps than masks per block leaves masks (the reference
@@ -183,8 +184,10 @@ class BD3LMSampler(DDiTSampler):
                                extra=dict(t=t.clone(), sigma=sigma.clone(), kv_store=store))
         if cache is None:
             state.query_rows, state.key_cols = slice(start, end), slice(start, end)
+            _note(run, state, cached=False)
             return runner.forward(state, x[:, start:end], sigma=sigma)[:, lo - start:]
         state.query_rows, state.key_cols = slice(end - bs, end), slice(end - cache.length, end)
+        _note(run, state, cached=True)
         return runner.forward(state, x[:, end - bs:end], sigma=sigma, kv_cache=cache, store_kv=store)
 
     def _block(self, runner: Any, model: Any, s: BD3LMSettings, x: Tensor, prompt: Tensor, b: int, cache: Any,
@@ -211,6 +214,9 @@ class BD3LMSampler(DDiTSampler):
             if p_x0 is None:
                 logits = self._forward(runner, x, prompt, b, mc_t[:, 0], sigma.to(x.device), run, s, cache)
                 p_x0 = nucleus(subs(logits, blk, mask_id).to(torch.float64).exp(), s.nucleus_p)
+                source = run["step"]
+            else:  # this step runs no forward: it samples from step `source`'s p(x0) (its canvas is unchanged)
+                _note_reuse(run, source, mc_t[:, 0], sigma)
             new = self._draw(p_x0, blk, mc_s / mc_t, mask_id, s.first_hitting, rng)
             x_new = torch.cat([x[:, :lo], new, x[:, end:]], dim=1)
             changed = x_new != x
@@ -247,6 +253,23 @@ class BD3LMSampler(DDiTSampler):
             q[:, :, mask_id] = mask_prob.to(p_x0.device)
             drawn = rng.gumbel_argmax(q)
         return torch.where(blk != mask_id, blk, drawn)
+
+
+def _note(run: dict, state: DenoisingState, cached: bool) -> None:
+    """Keep step `state.step`'s forward for `out.replay` (mdm_lens.diffusion.window_replay): its rows, keys, t, σ,
+    whether it read / stored the KV cache. The canvas is the trajectory's `x_steps[step]`, not copied again."""
+    run["forwards"].append(dict(block=state.block, block_slice=state.block_slice, n_steps=state.n_steps,
+                                n_blocks=state.n_blocks, rows=state.rows, keys=state.keys,
+                                extra=dict(t=state.extra["t"].detach().cpu().clone(),
+                                           sigma=state.extra["sigma"].detach().cpu().clone(),
+                                           kv_store=state.extra["kv_store"], kv_cache=cached)))
+
+
+def _note_reuse(run: dict, source: int, t: Tensor, sigma: Tensor) -> None:
+    """A step that ran no forward: the window step `source` forwarded, at this step's own t and σ."""
+    f = run["forwards"][source]
+    run["forwards"].append(dict(f, extra=dict(f["extra"], t=t.detach().cpu().clone(),
+                                              sigma=sigma.detach().cpu().clone(), reused_from=source)))
 
 
 register(BD3LMSampler())

@@ -21,6 +21,10 @@ latest row + 1 (the reference returns that many tokens for every row); later blo
 `sampler="nemotron_ar"` (`ar_generate`): one causal forward per token over the sequence so far (kind "ar"), the
 next token from its last logit (argmax or a draw at T > 0); stops when every row emits EOS.
 
+Every forward (prefill, denoise, commit; ar) is one step of the trajectory, its `DenoisingState` kept in
+`out.trajectory.forwards`: `out.replay(model, k)` re-runs step k's own forward exactly, a denoising step against its
+KV cache rebuilt from the causal forward that filled it (`mdm_lens.diffusion.window_replay`).
+
 Randomness is drawn from the run's seeded CPU generator (the reference uses the global RNG) in the reference's
 order. Not reproduced: `causal_context=False` (its prefill/commit semantics live in the unseen modified
 `modeling_ministral.py`), `max_thinking_tokens` / `end_think_token_id`, `linear_spec_generate`.
@@ -197,8 +201,6 @@ class _Run:
 
 class NemotronSampler(CanvasSampler):
     name, Settings = "nemotron", NemotronSettings
-    no_replay = ("its forwards are a causal prefill, block windows attending to a KV cache and causal commit passes, "
-                 "which the trajectory does not record one per step (a full-canvas forward is none of them).")
     renamed = {"max_new_tokens": "gen_length"}
 
     def plan(self, s: Any, prompt_length: int | None = None) -> Plan:

@@ -25,22 +25,29 @@ state's `query_rows` / `key_cols` are `[0, query_end)` (the rows it computes, no
   raw row i itself. With `use_block_cache=True`, a sub-block forward (`extra["block_cache"] == "window"`) read the
   block's keys/values cached at the block's first forward, stale for the other sub-blocks: its step is refused.
 
+Window samplers (`bd3lm`, `nemotron`, `nemotron_ar`): each step's own forward (a BD3LM window, or a block against
+a KV cache rebuilt from the run's storing / causal forwards; Nemotron's prefill and commit passes are steps too) is
+rebuilt with the same shapes and operations, so it equals the run's logits exactly; see
+`mdm_lens.diffusion.window_replay`. The replay returns the rows the step computed (`state.rows`).
+
 Gradients at one step: `out.replay(model, k, grad=True)` returns logits that carry the autograd graph (the
 samplers themselves run under `torch.no_grad`); `with out.at_step(model, k) as (x, kw): ...` sets `model.state`
 to step k's state and hands over the step's forward input, so TL's own `run_with_cache(x, **kw, incl_bwd=True,
 return_type="loss", targets=...)` or `run_with_hooks(..., bwd_hooks=...)` differentiate exactly step k's
-forward (same canvas, padding, block-causal mask and block length). KV-cached runs are refused as by replay.
+forward (same canvas, padding, block-causal mask and block length). KV-cached runs are refused as by replay, except
+BD3LM's and Nemotron's exact caches, rebuilt without gradients (the step's own rows carry the graph).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, ContextManager, Iterator
 
 import torch
 from torch import Tensor
 
 from mdm_lens import validate
+from mdm_lens.diffusion import window_replay
 from mdm_lens.diffusion.registry import get
 from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens.errors import SamplerConfigError
@@ -101,6 +108,8 @@ def _length_state(out: Any, s: int, phase: str) -> DenoisingState:
 
 
 def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
+    if out.sampler in window_replay.WINDOW_SAMPLERS:  # BD3LM, Nemotron: the step's own window / cached block
+        return window_replay.state_at(out, step, phase)
     if get(out.sampler).no_replay:
         raise SamplerConfigError(f"replay is not available for sampler={out.sampler!r} runs: "
                                  f"{get(out.sampler).no_replay} Hook the run itself (fwd_hooks / cache=) for what "
@@ -148,7 +157,19 @@ def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
 
 def step_inputs(out: Any, model: Any, step: int, phase: str = "cond") -> tuple[DenoisingState, Tensor, dict]:
     """Step `step`'s state (on the model's device) and the forward's input: tokens and keyword arguments
-    (attention_mask; block samplers: position_ids and the run's block_length), as the sampler ran it."""
+    (attention_mask; block samplers: position_ids and the run's block length; BD3LM: σ and a rebuilt KV cache),
+    as the sampler ran it. A Nemotron step also needs its KV cache attached around the forward: use `at_step`."""
+    state, tokens, kwargs, context = _inputs(out, model, step, phase)
+    if not isinstance(context, nullcontext):
+        raise SamplerConfigError(f"step {step} of this {out.sampler!r} run attends to a KV cache attached to the "
+                                 "model around its forward; `out.at_step(model, step)` attaches it (and `replay` "
+                                 "runs it).", argument="out", value=out.sampler,
+                                 allowed="at_step / replay for this sampler")
+    return state, tokens, kwargs
+
+
+def _inputs(out: Any, model: Any, step: int, phase: str) -> tuple[DenoisingState, Tensor, dict, ContextManager]:
+    """`step_inputs` and the context the forward runs in (a rebuilt KV cache attached; else nothing)."""
     out.check_model(model)
     state = state_at(out, step, phase)
     device = model.input_device
@@ -156,19 +177,25 @@ def step_inputs(out: Any, model: Any, step: int, phase: str = "cond") -> tuple[D
         value = getattr(state, name)
         if value is not None:
             setattr(state, name, value.to(device))
+    if out.sampler in window_replay.WINDOW_SAMPLERS:
+        return (state, *window_replay.forward_inputs(out, model, state))
+    return (state, *_canvas_inputs(out, state, device), nullcontext())
+
+
+def _canvas_inputs(out: Any, state: DenoisingState, device: Any) -> tuple[Tensor, dict]:
     if getattr(out.trajectory, "length", None) is not None:  # variable-length: the step's own window, unpadded
         if "query_end" in state.extra:  # InDel: the canvas prefix up to the block's end, block-causal
             end = int(state.extra["query_end"])
-            return state, state.x[:, :end], {"position_ids": torch.arange(end, device=device)[None],
-                                             "block_length": state.extra["block_length"]}
-        return state, state.x, {}
+            return state.x[:, :end], {"position_ids": torch.arange(end, device=device)[None],
+                                      "block_length": state.extra["block_length"]}
+        return state.x, {}
     if out.sampler in BLOCK_SAMPLERS:  # the canvas up to the forward's end, block-causal (module docstring)
         end = int(state.extra["query_end"])
         kwargs = {"position_ids": torch.arange(end, device=device)[None],
                   "block_length": state.extra["block_length"]}
-        return state, state.x[:, :end], kwargs
+        return state.x[:, :end], kwargs
     _, am = _canvas(out, state.step)
-    return state, state.x, {"attention_mask": am.to(device)}
+    return state.x, {"attention_mask": am.to(device)}
 
 
 def replay(out: Any, model: Any, step: int, *, fwd_hooks: Any = (), hook_steps: Any = None,
@@ -176,11 +203,11 @@ def replay(out: Any, model: Any, step: int, *, fwd_hooks: Any = (), hook_steps: 
     from mdm_lens.hooks.runner import StepRunner
 
     grad = validate.boolean(grad, name="grad")
-    state, tokens, kwargs = step_inputs(out, model, step, phase)
+    state, tokens, kwargs, context = _inputs(out, model, step, phase)
     runner = StepRunner(model, fwd_hooks=fwd_hooks, hook_steps=hook_steps)
     runner.begin(state.x.shape[0], state.x.shape[1], state.n_steps)
     # samplers run without autograd; grad=True builds the graph so the returned logits can be differentiated
-    with torch.set_grad_enabled(grad):
+    with torch.set_grad_enabled(grad), context:
         return runner.forward(state, tokens, **kwargs)
 
 
@@ -189,10 +216,11 @@ def at_step(out: Any, model: Any, step: int, phase: str = "cond") -> Iterator[tu
     """Set `model.state` to step `step`'s `DenoisingState` and yield the step's forward input `(tokens, kwargs)`;
     inside, any TL call (`run_with_cache(..., incl_bwd=True)`, `run_with_hooks(..., bwd_hooks=...)`) runs step
     `step`'s forward with gradients. `model.state` is restored on exit, even when the body raises."""
-    state, tokens, kwargs = step_inputs(out, model, step, phase)
+    state, tokens, kwargs, context = _inputs(out, model, step, phase)
     previous = model.state
     model.state = state
     try:
-        yield tokens, kwargs
+        with context:
+            yield tokens, kwargs
     finally:
         model.state = previous

@@ -1,4 +1,4 @@
-"""The lens over the steps of a run whose forwards no replay rebuilds (nemotron, bd3lm: `own_forwards`), read from
+"""The lens over the steps of a run whose forwards are windows against a KV cache (nemotron, bd3lm: `own_forwards`), read from
 the residuals the run's own forwards computed (`out.cache`), each row at its absolute position.
 
 A run step that is no denoising forward (nemotron's causal prefill / commit, bd3lm's storing forward) or that ran
@@ -41,8 +41,8 @@ def _needs_sigma(model: Any) -> bool:
 
 def _check_cache(model: Any, out: Any, layers: list[int], source: str, how: str) -> None:
     if source == "replay":
-        raise InputError(f"source='replay': a {out.sampler!r} run cannot be replayed (its forwards are windows against "
-                         f"a KV cache); the lens reads the run's own forwards: {how}.", argument="source",
+        raise InputError(f"source='replay': a {out.sampler!r} run is lensed from its own forwards (windows against a KV "
+                         f"cache; not implemented over replays); the lens reads the run's own forwards: {how}.", argument="source",
                          value=source, allowed="'cache' or 'auto'")
     c = out.cache
     want = [resid_name(l) for l in layers] + (["hook_sigma"] if _needs_sigma(model) else [])

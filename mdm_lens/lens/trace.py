@@ -20,9 +20,9 @@ from mdm_lens.lens.run_only import _at_positions, run_only_trace
 
 # samplers over a masked canvas; mdlm / duo / gidd: "masked" positions are mdm_lens.noisy's (Duo: every generated
 # position, still resampleable noise; GIDD: [MASK] and, with p_uniform > 0, every generated position). nemotron and
-# bd3lm forward windows against a KV cache, which a replay does not reproduce (no_replay): RUN_ONLY
+# bd3lm forward windows against a KV cache: the lens reads their run's own cache (RUN_ONLY)
 LENS_SAMPLERS = ("llada", "dream", "llada2", "sdar", "rnd1", "coda", "mdlm", "duo", "gidd", "nemotron", "bd3lm")
-# read from the run's own cache only (no replay rebuilds their forwards; own_forwards): steps that are no denoising
+# read from the run's own cache only (own_forwards; `out.replay` rebuilds these steps too, diffusion.window_replay, but the lens reads what the run computed): steps that are no denoising
 # forward (nemotron's prefill / commit, bd3lm's storing forward) or ran no forward are NaN with the reason
 RUN_ONLY = tuple(OWN_FORWARDS)
 CACHE_HOW = "generate with cache='blocks.*.hook_resid_post' (HookedDDiT with time conditioning: also 'hook_sigma')"
@@ -40,7 +40,7 @@ def lens_refusal(out: Any) -> str | None:
         c = out.cache
         resid = c is not None and any(n.endswith("hook_resid_post") for n in getattr(c, "names", ()))
         if not resid or "cond" not in getattr(c, "phases", ()):
-            return (f"a {out.sampler!r} run is read from its own forwards (no replay rebuilds them): {CACHE_HOW}, "
+            return (f"a {out.sampler!r} run is read from its own forwards : {CACHE_HOW}, "
                     "every step")
         return None
     if sampler is not None and sampler.no_replay and out.sampler not in LENS_SAMPLERS:

@@ -13,7 +13,7 @@ Rows of two kinds, keyed by ``item_id``:
 
 ``answer_position`` counts from the first generated token, so it does not depend on the batch's padding. The
 residuals come from replaying each step of the shared sampler run (one extra forward per step); on nemotron and
-bd3lm, whose forwards no replay rebuilds, from the run itself (the shared run then caches every layer's residual,
+bd3lm (windowed forwards) from the run itself (the shared run then caches every layer's residual,
 ``run_cache``), and a step that is no denoising forward (nemotron's prefill / commit, bd3lm's storing forward) has
 NaN rows with the reason in ``note``. Causal (ARM) models have no masked canvas: one row per item with NaN and the
 reason in ``note``.
@@ -53,7 +53,7 @@ def _stop_ids(model: Any) -> set[int]:
 
 
 def run_cache(model: Any) -> list[str] | None:
-    """What the shared run caches so the lens can read a sampler no replay rebuilds (nemotron, bd3lm): every layer's
+    """What the shared run caches so the lens can read a windowed sampler (nemotron, bd3lm): every layer's
     residual (+ the σ a time-conditioned DDiT's readout needs); None for the other samplers."""
     from mdm_lens.diffusion.generate import default_sampler
     from mdm_lens.lens.trace import RUN_ONLY

@@ -1,7 +1,7 @@
 """`mdm-lens sweep` (every probe) and `mdm-lens report` on tiny MDLM and Duo checkpoints in their hub layouts, with
 the character-level tokenizer of the family sweeps (test_family_sweep.py). Duo has no mask token: its probes read
 the generated positions as the noisy ones (mdm_lens.noisy); GIDD (p_uniform 0.1) reads [MASK] and the generated
-positions. BD3LM's steps forward one block against the stored ones, which no replay rebuilds: lens and knockout read
+positions. BD3LM's steps forward one block against the stored ones, and lens and knockout read
 the run itself (its cached residuals, its own forwards cut and scored); what they cannot give is NaN with the reason
 in `note`."""
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 from bd3gidd_checkpoints import BD3LM_CONFIG, GIDD_CONFIG, write_bd3lm, write_gidd
@@ -49,6 +50,9 @@ def test_sweep_and_report_run_on_the_family(tmp_path, family):
         assert ("no [MASK] token" if family == "duo" else "hybrid mask/uniform") in notes[0]
     if family == "bd3lm":  # read from the run itself (lens.run_only, probes.knockout_windowed): values, NaN noted
         _check_bd3lm_tables(out)
+        feats = pd.read_parquet(out / "features.parquet")  # replayed windows: pooled residuals, not a refusal
+        assert not feats["note"].str.contains("not replayable").any()
+        assert feats["feature"].map(lambda f: f is not None and bool(np.isfinite(np.asarray(f)).all())).any()
     knock = pd.read_parquet(out / "knockout_summary.parquet") if (out / "knockout_summary.parquet").exists() else None
     assert knock is None or len(knock) > 0
     assert main(["report", str(out)]) == 0

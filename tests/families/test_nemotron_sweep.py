@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 from nemotron_fixture import write_nemotron
 from test_family_sweep import ITEMS, _char_tokenizer
@@ -32,6 +33,9 @@ def test_sweep_and_report_run_on_nemotron(tmp_path):
         if "item_id" in table:
             assert set(table["item_id"]) == {"a", "b"}, probe
     _check_lens_and_knockout(out)
+    feats = pd.read_parquet(out / "features.parquet")  # each step's own forward replayed (window_replay)
+    assert not feats["note"].str.contains("not replayable").any()
+    assert feats["feature"].map(lambda f: f is not None and bool(np.isfinite(np.asarray(f)).all())).any()
     assert main(["report", str(out)]) == 0
     assert any((out / "report").iterdir())
 
