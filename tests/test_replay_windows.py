@@ -161,7 +161,7 @@ def test_bd3lm_replay_random_settings(bd3, p_len, blocks, ragged, steps, kv, fir
     gen = max(blocks * BS - p_len, 1) + (0 if kv else ragged)
     if kv:
         gen += -(p_len + gen) % BS  # the cached form takes whole blocks
-    kw = dict(gen_length=gen, steps=steps, kv_cache=kv, first_hitting=first_hitting, context_size=ctx_blocks * BS)
+    kw = dict(gen_length=gen, steps=steps, kv_cache=kv, first_hitting=first_hitting, context_size=None if kv else ctx_blocks * BS)  # kv_cache: no window (inert, refused)
     out, ran = _run(bd3, prompt, **kw)
     assert _check_every_step(bd3, out, ran) >= 1
 

@@ -168,6 +168,6 @@ def test_lens_needs_the_run_cache(models):
         lens_trace(model, out)
     assert e.value.argument == "out"
     cached = model.generate(prompt, cache="blocks.*.hook_resid_post", **kw)
-    with pytest.raises(InputError, match="cannot be replayed") as e:
+    with pytest.raises(InputError, match="not implemented over replays") as e:
         lens_trace(model, cached, source="replay")
     assert e.value.argument == "source"
