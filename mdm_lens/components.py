@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from mdm_lens.config import MDMConfig
+from mdm_lens.offload_checks import guard_views
 from mdm_lens.readonly import read_only
 from mdm_lens.pattern_rows import PatternRows, RowConsumer, chunk_rows, masked_scores, softmax_rows
 
@@ -351,3 +352,8 @@ class Block(nn.Module):
         resid = self.hook_resid_mid(resid + attn_out)
         mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid)))
         return self.hook_resid_post(resid + mlp_out)
+
+
+# Weight views of an offloaded module (device_map with 'disk' / 'cpu' offload) raise a typed error naming it.
+guard_views(Attention, ["W_Q", "_W_K", "_W_V", "W_K", "W_V", "W_O", "b_Q", "_b_K", "_b_V", "b_K", "b_V", "b_O"])
+guard_views(GatedMLP, ["W_gate", "W_in", "W_out", "b_in", "b_out"])

@@ -79,3 +79,9 @@ class ReadOnlyViewError(MDMLensError, RuntimeError):
 class UnknownLengthError(MDMLensError, RuntimeError):
     """A fact about a run that is decided only after the step asking for it: `DenoisingState.is_last` during a
     run whose length is known only at its end (adaptive commits or stopping)."""
+
+
+class OffloadedWeightsError(ArgumentError, RuntimeError):
+    """A weight view, weight processing or save on a model whose device_map offloaded some modules (to disk, or
+    to CPU memory behind an accelerator): their weights sit on the `meta` device outside a forward, so a read
+    would fail inside torch and a write (or a fold) would be lost. Names the offloaded modules."""

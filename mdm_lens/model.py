@@ -21,6 +21,7 @@ from mdm_lens.loading.placement import execution_device
 from mdm_lens.qk_attention import make_block
 from mdm_lens.rotary import scaled_rotary_cos_sin  # noqa: F401  (re-exported: it lived here)
 from mdm_lens.errors import HookNameError, InputError, InputTypeError, OutOfRangeError
+from mdm_lens.offload_checks import guard_views
 from mdm_lens.readonly import read_only
 
 ReturnType = Literal["logits", "aligned", "raw_and_aligned", "loss", "both", None]
@@ -411,3 +412,9 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
         return (f"HookedMDM({c.model_name!r}, family={c.family}, attention={c.attention_label}, layers={c.n_layers}, "
                 f"d_model={c.d_model}, heads={c.n_heads}/{c.n_key_value_heads}, d_mlp={c.d_mlp}, vocab={c.d_vocab}, "
                 f"logit_shift={c.logit_shift}, dtype={str(c.dtype).removeprefix('torch.')})")
+
+
+# TL weight surface on an offloaded embed / unembed / final norm: a typed error naming it (mdm_lens.offload_checks)
+guard_views(Unembed, ["W_U", "b_U"])
+guard_views(HookedMDM, ["W_E", "accumulated_bias"], part="embed")
+guard_views(HookedMDM, ["tokens_to_residual_directions"], part="ln_final")

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from mdm_lens import validate
 from mdm_lens.errors import ConfigError
+from mdm_lens.offload_checks import require_resident
 
 
 def process_weights_(model: Any, fold_ln: bool = True, center_unembed: bool = True,
@@ -42,6 +43,8 @@ def process_weights_(model: Any, fold_ln: bool = True, center_unembed: bool = Tr
     fold_ln = validate.boolean(fold_ln, name="fold_ln")
     center_unembed = validate.boolean(center_unembed, name="center_unembed")
     fold_value_biases = validate.boolean(fold_value_biases, name="fold_value_biases")
+    if fold_ln or center_unembed or fold_value_biases:  # a fold would skip the offloaded (meta) weights
+        require_resident(model, "process_weights_ (fold_ln / center_unembed / fold_value_biases)")
     _check(model, fold_ln, center_unembed, fold_value_biases)
     with torch.no_grad():
         if fold_ln:
@@ -74,6 +77,7 @@ def untie_embeddings_(model: Any) -> Any:
     """Give the unembedding its own parameter (a copy of the tied embedding) and set
     `cfg.tie_word_embeddings = False`; the logits are unchanged. Needed before folding into `W_U`."""
     if model.unembed.weight is model.embed.W_E:
+        require_resident(model, "untie_embeddings_")  # a copy of an offloaded (meta) embedding holds no values
         model.unembed.weight = nn.Parameter(model.embed.W_E.detach().clone())
         model.cfg.tie_word_embeddings = False
     return model

@@ -25,7 +25,7 @@ from torch import Tensor
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputTypeError, NonFiniteError, OutOfRangeError
 
 __all__ = ["index", "indices", "integer", "number", "boolean", "choice", "instances", "tensor", "finite",
-           "same_shape", "describe", "device", "id_tensor"]
+           "same_shape", "describe", "device", "id_tensor", "distinct_ids"]
 
 T = TypeVar("T")
 
@@ -269,3 +269,23 @@ def id_tensor(value: Any, *, name: str) -> Tensor:
     if t.numel() == 0:
         raise _fail(ArgumentError, name, value, "expected at least one token id", "it is empty")
     return t
+
+
+def distinct_ids(ids: dict[str, Any], *, why: str, error: type[Exception] = ArgumentError) -> None:
+    """Refuse two special-token roles sharing one id (`None` entries are unset and skipped). One check for the
+    loaders (`error=ConfigError`) and the samplers (`error=SamplerConfigError`, before any forward): a sampler
+    reads the same ids from `cfg.extra` or its keywords after load, where a collision silently changes what the
+    run means (a mask that is also EOS freezes every position; an expand id that is also the mask id grows the
+    canvas forever). `why` says what this sampler / format does with the ids."""
+    seen: dict[int, str] = {}
+    for name, value in ids.items():
+        if value is None:
+            continue
+        if int(value) in seen:
+            other = seen[int(value)]
+            msg = (f"{other}={int(value)} and {name}={int(value)} are the same token: {why} Give them distinct ids "
+                   f"(now {', '.join(f'{k}={v}' for k, v in ids.items())}).")
+            if issubclass(error, ArgumentError):
+                raise error(msg, argument=name, value=int(value), allowed=f"an id other than {other}'s")
+            raise error(msg)
+        seen[int(value)] = name

@@ -67,7 +67,13 @@ class DreamOnSettings(SamplerSettings):
             raise SamplerConfigError(f"max_gen_len={self.max_gen_len} < min_gen_len={self.min_gen_len}: the span starts "
                                      "at min_gen_len masks and grows up to max_gen_len.", argument="max_gen_len",
                                      value=self.max_gen_len, allowed=f">= min_gen_len ({self.min_gen_len})")
-        return dataclasses.replace(self, expand_id=expand_token_id(model), eos_id=_eos(model))
+        expand, eos = expand_token_id(model), _eos(model)
+        validate.distinct_ids({"expand_token_id": expand, "delete/EOS id": eos, "cfg.mask_token_id":
+                               model.cfg.mask_token_id}, error=SamplerConfigError,
+                              why="DreamOn grows the span at the expand id, deletes and closes at the EOS, and fills "
+                                  "masks, so the three must differ (cfg.extra['expand_token_id'], "
+                                  "cfg.extra['delete_token_id'] else cfg.eos_token_id).")
+        return dataclasses.replace(self, expand_id=expand, eos_id=eos)
 
 
 DreamOnSettings.rules = {
@@ -246,6 +252,8 @@ class DreamOnSampler(Sampler):
                 bar.close()
         trajectory = recorder.finish(x)
         runner.warn_unreached(trajectory.n_steps)
+        # Too few steps leave masks in the span; warn as the block samplers (InDel, LLaDA2) do.
+        arguments.warn_masked(x, prefix, [ngen], model.cfg.mask_token_id, self.name)
         records, meta = runner.records()
         texts = None
         if model.tokenizer is not None:

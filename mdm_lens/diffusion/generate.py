@@ -15,7 +15,6 @@ from typing import Any, Sequence
 
 from torch import Tensor
 
-from mdm_lens import validate
 from mdm_lens.diffusion import arm, diffusion_gemma, dream, llada, registry  # noqa: F401  (each registers itself)
 from mdm_lens.diffusion import llada2, sdar  # noqa: F401  (block diffusion: LLaDA2.x, SDAR)
 from mdm_lens.diffusion import fastdllm_v2  # noqa: F401  (block diffusion: Fast-dLLM v2)
@@ -26,9 +25,9 @@ from mdm_lens.diffusion import dreamon, indel  # noqa: F401  (variable-length: D
 from mdm_lens.diffusion import bd3lm, gidd  # noqa: F401  (BD3LM, GIDD)
 from mdm_lens.diffusion.canvas import CanvasSampler, Plan
 from mdm_lens.diffusion.memory_guard import guard
+from mdm_lens.diffusion.observation_checks import check_observation as _check_observation
 from mdm_lens.diffusion.output import GenerateOutput
 from mdm_lens.diffusion.registry import Observation
-from mdm_lens.errors import ArgumentTypeError
 
 SamplerName = str  # a registered sampler's name (`registry.names()`) or "auto"
 
@@ -105,27 +104,3 @@ def plan(model: Any, *, sampler: SamplerName = "auto", **settings: Any) -> Plan 
 
 
 OBSERVATION = tuple(f.name for f in dataclasses.fields(Observation))
-
-
-def _check_observation(fwd_hooks: Any, record: Any, cache: Any, seed: Any, progress: Any) -> None:
-    """Types of the observation arguments (their names and steps are checked by the StepRunner)."""
-    from mdm_lens.hooks.reducers import Reducer
-    from mdm_lens.hooks.steps import CacheRequest, StepHook
-    from mdm_lens.hooks.trajectory import TrajectoryCache
-
-    lone_pair = isinstance(fwd_hooks, tuple) and len(fwd_hooks) == 2 and isinstance(fwd_hooks[0], str)
-    if lone_pair or isinstance(fwd_hooks, StepHook) or not isinstance(fwd_hooks, (list, tuple)):
-        raise ArgumentTypeError(f"fwd_hooks={validate.describe(fwd_hooks)} must be a list of (name, fn) pairs or "
-                                "at_steps(...) hooks; write fwd_hooks=[...].", argument="fwd_hooks", value=fwd_hooks,
-                                allowed="a list of (name, fn) pairs or StepHooks")
-    validate.instances(list(record) if isinstance(record, tuple) else record, Reducer, name="record")
-    ok_cache = cache is None or callable(cache) or isinstance(cache, (str, TrajectoryCache, CacheRequest)) or (
-        isinstance(cache, (list, tuple)) and cache and all(isinstance(c, str) for c in cache))
-    if not ok_cache:
-        raise ArgumentTypeError(f"cache={validate.describe(cache)} must be a TrajectoryCache, a 'name' @ steps(...) "
-                                "request, a hook name or a list of hook names.", argument="cache", value=cache,
-                                allowed="TrajectoryCache, CacheRequest, str or list of str")
-    if seed is not None:
-        validate.integer(seed, name="seed", min=0)
-    if progress is not None:
-        validate.boolean(progress, name="progress")

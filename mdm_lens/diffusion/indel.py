@@ -78,6 +78,10 @@ class InDelSettings(SamplerSettings):
         for name, i in zip(("delete_token_id", "split_token_id"), ids):
             validate.integer(i, name=f"cfg.extra[{name!r}]", min=0, max=model.cfg.d_vocab - 1,
                              error=SamplerConfigError)
+        validate.distinct_ids({"cfg.extra['delete_token_id']": ids[0], "cfg.extra['split_token_id']": ids[1],
+                               "cfg.mask_token_id": model.cfg.mask_token_id}, error=SamplerConfigError,
+                              why="InDel reads DELETE and SPLIT as two different edits, and a mask the model writes "
+                                  "back would read as an edit (the loader refuses the same ids in config.json).")
         return dataclasses.replace(self, block_length=bl, delete_id=int(ids[0]), split_id=int(ids[1]),
                                    eos_id=model.cfg.eos_token_id)
 

@@ -8,8 +8,10 @@ from typing import Any, Sequence
 import torch
 
 from mdm_lens import validate
-from mdm_lens.diffusion import registry
+from mdm_lens.diffusion import arguments, registry
+from mdm_lens.diffusion.observation_checks import check_observation
 from mdm_lens.hooks.plan import MemoryPlan, build_plan
+from mdm_lens.loading.placement_checks import check_max_memory
 
 
 def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: int | None = None,
@@ -18,17 +20,37 @@ def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: 
     """The plan of `model.generate(prompt, sampler=…, record=…, cache=…, **settings)`; nothing is run.
 
     `prompt` (token ids `[batch, pos]`) or `prompt_length` + `batch` (default 1) give the shapes; `settings` are
-    the sampler's own; `sampler` a registered name (`HookedMDM.memory_plan` resolves "auto")."""
-    resolved = registry.get(sampler).settings(model, settings)
-    if prompt is not None:
-        shape = tuple(torch.as_tensor(prompt).shape)
-        batch, prompt_length = (1, shape[0]) if len(shape) == 1 else shape[:2]
+    the sampler's own; `sampler` a registered name (`HookedMDM.memory_plan` resolves "auto"). Checked as `generate`
+    checks them: a text prompt needs a tokenizer, `record` a list of reducers, prompt + gen_length within the
+    sampler's length limit; `max_memory` keys must be devices of this machine, its values sizes accelerate parses
+    (`mdm_lens.loading.placement_checks`)."""
+    plugin = registry.get(sampler)
+    resolved = plugin.settings(model, settings)
+    check_observation((), record, cache, None, None)  # generate's own check: record='x' is refused here too
+    ids = None
+    if prompt is not None:  # as generate reads it: text needs a tokenizer (InputError), ids are checked
+        ids, _ = arguments.prompt_tokens(model, prompt, None)
+        batch, prompt_length = ids.shape
     prompt_length = validate.integer(prompt_length, name="prompt_length", min=1)
     batch = validate.integer(1 if batch is None else batch, name="batch", min=1)
     gen = getattr(resolved, "gen_length", None) or getattr(resolved, "max_new_tokens", 0)
+    _check_length(model, plugin, ids, prompt_length, gen)
     steps = getattr(resolved, "steps", None) or gen  # Fast-dLLM v2 has no step count: at most one per token
-    kv = getattr(resolved, "kv_cache", None) is not None or bool(getattr(resolved, "use_block_cache", False))
+    # BD3LM takes kv_cache=False (a bool), the Fast-dLLM family None or a cache mode
+    kv = getattr(resolved, "kv_cache", None) not in (None, False) or bool(getattr(resolved, "use_block_cache", False))
+    max_memory = check_max_memory(max_memory, real=True)  # a budget for a device this machine lacks is refused
     return build_plan(model, batch, prompt_length + gen, steps, kv, cache, list(record), max_memory, resolved)
+
+
+def _check_length(model: Any, plugin: Any, ids: Any, prompt_length: int, gen: int) -> None:
+    """The sampler's own prompt check (`_check_prompt`: prompt + gen_length within n_ctx where the sampler has that
+    limit); with only `prompt_length` given, on placeholder ids that are not the mask id."""
+    check = getattr(plugin, "_check_prompt", None)
+    if check is None:
+        return
+    if ids is None:
+        ids = torch.full((1, prompt_length), 1 if model.cfg.mask_token_id == 0 else 0, dtype=torch.long)
+    check(model, ids, gen)
 
 
 def guard(model: Any, prompt: Any, sampler: str, settings: dict[str, Any], record: Sequence[Any], cache: Any) -> None:

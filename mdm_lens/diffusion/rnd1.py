@@ -181,9 +181,13 @@ class RND1Settings(CanvasSettings):
                 raise SamplerConfigError(f"{name} is unknown for this model (cfg.{name} is None); pass {name}=.",
                                          argument=name, value=None, allowed="a token id")
             ids[name] = validate.integer(value, name=name, min=0, max=model.cfg.d_vocab - 1, error=SamplerConfigError)
-        if ids["pad_token_id"] == model.cfg.mask_token_id:
-            raise SamplerConfigError("pad_token_id equals the mask id: no position would be maskable.",
-                                     argument="pad_token_id", value=ids["pad_token_id"], allowed="another id")
+        # EOS and pad positions are frozen (not maskable): either equal to the mask id freezes the whole answer.
+        validate.distinct_ids({"mask_token_id": model.cfg.mask_token_id, "eos_token_id": ids["eos_token_id"]},
+                              error=SamplerConfigError, why="RND1 never unmasks a position holding the EOS id, so "
+                              "no position would be maskable.")
+        validate.distinct_ids({"mask_token_id": model.cfg.mask_token_id, "pad_token_id": ids["pad_token_id"]},
+                              error=SamplerConfigError, why="pad_token_id equals the mask id: no position would be "
+                              "maskable.")
         return dataclasses.replace(self, **lengths, **ids, temperature=self.temperature_or(0.1))
 
 

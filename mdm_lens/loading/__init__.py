@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from mdm_lens.config import MDMConfig
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, CheckpointError, CheckpointNotFoundError, ConfigError
+from mdm_lens.offload_checks import mark_offloaded, require_resident
 from mdm_lens.loading.dreamon import apply_dreamon_tokens
 from mdm_lens.loading.diagnose import causes, listing, mismatch_report
 from mdm_lens.loading.families import family_config, family_of, family_plan
@@ -266,6 +267,7 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
                              place=placer)
     if placer is not None:
         placement.finish(model, state, placer)
+        mark_offloaded(model)  # weight views of an offloaded module name it in their error
     elif cfg.tie_word_embeddings:
         state["unembed.weight"] = state["embed.W_E"]
         model.load_state_dict(state, strict=True, assign=True)
@@ -302,6 +304,7 @@ def save_pretrained(model: Any, folder: str | os.PathLike) -> Path:
                             "the model before process_weights_(), and reload it with from_pretrained(..., "
                             f"{'=True, '.join(done)}=True).", argument="model", value=done,
                             allowed="a model without weight processing")
+    require_resident(model, "save_pretrained")  # offloaded weights are on meta: nothing to write
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(model.cfg.to_json())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mdm_lens import validate
 from mdm_lens.config import MDMConfig
 from mdm_lens.errors import ConfigError
 from mdm_lens.loading.special import TokenTable
@@ -35,9 +36,9 @@ def apply_dreamon_tokens(cfg: MDMConfig, folder: Path, family: str) -> None:
         if i is not None and not 0 <= i < cfg.d_vocab:
             raise ConfigError(f"{folder}: {what} has id {i}, outside the vocabulary [0, {cfg.d_vocab}) of this "
                               "checkpoint; its tokenizer files and weights disagree.")
-    if expand in (cfg.mask_token_id, delete):
-        raise ConfigError(f"{folder}: <|expand|> has id {expand}, the same as the mask token ({cfg.mask_token_id}) "
-                          f"or the EOS that deletes ({delete}); DreamOn needs three distinct tokens.")
+    validate.distinct_ids({"mask_token_id": cfg.mask_token_id, "<|expand|>": expand, "the EOS that deletes": delete},
+                          error=ConfigError, why=f"{folder}: DreamOn needs three distinct tokens (the same as the "
+                          "mask token or the EOS is refused).")
     cfg.extra["expand_token_id"] = expand
     sources = dict(cfg.extra.get("special_token_sources", {}), expand_token_id=f"tokenizer files ({EXPAND_TOKEN!r})")
     if delete is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from mdm_lens import validate
 from mdm_lens.config import MDMConfig
 from mdm_lens.errors import ConfigError
 
@@ -54,7 +55,6 @@ def apply_edit_tokens(cfg: MDMConfig, config: dict[str, Any]) -> None:
     for key, value in given.items():
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < cfg.d_vocab:
             raise ConfigError(f"config.json has {key}={value!r}: expected a token id in [0, {cfg.d_vocab}).")
-    if given["delete_token_id"] == given["split_token_id"] or cfg.mask_token_id in given.values():
-        raise ConfigError(f"config.json edit tokens {given} must differ from each other and from the mask token "
-                          f"{cfg.mask_token_id}.")
+    validate.distinct_ids({**given, "mask_token_id": cfg.mask_token_id}, error=ConfigError,
+                          why="config.json edit tokens must differ from each other and from the mask token.")
     cfg.extra.update(given)

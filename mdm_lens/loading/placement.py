@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, ConfigError
+from mdm_lens.loading.placement_checks import check_max_memory, plain_device_map
 
 DeviceMap = dict[str, "int | str"]
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -65,20 +66,7 @@ def plan(meta_model: nn.Module, device_map: Any, max_memory: dict | None, dtype:
 
 
 def _check_max_memory(max_memory: Any) -> dict | None:
-    if max_memory is None:
-        return None
-    if not isinstance(max_memory, dict) or not max_memory:
-        raise ArgumentTypeError(f"max_memory={validate.describe(max_memory)} is invalid: expected a non-empty dict "
-                                "{device: bytes or '10GiB'} such as {0: '70GiB', 1: '70GiB', 'cpu': '200GiB'}.",
-                                argument="max_memory", value=max_memory, allowed="dict {device: bytes}")
-    for k, v in max_memory.items():
-        if isinstance(v, int) and not isinstance(v, bool):
-            validate.integer(v, name=f"max_memory[{k!r}]", min=0)
-        elif not isinstance(v, str):
-            raise ArgumentTypeError(f"max_memory[{k!r}]={validate.describe(v)} is invalid: expected bytes (int) or "
-                                    "a size string such as '10GiB'.", argument="max_memory", value=max_memory,
-                                    allowed="int bytes or a size string")
-    return dict(max_memory)
+    return check_max_memory(max_memory, real=False)  # planning may name devices this machine lacks
 
 
 def check_map(model: nn.Module, device_map: dict, real: bool = False) -> DeviceMap:
@@ -232,6 +220,8 @@ def prepare(meta_model: nn.Module, device_map: Any, max_memory: Any, n_devices: 
             dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> Placer | None:
     """None for a one-device load (no map, `n_devices` None or 1); else the Placer for `build_state_dict`, with
     the planned map in `placer.device_map`. All arguments are checked here, before any tensor is read."""
+    device_map = plain_device_map(device_map)  # "cpu" / "cuda:1" as transformers reads it: {"": device}
+    max_memory = check_max_memory(max_memory, real=True)
     if n_devices is not None and validate.integer(n_devices, name="n_devices", min=1) > 1:
         max_memory = n_devices_memory(n_devices, max_memory)
         device_map = "balanced" if device_map is None else device_map

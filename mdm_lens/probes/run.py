@@ -95,6 +95,11 @@ def _step_visibility(out: Any, steps: Sequence[int], n_keys: int) -> Bool[Tensor
 
 def _record(out: Any, record: Any) -> Tensor:
     names = list(getattr(out, "records", {}) or {})
+    if isinstance(record, str) and record not in names:  # the run recorded nothing under that name: say how to
+        raise ArgumentError(f"this run recorded no {record!r} (its records: {names or 'none'}): generate it with "
+                            "record=[ReceivedAttention()] (mdm_lens.hooks.reducers), e.g. model.generate(prompt, "
+                            "record=[ReceivedAttention()]).", argument="record", value=record,
+                            allowed=f"a record of the run: {names}" if names else "a run generated with record=")
     validate.choice(record, names, name="record")
     rec = out.records[record]
     if not isinstance(rec, Tensor) or rec.ndim != 5:
