@@ -249,3 +249,12 @@ def test_placement_arguments_are_checked_before_loading(tmp_path):
         HookedMDM.from_pretrained(folder, load_tokenizer=False, device_map={"embed": 1.5})
     with pytest.raises(ArgumentTypeError, match="offload_folders"):  # a misspelt option is still refused
         HookedDDiT.from_pretrained(str(write("mdlm", tmp_path / "m")), load_tokenizer=False, offload_folders="x")
+
+
+def test_bd3lm_memory_plan_counts_a_kv_cache_only_when_there_is_one(tmp_path):
+    """BD3LM's `kv_cache` is a bool: False is no cache (the plan once counted any value that was not None)."""
+    model = HookedMDM.from_pretrained(str(write("bd3lm", tmp_path / "ckpt")), load_tokenizer=False)
+    prompt = torch.tensor([[5, 9, 11, 3]])
+    kv_of = lambda **kw: sum(r.kv_cache for r in model.memory_plan(prompt, gen_length=8, steps=2, **kw).rows.values())  # noqa: E731
+    assert kv_of(kv_cache=False) == 0
+    assert kv_of(kv_cache=True) > 0
