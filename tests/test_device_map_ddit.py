@@ -225,7 +225,7 @@ def test_hookedddit_from_pretrained_takes_a_nested_map_with_the_embedding_on_dis
                                        device_map={"": "cpu", "embed": "disk", "blocks.2": "disk"})
     placed = model.hf_device_map
     assert placed["embed"] == placed["blocks.2"] == "disk" and placed["time_embed"] == placed["blocks.1"] == "cpu"
-    assert "" not in placed and model.W_E.device.type == "meta" and model.input_device == torch.device("cpu")
+    assert "" not in placed and model.embed.W_E.device.type == "meta" and model.input_device == torch.device("cpu")
     ref = HookedDDiT.from_pretrained(str(folder), load_tokenizer=False)
     tokens = _tokens(ref)
     with torch.no_grad():
@@ -258,3 +258,23 @@ def test_bd3lm_memory_plan_counts_a_kv_cache_only_when_there_is_one(tmp_path):
     kv_of = lambda **kw: sum(r.kv_cache for r in model.memory_plan(prompt, gen_length=8, steps=2, **kw).rows.values())  # noqa: E731
     assert kv_of(kv_cache=False) == 0
     assert kv_of(kv_cache=True) > 0
+
+
+def test_weight_views_of_offloaded_ddit_modules_are_a_typed_error(tmp_path):
+    """`W_E` / `W_U` / `b_U` of an embedding or head on disk refuse naming the module (they were meta tensors);
+    resident ones equal the one-device model's."""
+    from mdm_lens.errors import OffloadedWeightsError
+
+    folder = str(write("mdlm", tmp_path / "ckpt"))
+    ref = HookedMDM.from_pretrained(folder, load_tokenizer=False)
+    n = ref.cfg.n_layers
+    dmap = {"embed": "disk", "time_embed": "cpu", "final_adaLN": "cpu", "ln_final": "cpu", "unembed": "disk",
+            **{f"blocks.{i}": "cpu" for i in range(n)}}
+    off = HookedMDM.from_pretrained(folder, load_tokenizer=False, device_map=dmap, offload_folder=tmp_path / "off")
+    for view, module in (("W_E", "embed"), ("W_U", "unembed"), ("b_U", "unembed")):
+        with pytest.raises(OffloadedWeightsError, match=module):
+            getattr(off, view)
+    dmap.update(embed="cpu", unembed="cpu", **{"blocks.0": "disk"})
+    part = HookedMDM.from_pretrained(folder, load_tokenizer=False, device_map=dmap, offload_folder=tmp_path / "off2")
+    for view in ("W_E", "W_U", "b_U"):
+        assert torch.equal(getattr(part, view), getattr(ref, view)), view

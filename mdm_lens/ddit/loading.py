@@ -138,6 +138,9 @@ def load_weights(model: Any, reader: Any, plan: dict[str, str], placement_option
         return
     place = lambda name, t: placer(name, t.to(dtype=cfg.dtype))  # noqa: E731
     placement.finish(model, read_state(reader, plan, model, cfg, place=place), placer)
+    from mdm_lens.offload_checks import mark_offloaded
+
+    mark_offloaded(model)  # weight views of an offloaded module name it in their error
 
 
 def read_state(reader: Any, plan: dict[str, str], model: Any, cfg: MDMConfig,

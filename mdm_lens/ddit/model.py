@@ -24,6 +24,7 @@ FORWARD_KEYWORDS = ("tokens", "sigma", "return_type", "attention_mask")
 from mdm_lens.errors import InputError
 from mdm_lens.hook_surface import CheckedHookSurface
 from mdm_lens.loading.placement import execution_device
+from mdm_lens.offload_checks import guard_views
 
 
 CLEAN_T = 1e-5  # the samplers' default last time (their `eps`): a final sequence's noise level
@@ -231,3 +232,8 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
         c = self.cfg
         return (f"HookedDDiT({c.family} {c.model_name!r}: {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads, "
                 f"cond {c.extra['cond_dim']}, vocab {c.d_vocab}, time_conditioning={c.extra['time_conditioning']})")
+
+
+# an offloaded embedding / head holds its weights on meta outside its forward: views refuse, naming it
+guard_views(HookedDDiT, ["W_E"], part="embed")
+guard_views(HookedDDiT, ["W_U", "b_U"], part="unembed")
