@@ -21,10 +21,12 @@ from transformer_lens.hook_points import HookPoint
 from mdm_lens.config import MDMConfig
 from mdm_lens.readonly import read_only
 from mdm_lens.pattern_rows import PatternRows, RowConsumer, chunk_rows, masked_scores, softmax_rows
+from mdm_lens.precision import at_least_fp32
 
 
 class RMSNorm(nn.Module):
-    """`w * x / sqrt(mean(x²) + eps)`, normalised in fp32 and cast back (HF Llama order).
+    """`w * x / sqrt(mean(x²) + eps)`, normalised in fp32 (float64 for a float64 model, `mdm_lens.precision`) and
+    cast back (HF Llama order).
 
     After `fold_ln` (`mdm_lens.processing`) the weight lives in the matrices that read this norm's output and
     `w` is None (TL's "RMSPre"): the forward returns `hook_normalized` itself. In both modes `hook_scale` is
@@ -38,7 +40,7 @@ class RMSNorm(nn.Module):
         self.hook_normalized = HookPoint()  # [batch, pos, d_model], before the weight (TL convention)
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        x32 = x.float()
+        x32 = at_least_fp32(x)
         scale = self.hook_scale((x32.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.apply_weight(self.hook_normalized((x32 / scale).to(x.dtype)))
 
