@@ -54,11 +54,12 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotary_cos_sin(positions: Int[Tensor, "batch pos"], d_head: int, theta: float
+def rotary_cos_sin(positions: Int[Tensor, "batch pos"], d_head: int, theta: float, dtype: torch.dtype = torch.float32
                    ) -> tuple[Float[Tensor, "batch pos 1 d_head"], Float[Tensor, "batch pos 1 d_head"]]:
-    """fp32 cos/sin tables for NeoX-style rotary embeddings, shaped to broadcast over heads."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, device=positions.device, dtype=torch.float32) / d_head))
-    freqs = positions.float()[..., None] * inv_freq  # [batch, pos, d_head/2]
+    """cos/sin tables for NeoX-style rotary embeddings, shaped to broadcast over heads; fp32 as the references,
+    float64 when asked (a float64 model, `mdm_lens.precision`)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, device=positions.device, dtype=dtype) / d_head))
+    freqs = positions.to(dtype)[..., None] * inv_freq  # [batch, pos, d_head/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
     return emb.cos(), emb.sin()
 
@@ -68,7 +69,7 @@ def apply_rotary(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Te
     `rotate_half(x)`: the two halves are updated in place (a + (−b)·s == a − b·s exactly in IEEE)."""
     dtype = x.dtype
     if full_precision:
-        x = x.float()
+        x = at_least_fp32(x)
     else:
         cos, sin = cos.to(dtype), sin.to(dtype)
     half = x.shape[-1] // 2

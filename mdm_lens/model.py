@@ -189,7 +189,7 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
         scaling = self.cfg.extra.get("rope_scaling")
         dim = int(self.cfg.extra.get("rotary_dim") or self.cfg.d_head)  # partial rotary: the first `dim` dims
         # keyed on the rotary settings too, so an edit of cfg.rope_theta / rope_scaling takes effect at once
-        # scaled tables: float64 for a float64 model (the weights' dtype, which `.to` may have changed), else fp32
+        # tables in float64 for a float64 model (the weights' dtype, which `.to` may have changed), else fp32
         dtype = compute_dtype(self.embed.W_E.dtype)
         key = (positions.shape[1], positions.device, self.cfg.rope_theta, dim, repr(scaling), dtype)
         if arange and key in self._rope_cache:
@@ -198,7 +198,7 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
         if scaling:
             cos, sin = scaled_rotary_cos_sin(rows, dim, self.cfg.rope_theta, scaling, dtype)
         else:
-            cos, sin = rotary_cos_sin(rows, dim, self.cfg.rope_theta)
+            cos, sin = rotary_cos_sin(rows, dim, self.cfg.rope_theta, dtype)
         if arange:
             self._rope_cache[key] = (cos, sin)
         return cos, sin

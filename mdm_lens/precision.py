@@ -1,5 +1,5 @@
-"""The dtype the precision-sensitive steps compute in: RMSNorm statistics, the softmax of the attention pattern
-and the rotary tables.
+"""The dtype the precision-sensitive steps compute in: RMSNorm statistics (and the per-head q/k norm), the softmax
+of the attention pattern, LLaDA's full-precision rotary and the rotary tables (`HookedMDM._rotary`).
 
 The references (transformers, vLLM) write these steps as `.to(torch.float32)` / `dtype=torch.float32`: an upcast
 for bf16 / fp16 / fp32 models, but a *downcast* for a float64 one, which then is no longer float64 (and two

@@ -68,3 +68,24 @@ def test_float64_head_norm_is_float64():
                                          (torch.bfloat16, torch.float32), (torch.float16, torch.float32)])
 def test_compute_dtype(dtype, want):
     assert compute_dtype(dtype) == want and at_least_fp32(torch.ones(2, dtype=dtype)).dtype == want
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-3)])
+def test_rotated_keys_follow_the_float64_formula_in_float64(dtype, tol):
+    """hook_rot_k = k·cos(pθ) + rotate_half(k)·sin(pθ) with θ_i = base^(-2i/d) computed in float64: exact to
+    float64 rounding for a float64 model; an fp32 model keeps the references' fp32 tables (error ~ p · 1e-7)."""
+    model = _random(dtype)
+    model.cfg.rope_theta = 1e6  # slow frequencies: the fp32 phase error is visible at p ~ 30
+    tokens = torch.randint(0, 60, (1, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.startswith("blocks.0.attn.hook_"))
+    k, rot = cache["blocks.0.attn.hook_k"].double(), cache["blocks.0.attn.hook_rot_k"].double()
+    d = k.shape[-1]
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.arange(32, dtype=torch.float64)[:, None] * inv
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[None, :, None], torch.cat([ang.sin()] * 2, -1)[None, :, None]
+    want = k * cos + torch.cat([-k[..., d // 2:], k[..., : d // 2]], -1) * sin
+    err = float((rot - want).abs().max() / want.abs().max())
+    assert err <= tol, err
+    if dtype == torch.float32:
+        assert err > 1e-9  # fp32 rounding is there, so the float64 bound above is not vacuous

@@ -118,3 +118,15 @@ def test_a_model_moved_to_float64_builds_float64_tables(tmp_path):
         got = moved(tokens)
         want = HookedMDM.from_pretrained(str(folder), dtype=torch.float64, load_tokenizer=False)(tokens)
     assert got.dtype == torch.float64 and _max_diff(got, want) <= 1e-12
+
+
+def test_float64_plain_rope_matches_the_reference(tmp_path):
+    """No rope_parameters: the plain rotary tables (`rotary_cos_sin`) are float64 for a float64 model too."""
+    folder, config, sd = write_nemotron(tmp_path / "ckpt", drop=("rope_parameters",))
+    model = HookedMDM.from_pretrained(str(folder), dtype=torch.float64, load_tokenizer=False)
+    assert "rope_scaling" not in model.cfg.extra
+    tokens = torch.randint(0, MASK_ID, (1, 64), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want, _ = reference_forward({k: v.double() for k, v in sd.items()}, {**config, "rope_theta": 1e6}, tokens)
+        got = model(tokens)
+    assert _max_diff(got, want) <= 1e-10, _max_diff(got, want)
