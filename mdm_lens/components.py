@@ -22,10 +22,12 @@ from mdm_lens.config import MDMConfig
 from mdm_lens.offload_checks import guard_views
 from mdm_lens.readonly import read_only
 from mdm_lens.pattern_rows import PatternRows, RowConsumer, chunk_rows, masked_scores, softmax_rows
+from mdm_lens.precision import at_least_fp32
 
 
 class RMSNorm(nn.Module):
-    """`w * x / sqrt(mean(x²) + eps)`, normalised in fp32 and cast back (HF Llama order).
+    """`w * x / sqrt(mean(x²) + eps)`, normalised in fp32 (float64 for a float64 model, `mdm_lens.precision`) and
+    cast back (HF Llama order).
 
     After `fold_ln` (`mdm_lens.processing`) the weight lives in the matrices that read this norm's output and
     `w` is None (TL's "RMSPre"): the forward returns `hook_normalized` itself. In both modes `hook_scale` is
@@ -39,7 +41,7 @@ class RMSNorm(nn.Module):
         self.hook_normalized = HookPoint()  # [batch, pos, d_model], before the weight (TL convention)
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        x32 = x.float()
+        x32 = at_least_fp32(x)
         scale = self.hook_scale((x32.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.apply_weight(self.hook_normalized((x32 / scale).to(x.dtype)))
 
@@ -53,11 +55,12 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotary_cos_sin(positions: Int[Tensor, "batch pos"], d_head: int, theta: float
+def rotary_cos_sin(positions: Int[Tensor, "batch pos"], d_head: int, theta: float, dtype: torch.dtype = torch.float32
                    ) -> tuple[Float[Tensor, "batch pos 1 d_head"], Float[Tensor, "batch pos 1 d_head"]]:
-    """fp32 cos/sin tables for NeoX-style rotary embeddings, shaped to broadcast over heads."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, device=positions.device, dtype=torch.float32) / d_head))
-    freqs = positions.float()[..., None] * inv_freq  # [batch, pos, d_head/2]
+    """cos/sin tables for NeoX-style rotary embeddings, shaped to broadcast over heads; fp32 as the references,
+    float64 when asked (a float64 model, `mdm_lens.precision`)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, device=positions.device, dtype=dtype) / d_head))
+    freqs = positions.to(dtype)[..., None] * inv_freq  # [batch, pos, d_head/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
     return emb.cos(), emb.sin()
 
@@ -67,7 +70,7 @@ def apply_rotary(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Te
     `rotate_half(x)`: the two halves are updated in place (a + (−b)·s == a − b·s exactly in IEEE)."""
     dtype = x.dtype
     if full_precision:
-        x = x.float()
+        x = at_least_fp32(x)
     else:
         cos, sin = cos.to(dtype), sin.to(dtype)
     half = x.shape[-1] // 2

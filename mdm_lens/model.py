@@ -19,6 +19,7 @@ from mdm_lens.config import MDMConfig
 from mdm_lens.hook_surface import CheckedHookSurface, NamesFilter
 from mdm_lens.loading.placement import execution_device
 from mdm_lens.qk_attention import make_block
+from mdm_lens.precision import compute_dtype
 from mdm_lens.rotary import scaled_rotary_cos_sin  # noqa: F401  (re-exported: it lived here)
 from mdm_lens.errors import HookNameError, InputError, InputTypeError, OutOfRangeError
 from mdm_lens.offload_checks import guard_views
@@ -189,14 +190,16 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
         scaling = self.cfg.extra.get("rope_scaling")
         dim = int(self.cfg.extra.get("rotary_dim") or self.cfg.d_head)  # partial rotary: the first `dim` dims
         # keyed on the rotary settings too, so an edit of cfg.rope_theta / rope_scaling takes effect at once
-        key = (positions.shape[1], positions.device, self.cfg.rope_theta, dim, repr(scaling))
+        # tables in float64 for a float64 model (the weights' dtype, which `.to` may have changed), else fp32
+        dtype = compute_dtype(self.embed.W_E.dtype)
+        key = (positions.shape[1], positions.device, self.cfg.rope_theta, dim, repr(scaling), dtype)
         if arange and key in self._rope_cache:
             return self._rope_cache[key]
         rows = positions[:1] if arange else positions
         if scaling:
-            cos, sin = scaled_rotary_cos_sin(rows, dim, self.cfg.rope_theta, scaling)
+            cos, sin = scaled_rotary_cos_sin(rows, dim, self.cfg.rope_theta, scaling, dtype)
         else:
-            cos, sin = rotary_cos_sin(rows, dim, self.cfg.rope_theta)
+            cos, sin = rotary_cos_sin(rows, dim, self.cfg.rope_theta, dtype)
         if arange:
             self._rope_cache[key] = (cos, sin)
         return cos, sin

@@ -39,6 +39,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from mdm_lens import validate
+from mdm_lens.precision import compute_dtype
 
 ROW_CHUNK_BYTES = int(float(os.environ.get("MDM_LENS_ROW_CHUNK_MB", "32")) * 2**20)
 ROW_MODES = ("explicit", "sdpa")
@@ -71,8 +72,9 @@ def masked_scores(q_scaled: Float[Tensor, "batch head query d_head"], k: Float[T
 
 
 def softmax_rows(scores: Tensor, masked: bool, dtype: torch.dtype) -> Tensor:
-    """fp32 softmax over keys; a fully-masked row (pad rows under Dream's pair mask) is NaN and set to 0."""
-    pattern = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    """fp32 softmax over keys (float64 for float64 scores, `mdm_lens.precision`); a fully-masked row (pad rows
+    under Dream's pair mask) is NaN and set to 0."""
+    pattern = torch.softmax(scores, dim=-1, dtype=compute_dtype(scores.dtype))
     if masked:
         pattern = torch.nan_to_num(pattern, nan=0.0)
     return pattern.to(dtype)

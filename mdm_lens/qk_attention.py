@@ -22,6 +22,7 @@ from mdm_lens.components import Attention, Block, GatedMLP, RMSNorm, apply_rotar
 from mdm_lens.config import MDMConfig
 from mdm_lens.errors import ConfigError
 from mdm_lens.moe import MoEMLP
+from mdm_lens.precision import at_least_fp32
 from mdm_lens.rotary import QScaledCos
 
 FAMILY_ARCHES = ("llada2_moe", "lladamoe", "sdar", "sdar_moe", "nemotron_dllm", "rnd1", "coda")
@@ -36,7 +37,7 @@ class HeadRMSNorm(nn.Module):
         self.w = nn.Parameter(torch.ones(d_head, dtype=dtype))
 
     def forward(self, x: Float[Tensor, "batch pos head d_head"]) -> Float[Tensor, "batch pos head d_head"]:
-        x32 = x.float()
+        x32 = at_least_fp32(x)  # fp32, float64 for float64 (mdm_lens.precision)
         return self.w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 

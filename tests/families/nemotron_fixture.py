@@ -5,7 +5,12 @@ RoPE) and transformers' `_compute_yarn_parameters`, independent of mdm_lens' mod
 
 `reference_forward` runs one forward over `tokens` at absolute positions `past_len..`, attending to the cached
 keys/values `past` ([k, v] per layer, after RoPE) and its own rows, bidirectionally (diffusion mode) or causally
-(AR mode), and returns (logits, the rows' [k, v] per layer), so the samplers' references can keep a cache."""
+(AR mode), and returns (logits, the rows' [k, v] per layer), so the samplers' references can keep a cache.
+
+Precision: the port computes the rotary tables, the query scale, the RMSNorm statistics and the softmax in fp32
+(`.to(torch.float32)`, `positions.float()`). That is kept for fp32 / bf16 / fp16 weights; with float64 weights
+every one of them is float64 (`_wide`), since there `.float()` would be a downcast and a float64 comparison would
+measure fp32 rounding (2e-6 tiny, 1e-4 at d_model 256) instead of the transcription."""
 
 from __future__ import annotations
 
@@ -67,12 +72,17 @@ def _get(config: dict, key: str, default):
     return config.get(key, default) if config.get(key) is not None else default
 
 
-def reference_inv_freq(config: dict) -> tuple[torch.Tensor, float]:
-    """HF `_compute_yarn_parameters` (yarn) or the plain frequencies, and the cos/sin factor."""
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The port's fp32, except float64 for float64 weights (module docstring)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def reference_inv_freq(config: dict, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, float]:
+    """HF `_compute_yarn_parameters` (yarn) or the plain frequencies (in `dtype`), and the cos/sin factor."""
     rp = config.get("rope_parameters") or {}
     base = rp.get("rope_theta", config.get("rope_theta", 1e6))
     dim = _get(config, "head_dim", 128)
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype) / dim)
     if rp.get("rope_type", "default") != "yarn":
         return 1.0 / pos_freqs, 1.0
     factor, omax = rp["factor"], rp.get("original_max_position_embeddings", config["max_position_embeddings"])
@@ -95,15 +105,16 @@ def reference_inv_freq(config: dict) -> tuple[torch.Tensor, float]:
     lo, hi = max(lo, 0), min(hi, dim - 1)
     if lo == hi:
         hi += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=dtype) - lo) / (hi - lo), 0, 1)
     extra_factor = 1 - ramp
     inv = (1.0 / (factor * pos_freqs)) * (1 - extra_factor) + (1.0 / pos_freqs) * extra_factor
     return inv, float(att)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    var = x.float().pow(2).mean(-1, keepdim=True)
-    return w * (x.float() * torch.rsqrt(var + eps)).to(x.dtype)
+    xw = x.to(_wide(x.dtype))
+    var = xw.pow(2).mean(-1, keepdim=True)
+    return w * (xw * torch.rsqrt(var + eps)).to(x.dtype)
 
 
 def _rot_half(x: torch.Tensor) -> torch.Tensor:
@@ -119,8 +130,9 @@ def reference_forward(sd: dict, config: dict, tokens: torch.Tensor, past: list |
     h, e = config["num_attention_heads"], config["head_dim"]
     kvh = config.get("num_key_value_heads") or h
     eps = config.get("rms_norm_eps", 1e-5)
-    pos = torch.arange(past_len, past_len + t).float()
-    inv, att = reference_inv_freq(config)
+    wide = _wide(sd["encoder.embed_tokens.weight"].dtype)
+    pos = torch.arange(past_len, past_len + t).to(wide)
+    inv, att = reference_inv_freq(config, wide)
     freqs = pos[:, None] * inv[None]
     emb = torch.cat([freqs, freqs], -1)
     cos, sin = emb.cos() * att, emb.sin() * att
@@ -148,7 +160,7 @@ def reference_forward(sd: dict, config: dict, tokens: torch.Tensor, past: list |
         k, v = k.repeat_interleave(h // kvh, 1), v.repeat_interleave(h // kvh, 1)
         s = (q @ k.transpose(-1, -2)) / math.sqrt(e)
         s = s.masked_fill(~visible, float("-inf"))
-        a = torch.softmax(s.float(), -1).to(q.dtype) @ v
+        a = torch.softmax(s.to(wide), -1).to(q.dtype) @ v
         x = x + a.transpose(1, 2).reshape(b, t, h * e) @ sd[p + "self_attn.o_proj.weight"].T
         hn = _rms(x, sd[p + "post_attention_layernorm.weight"], eps)
         gate = hn @ sd[p + "mlp.gate_proj.weight"].T
