@@ -49,7 +49,7 @@ MUTANTS: list[Mutant] = [
        "(x32.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()", "x32.pow(2).mean(-1, keepdim=True).sqrt() + self.eps",
        "RMSNorm's eps added after the square root"),
     _m("rotary-theta-exponent", "model", M + "components.py",
-       "dtype=torch.float32) / d_head))", "dtype=torch.float32) / (d_head - 2)))", "rotary frequencies off by one"),
+       "dtype=dtype) / d_head))", "dtype=dtype) / (d_head - 2)))", "rotary frequencies off by one"),
 ]
 
 MUTANTS += [
