@@ -212,3 +212,31 @@ def test_nemotron_hooks_fire_on_the_replayed_step_only(nemo):
     assert all(b.attn.kv is None for b in nemo.blocks)
     grad = out.replay(nemo, k, grad=True)
     assert grad.requires_grad and torch.equal(grad.detach(), ran[k])
+
+
+def test_a_step_that_reused_step_0_is_refused_too(bd3):
+    """`reused_from` = 0 is a step index like any other (a truthiness test would let it replay a forward it never
+    ran): the first block's step 1 reuses step 0's p(x0) when step 0 committed nothing."""
+    for seed in range(40):
+        prompt = torch.tensor([[7, 8, 9, 10]])  # the first generated block starts at step 0
+        out = bd3.generate(prompt, gen_length=4, steps=8, first_hitting=False, seed=seed)
+        zero = [k for k in range(1, out.n_steps) if out.state_at(k).extra.get("reused_from") == 0]
+        if zero:
+            with pytest.raises(SamplerConfigError, match="step 0"):
+                out.replay(bd3, zero[0])
+            return
+    pytest.fail("no seed in 0..39 gave a step reusing step 0's p(x0); the planted case needs another setting")
+
+
+@pytest.mark.parametrize("prompt_length,gen_length,steps,want", [
+    (3, 6, 2, 6),    # positions 0..8 over blocks of 4: blocks 0, 1, 2 hold generated positions (the last ragged)
+    (4, 6, 2, 4),    # block 0 is all prompt: blocks 1, 2
+    (4, 8, 3, 6),    # whole blocks 1, 2
+    (5, 1, 5, 5),    # one generated position inside block 1
+])
+def test_bd3lm_knockout_grid_counts_every_block_holding_a_generated_position(prompt_length, gen_length, steps, want):
+    from mdm_lens.diffusion.own_forwards import max_denoising_forwards
+
+    settings = dict(gen_length=gen_length, steps=steps, block_size=BS)
+    assert BS == 4 and max_denoising_forwards("bd3lm", settings, prompt_length) == want
+    assert max_denoising_forwards("nemotron", dict(gen_length=gen_length), prompt_length) == gen_length
