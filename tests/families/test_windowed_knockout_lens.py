@@ -100,6 +100,7 @@ def test_steps_k_are_the_kth_denoising_forwards(models, run, expected):
     res = knockout(model, prompt, steps=[0, 2, 4], targets=[0], n_random=1, **kw)
     assert res.steps == [0, 2, 4] and res.forwards_cut.tolist() == [0.0, 3.0, 3.0]
     assert (res.n_targets[1] == 1).all()  # position 0 is a key of every denoising forward
+    assert (res.n_targets[0] == 0).all()  # clean reached the same forwards and cut nothing there: 0, not NaN
 
 
 @pytest.mark.parametrize("run, extra", [("nemotron", {}), ("bd3lm", dict(nucleus_p=1e-9)),
