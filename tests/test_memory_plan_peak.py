@@ -60,3 +60,22 @@ def test_plan_matches_the_profiled_peak_of_an_moe_family(tmp_path: Path):
     prompt = torch.randint(0, 90, (4, 64), generator=torch.Generator().manual_seed(0))
     ratio = _ratio(model, prompt, steps=4, gen_length=64)
     assert abs(ratio - 1) <= TOL, ratio
+
+
+def test_the_plan_follows_the_attention_path_the_run_takes():
+    """Reducers reading pattern rows make the forward run chunked attention (three `[batch, head, chunk, key]` fp32
+    buffers per chunk), a cached `hook_pattern` the explicit full pattern, neither SDPA. On a long canvas of a narrow
+    model the attention phase is the peak, so the plan must grow in that order."""
+    from mdm_lens import MDMConfig
+    from mdm_lens.hooks.plan import _attention_path
+
+    model = HookedMDM.from_config(MDMConfig(d_model=32, n_layers=2, n_heads=4, d_mlp=48, d_vocab=50, n_ctx=1024,
+                                            mask_token_id=49), seed=0, init="realistic")
+    assert _attention_path(model, None, []) == "sdpa"
+    assert _attention_path(model, None, [ReceivedAttention()]) == "chunked"
+    assert _attention_path(model, "blocks.0.attn.hook_pattern", []) == "explicit"
+    prompt = torch.zeros(1, 88, dtype=torch.long)
+    act = lambda **kw: model.memory_plan(prompt, gen_length=512, steps=2, **kw).rows["cpu"].activations  # noqa: E731
+    plain, chunked = act(), act(record=[ReceivedAttention()])
+    explicit = act(cache="blocks.0.attn.hook_pattern")
+    assert plain < chunked < explicit
