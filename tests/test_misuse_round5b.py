@@ -288,3 +288,16 @@ def test_unclear_probe_without_record_says_how_to_record(saved, probe):
     out = model.generate(torch.tensor([[2, 3, 4]]), steps=2, gen_length=4, seed=0)
     with pytest.raises(ArgumentError, match=r"recorded no 'received_attention'.*record=\[ReceivedAttention\(\)\]"):
         probe(out)
+
+
+def test_max_memory_gpu_index_must_exist_on_this_machine(monkeypatch):
+    """With N GPUs the indices are 0..N-1: index N is refused (naming the key), N-1 accepted."""
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.loading.placement_checks import check_max_memory
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert check_max_memory({1: "1GiB", "cpu": 10}, real=True) is not None
+    for key in (2, "cuda:2"):
+        with pytest.raises(ArgumentError, match="max_memory"):
+            check_max_memory({key: "1GiB"}, real=True)
+    assert check_max_memory({5: "1GiB"}, real=False) is not None  # planning for another machine: any index
