@@ -301,3 +301,13 @@ def test_max_memory_gpu_index_must_exist_on_this_machine(monkeypatch):
         with pytest.raises(ArgumentError, match="max_memory"):
             check_max_memory({key: "1GiB"}, real=True)
     assert check_max_memory({5: "1GiB"}, real=False) is not None  # planning for another machine: any index
+
+
+@pytest.mark.parametrize("value, valid", [("10GiBx", "10GiB"), ("10Gbit", "10GB"), ("5MB of RAM", "5MB")])
+def test_max_memory_size_strings_with_trailing_text_are_refused(value, valid):
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.loading.placement_checks import check_max_memory
+
+    with pytest.raises(ArgumentError, match=r"max_memory\['cpu'\]"):
+        check_max_memory({"cpu": value}, real=False)
+    assert check_max_memory({"cpu": valid}, real=False) == {"cpu": valid}
