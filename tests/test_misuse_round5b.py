@@ -311,3 +311,13 @@ def test_max_memory_size_strings_with_trailing_text_are_refused(value, valid):
     with pytest.raises(ArgumentError, match=r"max_memory\['cpu'\]"):
         check_max_memory({"cpu": value}, real=False)
     assert check_max_memory({"cpu": valid}, real=False) == {"cpu": valid}
+
+
+def test_distinct_ids_treats_id_0_as_an_id():
+    """Token id 0 is a real id (often pad or a special token), not "unset": two roles at 0 collide."""
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.validate import distinct_ids
+
+    with pytest.raises(ArgumentError, match="mask_id=0 and eos_id=0"):
+        distinct_ids({"mask_id": 0, "eos_id": 0, "pad_id": None}, why="planted.")
+    distinct_ids({"mask_id": 0, "eos_id": 1, "pad_id": None}, why="planted.")
