@@ -79,3 +79,16 @@ def test_the_plan_follows_the_attention_path_the_run_takes():
     plain, chunked = act(), act(record=[ReceivedAttention()])
     explicit = act(cache="blocks.0.attn.hook_pattern")
     assert plain < chunked < explicit
+
+
+def test_attention_phase_counts_k_and_v_only_without_a_kv_cache():
+    """Without a cache the block's k and v are its own tensors; with one they are the cache's (its own column)."""
+    from mdm_lens import MDMConfig
+    from mdm_lens.hooks.forward_bytes import attention_phase_bytes
+
+    cfg = MDMConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_head=8, d_mlp=48, d_vocab=50,
+                    n_ctx=256, mask_token_id=49)
+    for path in ("sdpa", "chunked", "explicit"):
+        own = attention_phase_bytes(cfg, 3, 40, 4, path, kv_cache=False)
+        cached = attention_phase_bytes(cfg, 3, 40, 4, path, kv_cache=True)
+        assert own - cached == 2 * 3 * 40 * 2 * 8 * 4, path  # k and v: [batch, pos, kv_heads * d_head] fp32

@@ -283,13 +283,16 @@ def test_jaccard_of_two_empty_sets_is_excluded_and_counted():
     rows += [dict(item_id="a", layer=0, step=None, metric="mean_jaccard", value=probe_mean)]
     rows += [dict(item_id="b", layer=0, step=s, metric="n_anchors", value=0.0) for s in range(3)]  # all empty
     rows += [dict(item_id="b", layer=0, step=None, metric="mean_jaccard", value=float("nan"))]
+    rows += [dict(item_id="c", layer=0, step=0, metric="n_anchors", value=2.0),   # one step: no pair at all
+             dict(item_id="c", layer=0, step=None, metric="mean_jaccard", value=float("nan"))]
     t = pd.DataFrame(rows).astype({"step": "Int64"})
     jd = summary.jaccard_defined(t).set_index(["item_id", "metric"])["value"]
     assert jd[("a", "jaccard_defined")] == pytest.approx(1 / 6) and jd[("a", "n_empty_pairs")] == 1.0
     assert np.isnan(jd[("b", "jaccard_defined")]) and jd[("b", "n_empty_pairs")] == 2.0
+    assert np.isnan(jd[("c", "jaccard_defined")]) and np.isnan(jd[("c", "n_empty_pairs")])  # undefined, not 0
     s = summary.summarize({"temporal": t})["temporal"].set_index("metric")
     assert s.loc["jaccard_defined", "mean"] == pytest.approx(1 / 6)
-    assert (s.loc["jaccard_defined", "n"], s.loc["jaccard_defined", "n_excluded"]) == (1, 1)
+    assert (s.loc["jaccard_defined", "n"], s.loc["jaccard_defined", "n_excluded"]) == (1, 2)  # b (all empty) and c (no pair)
 
 
 def test_summaries_never_average_positions_or_mix_passage_counts():
