@@ -1,4 +1,4 @@
-"""Round 5a of misuse checks (issue #32, held-out findings /work/audit/misuse5: S2, S3, C1, C2, C3 and the DDiT
+"""Round 5a of misuse checks (issue #32, held-out findings of round five: S2, S3, C1, C2, C3 and the DDiT
 UNCLEAR items). Each test pins a class of input that used to pass silently or fail with a raw error: the class test
 runs every registered sampler on a model of every family and requires it to run or to be refused with a
 SamplerConfigError before any forward."""
