@@ -259,3 +259,18 @@ def test_a_ragged_last_block_leaves_the_whole_blocks_as_they_were(bd3):
     s = get("bd3lm").settings(model, dict(gen_length=14, steps=4))
     assert get("bd3lm").plan(s, 1).n_blocks == 4 and get("bd3lm").plan(s, 1).n_steps == 16
     assert ragged.attention_mask.shape == ragged.tokens.shape
+
+
+@pytest.mark.parametrize("kv_cache", [False, True])
+def test_one_step_per_block_stores_each_block_once(bd3, kv_cache):
+    # one step unmasks a whole block (mask_prob 0); the block's keys must be stored once, not again by the branch
+    # for all-prompt blocks (a one-step loop also ends at i == 0), else every later block sees shifted keys
+    model, sd = bd3
+    calls = []
+    out = model.generate(torch.full((2, 1), 7), gen_length=15, steps=1, first_hitting=False, kv_cache=kv_cache,
+                         seed=3, fwd_hooks=[("hook_embed", lambda t, hook: calls.append(t.shape[1]))])
+    torch.manual_seed(3)
+    np.random.seed(3)
+    ref = reference_semi_ar(BD3Reference(sd, 4, N, BS), 2, 1, 4, 7, MASK, first_hitting=False, kv_cache=kv_cache)
+    assert torch.equal(out.tokens, ref)
+    assert len(calls) == (8 if kv_cache else 4)  # 4 blocks: one denoising forward each (+ one storing forward)

@@ -197,6 +197,7 @@ class BD3LMSampler(DDiTSampler):
         ones = torch.ones((batch, 1), dtype=torch.float32)
         t: Any = 1
         timesteps, dt, p_x0 = torch.linspace(1, 0, s.steps), 1 / s.steps, None
+        stepped = False  # a one-step loop also ends with i == 0, so `i` cannot tell an all-prompt block apart
         for i in range(s.steps):
             # the block is done when it holds no mask (the reference tests the whole canvas, which differs only
             # when an earlier block kept masks: first hitting with fewer steps than masks; there it would draw a
@@ -211,6 +212,7 @@ class BD3LMSampler(DDiTSampler):
             mc_s = mc_t - dt
             sigma = torch.min(-torch.log(1 - mc_t), torch.tensor(SIGMA_MAX, dtype=torch.float32)).mean(-1)
             blk = x[:, lo:end]
+            stepped = True
             if p_x0 is None:
                 logits = self._forward(runner, x, prompt, b, mc_t[:, 0], sigma.to(x.device), run, s, cache)
                 p_x0 = nucleus(subs(logits, blk, mask_id).to(torch.float64).exp(), s.nucleus_p)
@@ -230,7 +232,7 @@ class BD3LMSampler(DDiTSampler):
                 run["step"] += 1
             p_x0 = None if bool(changed.any()) else p_x0
             x = x_new
-        if cache is not None and i == 0 and not bool((x[:, lo:end] == mask_id).any()):
+        if cache is not None and not stepped and not bool((x[:, lo:end] == mask_id).any()):
             # a block with no mask (all prompt): the reference never meets one; its keys are stored all the same
             zero = torch.zeros(batch, device=x.device)
             self._forward(runner, x, prompt, b, zero, zero, run, s, cache, store=True)
