@@ -63,6 +63,11 @@ class SamplerConfigError(ArgumentError):
     """Sampler settings that cannot work together (checked before any compute)."""
 
 
+class StepForwardError(SamplerConfigError):
+    """A run's step ran no forward that one plain forward of its canvas reproduces (a window read through a KV cache
+    filled by earlier forwards): probes that patch or differentiate that forward refuse the step, saying why."""
+
+
 class MemoryBudgetError(MDMLensError, MemoryError):
     """A requested cache would exceed the memory budget."""
 

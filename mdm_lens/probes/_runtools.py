@@ -10,7 +10,8 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.diffusion.replay import BLOCK_SAMPLERS, state_at
-from mdm_lens.errors import ArgumentError, ArgumentTypeError
+from mdm_lens.diffusion.window_replay import WINDOW_SAMPLERS
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, StepForwardError
 
 from . import _checks as C
 
@@ -120,6 +121,9 @@ def step_canvas(out: Any, step: int) -> tuple[Tensor, Tensor]:
     require_fixed_length(out, "patching / knockout (step_canvas)", "a patched or knocked-out position would be a "
                          "different token at another step; replay a step with out.replay(model, s) instead")
     s = validate.index(step, out.n_steps, name="step", what="step")
+    if getattr(out, "sampler", None) in WINDOW_SAMPLERS:
+        x = out.trajectory.x_steps[s][:, :_window_step(out, s)[0]].to(out.tokens.device)
+        return x, torch.ones_like(x)
     if getattr(out, "sampler", None) in BLOCK_SAMPLERS:
         state = state_at(out, s)
         end = int(state.extra["query_end"])
@@ -138,11 +142,47 @@ def step_forward_kwargs(out: Any, step: int | None = None) -> dict[str, Any]:
     sampler's ``step_time``); nothing else for the others (their forward is the plain one)."""
     if getattr(out, "sampler", None) in BLOCK_SAMPLERS:
         return {"block_length": int(out.settings["block_length"])}
+    if getattr(out, "sampler", None) in WINDOW_SAMPLERS:
+        if step is None:
+            return {}
+        s = validate.index(step, out.n_steps, name="step", what="step")
+        return {"sigma": _window_step(out, s)[1].to(out.tokens.device)}
     sampler = _registered(getattr(out, "sampler", None))
     if step is not None and hasattr(sampler, "step_time"):
         s = validate.index(step, out.n_steps, name="step", what="step")
         return {"sigma": sampler.step_time(out.settings, s, out.tokens.shape[0])[1].to(out.tokens.device)}
     return {}
+
+
+def _window_step(out: Any, s: int) -> tuple[int, Tensor]:
+    """`(end, σ)` of BD3LM step `s` when one plain forward of the canvas `[0, end)` at σ is the forward the step
+    ran (no KV cache, a window that starts at position 0); otherwise `StepForwardError` saying why. A step that ran
+    no forward (it sampled again from step j's p(x0), the canvas unchanged) is step j's forward, at j's σ."""
+    from mdm_lens.diffusion import window_replay
+
+    if out.sampler != "bd3lm":
+        raise StepForwardError(
+            f"step {s} of this {out.sampler!r} run is a forward of one block's rows against a KV cache that an "
+            "earlier causal forward filled (or that causal forward itself): the prompt reaches the block only through "
+            "that cache, so patching or differentiating one forward of the canvas would test a forward the run never "
+            "ran. knockout() and the step lens read the run's own forwards.", argument="out", value=out.sampler,
+            allowed="a run whose step forwards are plain forwards of the canvas")
+    state = window_replay.state_at(out, s)
+    source = state.extra.get("reused_from")
+    if source is not None:
+        state = window_replay.state_at(out, source)
+    if state.extra["kv_cache"]:
+        raise StepForwardError(
+            f"step {s} of this bd3lm run read the earlier blocks through its KV cache (kv_cache=True: keys stored at "
+            "earlier steps' σ); one plain forward of the canvas is a different forward. Rerun with kv_cache=False.",
+            argument="out", value="kv_cache=True", allowed="a run with kv_cache=False")
+    if state.keys.start != 0:
+        raise StepForwardError(
+            f"step {s} of this bd3lm run forwarded the window [{state.keys.start}, {state.keys.stop}) (context_size / "
+            "model_length reached), with positions restarting at 0 inside it; a forward of the canvas from position 0 "
+            "is a different forward.", argument="step", value=s,
+            allowed="steps whose window starts at position 0 (canvas within context_size)")
+    return int(state.keys.stop), state.extra["sigma"]
 
 
 def _registered(name: Any) -> Any:

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler, require_fixed_length
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentTypeError, InputError
+from mdm_lens.errors import ArgumentTypeError, InputError, StepForwardError
 from mdm_lens.noisy import notes_for
 
 from . import _causal as C
@@ -259,7 +259,10 @@ def attribution_patching(model: Any, out_or_clean: Any, corrupt: Any, *, steps: 
     negatives count from the end).  ``components``: names of :data:`COMPONENTS`.  ``direction``: ``"noising"``
     or ``"denoising"`` (see the module docstring).  Refuses block-diffusion models (DiffusionGemma) and
     KV-cached runs (``InputError``), out-of-range steps and layers (``OutOfRangeError``).  A step that commits
-    no position gets NaN estimates with reason :data:`NOTHING_COMMITTED`."""
+    no position gets NaN estimates with reason :data:`NOTHING_COMMITTED`.  On the windowed samplers a BD3LM step
+    (``kv_cache=False``, its window starting at 0) is one canvas forward at the step's σ, run exactly; a step whose
+    window slid past model_length, and every Nemotron step (a block read against a KV cache), is NaN with the
+    reason (``StepForwardError``'s message)."""
     refuse_variable_sampler(generate_kwargs, 'attribution_patching',
                             'an attribution at column j would sum over different tokens across steps')
     require_fixed_length(out_or_clean, 'attribution_patching', 'an attribution at column j would sum over '
@@ -277,9 +280,13 @@ def attribution_patching(model: Any, out_or_clean: Any, corrupt: Any, *, steps: 
     _refuse_cached(out)
     step_list = validate.indices(steps, out.n_steps, name="steps", what=f"step of this {out.n_steps}-step run")
     names = {c: [COMPONENTS[c].format(l=l) for l in ls] for c in comps}
-    per_step = []
+    per_step: list = []
     for s in step_list:
-        pair = _pair(model, out, corrupt, s)
+        try:
+            pair = _pair(model, out, corrupt, s)
+        except StepForwardError as e:  # a windowed step no canvas forward reproduces: NaN with the reason
+            per_step.append(e.args[0])
+            continue
         per_step.append(_step(model, out, pair, names, metric, direction, per_position, _exact)
                         if bool(pair.committed.any()) else None)
     return _result(model, step_list, ls, comps, direction, metric, corrupt, per_step, per_position, _exact)
@@ -301,17 +308,20 @@ def _hook_like(corrupt: Any) -> bool:
 def _result(model: Any, steps: list[int], ls: list[int], comps: list[str], direction: str, metric: Any,
             corrupt: Any, per_step: list, per_position: bool, exact: bool) -> AttributionResult:
     def stack(key: str) -> dict[str, Tensor]:
-        return {c: torch.stack([_nan_like(model, c, len(ls)) if r is None else r[key][c] for r in per_step])
+        return {c: torch.stack([r[key][c] if isinstance(r, dict) else _nan_like(model, c, len(ls)) for r in per_step])
                 for c in comps}
+
+    def value(r: Any, key: str) -> float:
+        return r[key] if isinstance(r, dict) else math.nan
     # noising's base is the clean run, denoising's the corrupted one
     clean_key, corr_key = ("base", "source") if direction == "noising" else ("source", "base")
     return AttributionResult(
         steps=steps, layers=ls, components=comps, direction=direction, metric=C.metric_name(metric),
         corruption=_corruption_name(corrupt), estimates=stack("est"),
-        clean_value=[math.nan if r is None else r[clean_key] for r in per_step],
-        corrupt_value=[math.nan if r is None else r[corr_key] for r in per_step],
-        reason=["" if r is not None else NOTHING_COMMITTED for r in per_step],
-        per_position={c: [None if r is None else r["pos"][c] for r in per_step] for c in comps} if per_position
+        clean_value=[value(r, clean_key) for r in per_step], corrupt_value=[value(r, corr_key) for r in per_step],
+        reason=["" if isinstance(r, dict) else NOTHING_COMMITTED if r is None else r for r in per_step],
+        per_position={c: [r["pos"][c] if isinstance(r, dict) else None for r in per_step] for c in comps}
+        if per_position
         else None, exact=stack("exact") if exact else None, notes=notes_for(model.cfg))
 
 

@@ -36,9 +36,10 @@ def test_sweep_and_report_run_on_the_family(tmp_path, family):
     data = tmp_path / "items.jsonl"
     data.write_text("\n".join(json.dumps(item) for item in ITEMS) + "\n")
     out = tmp_path / "sweep"
-    assert main(["sweep", "--model", str(folder), "--data", str(data), "--probes", PROBES, "--out", str(out),
+    probes = PROBES + ",atp"
+    assert main(["sweep", "--model", str(folder), "--data", str(data), "--probes", probes, "--out", str(out),
                  "--limit", "2", "--gen-length", "4", "--steps", "2", "--template", "zoo", "--no-progress"]) == 0
-    for probe in PROBES.split(","):
+    for probe in probes.split(","):
         table = pd.read_parquet(out / f"{probe}.parquet")
         assert len(table) > 0, probe
         if "item_id" in table:
@@ -48,6 +49,8 @@ def test_sweep_and_report_run_on_the_family(tmp_path, family):
         assert notes == []
     else:
         assert ("no [MASK] token" if family == "duo" else "hybrid mask/uniform") in notes[0]
+    atp = pd.read_parquet(out / "atp.parquet")  # BD3LM without kv_cache: each step is a canvas forward at its σ
+    assert atp["value"].notna().any() and atp.loc[atp["value"].isna(), "reason"].str.len().gt(0).all()
     if family == "bd3lm":  # read from the run itself (lens.run_only, probes.knockout_windowed): values, NaN noted
         _check_bd3lm_tables(out)
         feats = pd.read_parquet(out / "features.parquet")  # replayed windows: pooled residuals, not a refusal

@@ -24,7 +24,7 @@ def test_sweep_and_report_run_on_nemotron(tmp_path):
     data = tmp_path / "items.jsonl"
     data.write_text("\n".join(json.dumps(item) for item in ITEMS) + "\n")
     out = tmp_path / "sweep"
-    assert main(["sweep", "--model", str(folder), "--data", str(data), "--probes", PROBES, "--out", str(out),
+    assert main(["sweep", "--model", str(folder), "--data", str(data), "--probes", PROBES + ",atp", "--out", str(out),
                  "--limit", "2", "--gen-length", "4", "--steps", "4", "--block-length", "4", "--template", "zoo",
                  "--no-progress"]) == 0
     for probe in PROBES.split(","):
@@ -33,6 +33,8 @@ def test_sweep_and_report_run_on_nemotron(tmp_path):
         if "item_id" in table:
             assert set(table["item_id"]) == {"a", "b"}, probe
     _check_lens_and_knockout(out)
+    atp = pd.read_parquet(out / "atp.parquet")  # every step reads the prompt through a cache: NaN, the reason noted
+    assert len(atp) > 0 and atp["value"].isna().all() and atp["reason"].str.contains("KV cache").all()
     feats = pd.read_parquet(out / "features.parquet")  # each step's own forward replayed (window_replay)
     assert not feats["note"].str.contains("not replayable").any()
     assert feats["feature"].map(lambda f: f is not None and bool(np.isfinite(np.asarray(f)).all())).any()
