@@ -112,6 +112,11 @@ def choice(value: Any, allowed: Iterable[T], *, name: str, error: type[ArgumentE
     raise _fail(error, name, value, "expected one of " + ", ".join(repr(a) for a in allowed))
 
 
+def article(word: str) -> str:
+    """"an" before a vowel letter ("an answer position", "an index"), else "a" (messages built from a noun)."""
+    return "an" if word[:1].lower() in "aeiou" and word[:1] else "a"
+
+
 def index(value: Any, size: int, *, name: str, what: str = "index",
           error: type[ArgumentError] = OutOfRangeError) -> int:
     """An int index into `size` items, negative counting from the end; returns it in [0, size)."""
@@ -121,7 +126,7 @@ def index(value: Any, size: int, *, name: str, what: str = "index",
     if size <= 0:
         raise _fail(error, name, value, f"there is no {what} to index (0 available)")
     if not -size <= value < size:
-        raise _fail(error, name, value, f"expected a {what} in [-{size}, {size - 1}]",
+        raise _fail(error, name, value, f"expected {article(what)} {what} in [-{size}, {size - 1}]",
                     f"there are {size}; negative values count from the end")
     return value % size
 
@@ -169,7 +174,7 @@ def instances(value: Any, types: type | tuple[type, ...], *, name: str, allow_si
         raise _fail(ArgumentTypeError, name, value, f"expected a list of {names}")
     for i, item in enumerate(value):
         if not isinstance(item, types):
-            raise _fail(ArgumentTypeError, f"{name}[{i}]", item, f"expected a {names}")
+            raise _fail(ArgumentTypeError, f"{name}[{i}]", item, f"expected {article(names)} {names}")
     return list(value)
 
 
@@ -198,7 +203,8 @@ def tensor(value: Any, *, name: str, ndim: int | Sequence[int] | None = None,
             if value.numel() == 0:
                 raise _fail(ArgumentError, name, value, f"expected a non-empty {' or '.join(kinds)} tensor",
                             "it is empty (torch.tensor([]) is float32 by default)")
-            raise _fail(ArgumentTypeError, name, value, f"expected a {' or '.join(kinds)} tensor")
+            kind = " or ".join(kinds)
+            raise _fail(ArgumentTypeError, name, value, f"expected {article(kind)} {kind} tensor")
     if finite:
         _finite(value, name=name)
     return value

@@ -8,8 +8,10 @@ from typing import Any, Sequence
 import torch
 
 from mdm_lens import validate
+from mdm_lens.errors import ArgumentTypeError
 from mdm_lens.diffusion import arguments, registry
 from mdm_lens.diffusion.observation_checks import check_observation
+from mdm_lens.diffusion.registry import Observation
 from mdm_lens.hooks.plan import MemoryPlan, build_plan
 from mdm_lens.loading.placement_checks import check_max_memory
 
@@ -31,10 +33,14 @@ def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: 
     if prompt is not None:  # as generate reads it: text needs a tokenizer (InputError), ids are checked
         ids, _ = arguments.prompt_tokens(model, prompt, None)
         batch, prompt_length = ids.shape
+    elif prompt_length is None:
+        raise ArgumentTypeError("memory_plan needs the run's shapes: pass prompt (token ids or text) or prompt_length "
+                                "(and batch, default 1).", argument="prompt", value=None,
+                                allowed="token ids [batch, pos], a text, or prompt_length=int")
     prompt_length = validate.integer(prompt_length, name="prompt_length", min=1)
     batch = validate.integer(1 if batch is None else batch, name="batch", min=1)
     gen = getattr(resolved, "gen_length", None) or getattr(resolved, "max_new_tokens", 0)
-    _check_length(model, plugin, ids, prompt_length, gen)
+    _check_like_generate(model, plugin, ids, batch, prompt_length, gen, resolved, record, cache)
     steps = getattr(resolved, "steps", None) or gen  # Fast-dLLM v2 has no step count: at most one per token
     # BD3LM takes kv_cache=False (a bool), the Fast-dLLM family None or a cache mode
     kv = getattr(resolved, "kv_cache", None) not in (None, False) or bool(getattr(resolved, "use_block_cache", False))
@@ -42,15 +48,23 @@ def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: 
     return build_plan(model, batch, prompt_length + gen, steps, kv, cache, list(record), max_memory, resolved)
 
 
-def _check_length(model: Any, plugin: Any, ids: Any, prompt_length: int, gen: int) -> None:
-    """The sampler's own prompt check (`_check_prompt`: prompt + gen_length within n_ctx where the sampler has that
-    limit); with only `prompt_length` given, on placeholder ids that are not the mask id."""
-    check = getattr(plugin, "_check_prompt", None)
-    if check is None:
-        return
+def _check_like_generate(model: Any, plugin: Any, ids: Any, batch: int, prompt_length: int, gen: int,
+                         resolved: Any, record: Sequence[Any], cache: Any) -> None:
+    """The sampler's own prompt checks, as `generate` runs them, so that a plan exists only for a run `generate`
+    accepts: `_check_prompt` (prompt + gen_length within n_ctx where the sampler has that limit), `check_ragged`
+    (BD3LM's kv_cache takes whole blocks only) and `check_run` (limits on the batch, e.g. BD3LM's first hitting
+    takes one row); with only `prompt_length` given, on placeholder ids that are not the mask id."""
     if ids is None:
-        ids = torch.full((1, prompt_length), 1 if model.cfg.mask_token_id == 0 else 0, dtype=torch.long)
-    check(model, ids, gen)
+        ids = torch.full((batch, prompt_length), 1 if model.cfg.mask_token_id == 0 else 0, dtype=torch.long)
+    check = getattr(plugin, "_check_prompt", None)
+    if check is not None:
+        check(model, ids, gen)
+    ragged = getattr(plugin, "check_ragged", None)
+    if ragged is not None:
+        ragged(model, ids, resolved)
+    run_check = getattr(plugin, "check_run", None)
+    if run_check is not None:
+        run_check(ids, torch.ones_like(ids), resolved, Observation(record=list(record), cache=cache))
 
 
 def guard(model: Any, prompt: Any, sampler: str, settings: dict[str, Any], record: Sequence[Any], cache: Any) -> None:

@@ -367,6 +367,10 @@ def _condition_notes(names: list[str], per: list[dict], value: Tensor) -> list[s
         if p.get("unmatched", 0) > 0:
             why.append(f"unmatched control: at {p['unmatched']:g} (forward, layer) cuts fewer other keys were visible "
                        "than there are targets, so it cut fewer keys (compare n_targets)")
+        nt = torch.as_tensor(p.get("nt", []), dtype=torch.float64).nan_to_num(0.0)
+        if name != "clean" and nt.numel() and not bool((nt > 0).any()):
+            why.append(f"nothing cut: the {name} condition found no target key at any scored step (e.g. no anchor "
+                       "passed the rule), so it is the clean run")
         if p.get("kept", 0) > 0:
             why.append(f"{p['kept']:g} query rows kept their scores: every visible key was a target (softmax "
                        "over no key is undefined)")

@@ -1,0 +1,60 @@
+"""Held-out misuse, round six: memory_plan runs generate's own prompt/batch checks (a plan exists only for a run
+generate accepts), names what is missing when no shape is given, range messages read as English, and a knockout
+condition that cut nothing says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mdm_lens import HookedMDM, validate
+from mdm_lens.errors import ArgumentTypeError, OutOfRangeError, SamplerConfigError
+from mdm_lens.probes.knockout import knockout
+from tests.families.bd3gidd_checkpoints import write_bd3lm
+
+
+@pytest.fixture(scope="module")
+def bd3(tmp_path_factory):
+    folder, _ = write_bd3lm(tmp_path_factory.mktemp("bd3m6"), seed=1)
+    return HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
+
+
+@pytest.mark.parametrize("shape", [dict(prompt=torch.full((1, 1), 7)), dict(prompt_length=1)])
+def test_memory_plan_refuses_the_kv_cache_length_generate_refuses(bd3, shape):
+    with pytest.raises(SamplerConfigError, match="multiple of block_size") as plan_err:
+        bd3.memory_plan(**shape, gen_length=14, steps=4, kv_cache=True)
+    with pytest.raises(SamplerConfigError) as gen_err:
+        bd3.generate(torch.full((1, 1), 7), gen_length=14, steps=4, kv_cache=True)
+    assert str(plan_err.value) == str(gen_err.value)
+    assert bd3.memory_plan(**shape, gen_length=15, steps=4, kv_cache=True) is not None  # whole blocks: planned
+
+
+def test_memory_plan_refuses_a_batch_first_hitting_cannot_take(bd3):
+    with pytest.raises(SamplerConfigError, match="one row at a time"):
+        bd3.memory_plan(prompt_length=1, batch=2, gen_length=15, steps=4)
+    assert bd3.memory_plan(prompt_length=1, batch=2, gen_length=15, steps=4, first_hitting=False) is not None
+
+
+def test_memory_plan_without_a_shape_names_prompt():
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    with pytest.raises(ArgumentTypeError, match="pass prompt") as err:
+        model.memory_plan(gen_length=4, steps=4)
+    assert err.value.argument == "prompt"
+
+
+@pytest.mark.parametrize("what, article", [("answer position of 4", "an"), ("index", "an"), ("layer", "a"),
+                                           ("step of this 4-step run", "a")])
+def test_range_messages_take_the_right_article(what, article):
+    with pytest.raises(OutOfRangeError) as err:
+        validate.index(9, 4, name="x", what=what)
+    assert f"expected {article} {what} in [-4, 3]" in str(err.value)
+
+
+def test_a_condition_that_cut_nothing_says_so():
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    r = knockout(model, model.to_tokens("The capital is"), targets=[], gen_length=4, n_steps=4)
+    notes = dict(zip(r.conditions, r.condition_notes))
+    assert bool((r.n_targets == 0).all())
+    assert notes["clean"] == "" and notes["targets"].startswith("nothing cut")
+    cut = knockout(model, model.to_tokens("The capital is"), targets=[0, 1], gen_length=4, n_steps=4)
+    assert not any("nothing cut" in n for n in cut.condition_notes)  # keys were cut: no such note
