@@ -18,12 +18,12 @@ from mdm_lens.cli import main
 PROBES = "accuracy,absorption,temporal,qk,retrieval,flow,knockout,lens,cache,features"
 FAMILY_PROBES = {
     # block-causal, one uncached forward per step: every probe runs here, and the report is built on this sweep
-    "llada2": PROBES,
+    "llada2": PROBES + ",atp",
     # KV-cached block forwards: the probes that read what the sampler's forwards saw (the generation, attention
     # recorded on the cached rows, knockout's cache-detached pre-pass, the lens on replayed rows, the cache table,
     # residual features, retrieval's TopKKeys records on the cached rows: test_family_patch.py checks them against
     # the replay). qk / flow run the same plain block-mask forward of the final sequence as on LLaDA2
-    "sdar": "accuracy,absorption,temporal,retrieval,knockout,lens,cache,features",
+    "sdar": "accuracy,absorption,temporal,retrieval,knockout,lens,cache,features,atp",
     # bidirectional MoE through the llada sampler: the generation, attention hooks and the KV-cached run (cache)
     # through the MoE blocks; the rest is LLaDA's code path, swept on LLaDA in tests/test_sweep.py
     "lladamoe": "accuracy,temporal,cache",
@@ -69,7 +69,9 @@ def test_sweep_runs_on_the_family(tmp_path, family):
 
 
 def test_every_probe_runs_on_a_block_causal_family():
-    assert set(FAMILY_PROBES["llada2"].split(",")) == set(PROBES.split(","))
+    from mdm_lens.sweep.adapter import PROBES as ALL  # the sweep's own list: a new probe must be swept here too
+
+    assert set(FAMILY_PROBES["llada2"].split(",")) == set(ALL)
 
 
 def test_a_sweeps_block_length_is_the_mask_of_its_clean_forwards(tmp_path, monkeypatch):

@@ -28,16 +28,17 @@ def test_sweep_and_report_run_on_the_family(tmp_path, family):
     out = tmp_path / "sweep"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReferenceConfigWarning)
-        assert main(["sweep", "--model", str(folder), "--data", str(data), "--probes", PROBES, "--out", str(out),
+        assert main(["sweep", "--model", str(folder), "--data", str(data), "--probes", PROBES + ",atp", "--out", str(out),
                      "--limit", "2", "--gen-length", "4", "--steps", "2", "--template", "zoo", "--no-progress",
                      "--batch-size", "1"]) == 0  # RND1 decodes one prompt at a time; CoDA refuses padding
         assert main(["report", str(out)]) == 0
-    for probe in PROBES.split(","):
+    for probe in (PROBES + ",atp").split(","):
         table = pd.read_parquet(out / f"{probe}.parquet")
         assert len(table) > 0, probe
         if "item_id" in table:
             assert set(table["item_id"]) == {"a", "b"}, probe
     assert (out / "report").is_dir() and any((out / "report").iterdir())
+    assert pd.read_parquet(out / "atp.parquet")["value"].notna().all()  # plain canvas forwards: every step defined
 
 
 def test_router_probe_on_rnd1(tmp_path):
