@@ -58,3 +58,30 @@ def test_a_condition_that_cut_nothing_says_so():
     assert notes["clean"] == "" and notes["targets"].startswith("nothing cut")
     cut = knockout(model, model.to_tokens("The capital is"), targets=[0, 1], gen_length=4, n_steps=4)
     assert not any("nothing cut" in n for n in cut.condition_notes)  # keys were cut: no such note
+
+
+def _ddit_models(tmp_path):
+    from tests.families.bd3gidd_checkpoints import write_gidd
+    from tests.families.ddit_checkpoints import DUO_CONFIG, MDLM_CONFIG, write_ddit
+
+    load = lambda folder: HookedMDM.from_pretrained(str(folder), load_tokenizer=False)  # noqa: E731
+    return dict(mdlm=load(write_ddit(tmp_path / "m", MDLM_CONFIG)[0]), duo=load(write_ddit(tmp_path / "d", DUO_CONFIG)[0]),
+                bd3lm=load(write_bd3lm(tmp_path / "b")[0]), gidd=load(write_gidd(tmp_path / "g")[0]))
+
+
+def test_settings_built_directly_are_checked_by_resolve(tmp_path):
+    # resolve() is the settings' own check (as every sampler's resolve validates its fields), not only the
+    # registry's table: a dataclass built by hand with an out-of-range value is refused naming the field
+    from mdm_lens.diffusion.bd3lm import BD3LMSettings
+    from mdm_lens.diffusion.ddit import DuoSettings, MDLMSettings
+    from mdm_lens.diffusion.gidd import GiddSettings
+
+    models = _ddit_models(tmp_path)
+    cases = [(MDLMSettings(gen_length=4, steps=4, eps=1.5), "mdlm", "eps"),
+             (DuoSettings(gen_length=4, steps=4, p_nucleus=0.0), "duo", "p_nucleus"),
+             (BD3LMSettings(gen_length=4, steps=4, nucleus_p=1.5), "bd3lm", "nucleus_p"),
+             (GiddSettings(gen_length=4, steps=4, min_p=1.0), "gidd", "min_p")]
+    for settings, family, field in cases:
+        with pytest.raises(SamplerConfigError) as err:
+            settings.resolve(models[family])
+        assert err.value.argument == field, (family, err.value)
