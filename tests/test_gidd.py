@@ -132,3 +132,15 @@ def test_sampler_steps_carry_t_descending(gidd):
                    fwd_hooks=[("hook_sigma", lambda s, hook: ts.append(float(s[0])))])
     grid = [(1 - 2e-4) * k / 5 + 1e-4 for k in (4, 3, 2, 1, 0)]
     assert ts == pytest.approx(grid, abs=1e-6)
+
+
+def test_a_min_p_that_leaves_no_candidate_is_refused(gidd):
+    # a posterior whose largest entry is below min_p renormalises 0/0 in the reference (a garbage draw): refused,
+    # naming the step and position; a min_p at that largest probability keeps the argmax and runs
+    from mdm_lens.errors import NonFiniteError
+
+    model, _ = gidd
+    with pytest.raises(NonFiniteError, match="left no candidate at step 0") as err:
+        model.generate(torch.tensor([[3, 4]]), gen_length=10, steps=7, min_p=0.999, seed=4)
+    assert err.value.argument == "min_p"
+    assert model.generate(torch.tensor([[3, 4]]), gen_length=10, steps=7, min_p=0.05, seed=4).tokens.shape == (1, 12)

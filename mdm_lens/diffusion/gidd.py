@@ -25,6 +25,7 @@ from mdm_lens.diffusion.ddit import DDiTSampler, _full_mask, commit, masked_canv
 from mdm_lens.diffusion.output import TrajectoryRecorder
 from mdm_lens.diffusion.registry import register, resolved
 from mdm_lens.noisy import hybrid_noisy
+from mdm_lens.errors import NonFiniteError
 
 
 @dataclass
@@ -43,6 +44,22 @@ class GiddSettings(CanvasSettings):
 
 # min_p = 1 zeroes every entry below probability 1 (all of them short of a one-hot): nothing left to renormalise
 GiddSettings.rules = {**CanvasSettings.rules, "min_p": R.number(0, 1, high_open=True)}
+
+
+def _min_p(q: Tensor, min_p: float, prompt: Tensor, step: int) -> Tensor:
+    """The reference's filter: entries below `min_p` zeroed, renormalised. Where a generated position keeps no entry
+    (its largest probability is below `min_p`), the reference renormalises 0/0 and draws from NaN (a garbage id);
+    that is refused here, naming the step, the position and its largest probability."""
+    kept = q * (q >= min_p)
+    total = kept.sum(-1, keepdim=True)
+    empty = (total[..., 0] == 0) & ~prompt
+    if bool(empty.any()):
+        row, pos = (int(i) for i in empty.nonzero()[0])
+        raise NonFiniteError(f"min_p={min_p} left no candidate at step {step} (row {row}, position {pos}: its largest "
+                             f"posterior probability is {float(q[row, pos].max()):.3g}), so the draw would be from "
+                             "0/0. Lower min_p.", argument="min_p", value=min_p,
+                             allowed=f"a value ≤ {float(q[row, pos].max()):.3g} here, or 0 (no filter)")
+    return kept / total
 
 
 def inverse_cdf(q: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -87,8 +104,7 @@ class GiddSampler(DDiTSampler):
             logits[..., mask_id] = MASK_LOGIT
             q = gidd_posterior(noise, logits, x, t.to(x.device), s_.to(x.device))
             if s.min_p > 0:
-                q = q * (q >= s.min_p)
-                q = q / q.sum(-1, keepdim=True)
+                q = _min_p(q, s.min_p, prompt, k)
             x_new = torch.where(prompt, x, inverse_cdf(q, generator))
             commit(runner, recorder, k, x, x_new)
             x = x_new
