@@ -11,6 +11,9 @@ shows its token, so later steps test whether the layer keeps it). The final toke
 (see `mdm_lens.lens.logit`). Emergence is measured on the recorded steps: a trace of every 4th step gives the
 first recorded step of the final stable run. `lead = commit_step - emergence_step` (steps known before decoded).
 A position where the top-1 is not the final token at the horizon has no emergence: NA with the reason in `note`.
+On a trace read from a windowed run (Nemotron, BD3LM: `mdm_lens.lens.run_only`) a (step, position) the run's
+forwards did not compute has top-1 −1: it is skipped (neither counted nor breaking the run); a position with no
+computed step up to its horizon is NA, noted as such (not as a wrong top-1).
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ __all__ = ["answer_emergence", "emergence_steps", "HORIZONS"]
 HORIZONS = ("commit", "end")
 
 
-def emergence_steps(correct: Tensor, steps: list[int], horizon_end: Tensor) -> Tensor:
+def emergence_steps(correct: Tensor, steps: list[int], horizon_end: Tensor, computed: Tensor | None = None) -> Tensor:
     """Vectorised core: `correct` `[step, layer, batch, pos]` (bool, over the recorded `steps`), `horizon_end`
-    `[batch, pos]` (last step that counts). Returns `[layer, batch, pos]` long: the first recorded step s <= end
-    with correct at every recorded step in [s, end]; -1 where there is none (a tensor has no NA: `answer_emergence`
-    turns it into <NA> with a note)."""
+    `[batch, pos]` (last step that counts), `computed` (same shape as `correct`, default all True: False where the
+    lens has no value, e.g. a row a windowed forward did not compute; such cells neither count nor break the run).
+    Returns `[layer, batch, pos]` long: the first recorded step s <= end with correct at every computed recorded
+    step in [s, end]; -1 where there is none (a tensor has no NA: `answer_emergence` turns it into <NA> with a
+    note)."""
     correct = validate.tensor(correct, name="correct", ndim=4, dtype="bool")
     st = torch.as_tensor(validate.instances(list(steps) if isinstance(steps, (list, tuple, range)) else steps, int,
                                             name="steps"))
@@ -40,11 +45,14 @@ def emergence_steps(correct: Tensor, steps: list[int], horizon_end: Tensor) -> T
         raise InputError(f"steps has {len(st)} entries for correct's {correct.shape[0]} recorded steps.",
                          argument="steps", value=list(steps), allowed=f"{correct.shape[0]} step indices")
     validate.tensor(horizon_end, name="horizon_end", shape=tuple(correct.shape[2:]), dtype="int")
-    inside = st[:, None, None] <= horizon_end[None]                     # [step, batch, pos]
+    if computed is not None:
+        validate.tensor(computed, name="computed", shape=tuple(correct.shape), dtype="bool")
+    inside = (st[:, None, None] <= horizon_end[None])[:, None]          # [step, 1, batch, pos]
+    inside = inside & computed if computed is not None else inside.expand_as(correct)
     run = torch.ones(correct.shape[1:], dtype=torch.bool)              # all correct from here to the end (so far)
     first = torch.full(correct.shape[1:], -1, dtype=torch.long)
     for i in range(len(steps) - 1, -1, -1):                             # walk back from the horizon
-        here = inside[i][None]
+        here = inside[i]
         run = torch.where(here, run & correct[i], run)
         first = torch.where(here & run, st[i], first)
     return first
@@ -64,16 +72,22 @@ def answer_emergence(trace, *, horizon: str = "commit") -> pd.DataFrame:
     last = max(trace.steps)
     end = commit.clone() if horizon == "commit" else torch.full_like(commit, last)
     end = torch.where(end < 0, torch.full_like(end, last), end)        # never committed (idle): up to the last step
-    first = emergence_steps(trace.correct, trace.steps, end)
-    st = torch.as_tensor(trace.steps)
-    recorded_end = torch.stack([torch.where(st <= e, st, -1).max() for e in end.reshape(-1)]).reshape(end.shape)
+    computed = trace.top1 >= 0  # a run-only trace marks rows its forwards did not compute with -1
+    first = emergence_steps(trace.correct, trace.steps, end, computed)
+    st = torch.as_tensor(trace.steps)[:, None, None, None]
+    # the last recorded step with a lens value at or before the horizon, per (layer, row, position)
+    recorded_end = torch.where((st <= end[None, None]) & computed, st, -1).amax(0)
     li, bi, pi = np.indices((L, B, P)).reshape(3, -1)
     f = first.numpy()[li, bi, pi]
     c = commit.numpy()[bi, pi]
-    e = recorded_end.numpy()[bi, pi]
+    e = recorded_end.numpy()[li, bi, pi]
     note = np.full(f.shape, None, dtype=object)
     note[(f < 0) & (e >= 0)] = [f"top-1 is not the final token at step {s}" for s in e[(f < 0) & (e >= 0)]]
-    note[e < 0] = "no recorded step at or before the commit"
+    uncomputed = bool((~computed).any())
+    note[e < 0] = ("no recorded step with a lens value at or before the "
+                   f"{'commit' if horizon == 'commit' else 'last step'}" +
+                   (" (the run's forwards did not compute this position there: trace.meta['not_computed'])"
+                    if uncomputed else ""))
     df = pd.DataFrame({"batch": bi, "layer": np.asarray(trace.layers)[li], "position": np.asarray(trace.positions)[pi],
                        "final_token": trace.final_tokens.numpy()[bi, pi], "commit_step": c,
                        "emergence_step": f, "note": pd.array(note, dtype="string")})

@@ -28,6 +28,33 @@ def test_planted_emergence_steps():
     assert grid.tolist() == [[[0, 4, 0, -1]]]
 
 
+def test_planted_emergence_skips_cells_the_lens_did_not_compute():
+    # a windowed run: pos 0 is computed at steps 1-2 only, pos 1 at steps 0, 1 and 3; uncomputed cells (their
+    # `correct` planted False, as a -1 top-1 would give) neither count nor break the run
+    c = torch.tensor([[0, 1], [1, 0], [1, 0], [0, 1]], dtype=torch.bool)[:, None, None]
+    computed = torch.tensor([[0, 1], [1, 1], [1, 0], [0, 1]], dtype=torch.bool)[:, None, None]
+    end = torch.tensor([[3, 3]])
+    assert emergence_steps(c, [0, 1, 2, 3], end, computed).tolist() == [[[1, 3]]]
+    assert emergence_steps(c, [0, 1, 2, 3], end).tolist() == [[[-1, 3]]]  # without the mask step 3 breaks pos 0
+
+
+def test_a_windowed_trace_says_a_position_was_not_computed(tmp_path):
+    # Nemotron: a block's first token is committed by a causal forward the lens does not read (NaN there)
+    from mdm_lens import HookedMDM
+    from tests.families.nemotron_fixture import write_nemotron
+
+    model = HookedMDM.from_pretrained(str(write_nemotron(tmp_path / "n")[0]), load_tokenizer=False)
+    out = model.generate(torch.tensor([[7, 9, 11, 3, 5]]), gen_length=8, sampler="nemotron", seed=0,
+                         cache=["blocks.*.hook_resid_post"])
+    trace = lens_trace(model, out)
+    table = answer_emergence(trace)
+    seeds = table[table["commit_step"].isin([0, 4])]  # the prefill and the first commit forward seed positions
+    assert len(seeds) > 0 and seeds["note"].str.contains("did not compute this position").all()
+    assert not table["note"].fillna("").str.contains("top-1 is not the final token at step 0").any()
+    denoised = table[~table["commit_step"].isin([0, 4])]
+    assert denoised["emergence_step"].notna().any()
+
+
 def brute_force(model, out, horizon):
     """{(batch, layer, position): emergence step or None}, from the residuals, one cell at a time."""
     P, n_layers = out.prompt_length, model.cfg.n_layers
