@@ -195,3 +195,35 @@ def test_bf16_autocast_path_follows_the_reference_choreography_and_stays_close(t
         assert float((a.argmax(-1) == b.float().argmax(-1)).float().mean()) > 0.9
     with pytest.raises(ArgumentTypeError, match="autocast"):
         HookedDDiT.from_pretrained(str(folder), load_tokenizer=False, autocast="yes")
+
+
+def test_a_float64_model_computes_norms_time_features_and_rotary_in_float64(tmp_path, monkeypatch):
+    # the references' `.float()` would downcast a float64 run (mdm_lens.precision): against the transcription with
+    # its norm and time features kept in float64, a float64 Duo agrees to float64 rounding, far below fp32's
+    import math
+
+    import torch.nn.functional as F
+
+    from tests.families import ddit_reference as R
+
+    folder, sd = write_ddit(tmp_path / "duo64", DUO_CONFIG, seed=5)
+    model = HookedMDM.from_pretrained(str(folder), load_tokenizer=False, dtype=torch.float64)
+    sd64 = {k: v.double() for k, v in sd.items()}
+    d = model.cfg.d_head  # the hub's inv_freq buffer holds fp32-rounded frequencies: the float64 ones instead
+    sd64["backbone.rotary_emb.inv_freq"] = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    monkeypatch.setattr(R, "_layer_norm", lambda x, w: F.layer_norm(x, [x.shape[-1]]) * w[None, None, :])
+
+    def freqs64(t, dim=256, max_period=10000):
+        half = dim // 2
+        f = torch.exp(-math.log(max_period) * torch.arange(0, half, dtype=torch.float64) / half)
+        args = t[:, None].double() * f[None]
+        return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+    monkeypatch.setattr(R, "_timestep_embedding", freqs64)
+    x, sigma = _tokens(DUO_CONFIG), torch.tensor([0.01, 1.5, 6.9], dtype=torch.float64)
+    ref = R.reference_forward(sd64, 2, x, sigma, time_conditioning=True)
+    got = model(x, sigma=sigma)
+    assert got.dtype == torch.float64 and ref.dtype == torch.float64
+    assert float((got - ref).abs().max()) <= 1e-10 * float(ref.abs().max())
+    _, cache = model.run_with_cache(x, sigma=sigma, names_filter=lambda n: n.endswith(("hook_normalized", "freqs")))
+    assert cache and all(t.dtype == torch.float64 for t in cache.values())

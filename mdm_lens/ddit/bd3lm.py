@@ -25,6 +25,7 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
+from mdm_lens.precision import compute_dtype
 from mdm_lens.ddit.components import DDiTAttention, DDiTBlock, rotary_tables, rotate_half
 from mdm_lens.ddit.model import FORWARD_KEYWORDS, HookedDDiT
 from mdm_lens.ddit.outputs import RETURN_TYPES, check_sigma, check_tokens, finish, refuse_keywords
@@ -201,7 +202,7 @@ class HookedBD3LM(HookedDDiT):
                 raise InputError(f"the training form needs x_t and x0 of shape [batch, model_length={n}]; got "
                                  f"{tuple(tokens.shape)} and {tuple(x0.shape)}.", argument="x0",
                                  value=tuple(x0.shape), allowed=f"({batch}, {n})")
-            cos, sin = rotary_tables(n, d, self.cfg.rope_theta, dev)
+            cos, sin = rotary_tables(n, d, self.cfg.rope_theta, dev, compute_dtype(self.cfg.dtype))
             return (torch.cat([tokens, x0], dim=1), block_diff_mask(n, bs, dev), torch.cat([cos, cos]),
                     torch.cat([sin, sin]), n)
         if cache is not None:
@@ -210,9 +211,9 @@ class HookedBD3LM(HookedDDiT):
                                  f"block [batch={getattr(cache, 'batch', '?')}, block_size={bs}] and a BD3KVCache of "
                                  "this model (model.new_kv_cache(batch)).", argument="kv_cache", value=cache,
                                  allowed=f"a BD3KVCache and tokens of shape [{getattr(cache, 'batch', batch)}, {bs}]")
-            cos, sin = rotary_tables(cache.length, d, self.cfg.rope_theta, dev)
+            cos, sin = rotary_tables(cache.length, d, self.cfg.rope_theta, dev, compute_dtype(self.cfg.dtype))
             return tokens, None, cos, sin, length
-        cos, sin = rotary_tables(length, d, self.cfg.rope_theta, dev)
+        cos, sin = rotary_tables(length, d, self.cfg.rope_theta, dev, compute_dtype(self.cfg.dtype))
         return tokens, block_causal_mask(length, bs, dev), cos, sin, length
 
     def __repr__(self) -> str:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from mdm_lens.config import MDMConfig
+from mdm_lens.precision import at_least_fp32, compute_dtype
 
 FREQ_DIM = 256  # the timestep embedder's sinusoidal width (frequency_embedding_size), fixed in every reference
 MAX_PERIOD = 10000
@@ -27,10 +28,11 @@ def modulate(x: Tensor, shift: Float[Tensor, "batch d_model"], scale: Float[Tens
 
 
 def timestep_frequencies(sigma: Float[Tensor, "batch"]) -> Float[Tensor, "batch 256"]:
-    """cos first, then sin, of σ times 128 geometric frequencies (always fp32, like the reference)."""
-    half = FREQ_DIM // 2
-    freqs = torch.exp(-math.log(MAX_PERIOD) * torch.arange(0, half, dtype=torch.float32, device=sigma.device) / half)
-    args = sigma[:, None].float() * freqs[None]
+    """cos first, then sin, of σ times 128 geometric frequencies: fp32 like the reference, float64 for a float64 σ
+    (a float64 model's: `mdm_lens.precision`)."""
+    half, dtype = FREQ_DIM // 2, compute_dtype(sigma.dtype)
+    freqs = torch.exp(-math.log(MAX_PERIOD) * torch.arange(0, half, dtype=dtype, device=sigma.device) / half)
+    args = sigma[:, None].to(dtype) * freqs[None]
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
@@ -63,7 +65,8 @@ class TimestepEmbedder(nn.Module):
 
 
 class WeightLayerNorm(nn.Module):
-    """LayerNorm without bias: `layer_norm(x.float()) * w` (eps 1e-5); `hook_normalized` sees the product."""
+    """LayerNorm without bias: `layer_norm(x.float()) * w` (eps 1e-5; float64 stays float64,
+    `mdm_lens.precision`); `hook_normalized` sees the product."""
 
     def __init__(self, cfg: MDMConfig):
         super().__init__()
@@ -74,8 +77,8 @@ class WeightLayerNorm(nn.Module):
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         # the references disable autocast around the norm: fp32 under the bf16 autocast path too
         with torch.autocast(device_type=x.device.type, enabled=False):
-            n = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps)
-            return self.hook_normalized(n * self.w.float())
+            n = F.layer_norm(at_least_fp32(x), (x.shape[-1],), eps=self.eps)
+            return self.hook_normalized(n * self.w.to(n.dtype))
 
 
 class AdaLN(nn.Module):
@@ -98,11 +101,13 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotary_tables(n_pos: int, d_head: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
-    """fp32 cos/sin `[pos, d_head]` (`cat(freqs, freqs)`), rebuilt from fp32 frequencies whatever the model dtype:
-    the reference's persistent `inv_freq` buffer would quantise positions if cast to bf16 (trap T1.2)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, device=device).float() / d_head))
-    freqs = torch.outer(torch.arange(n_pos, device=device, dtype=torch.float32), inv_freq)
+def rotary_tables(n_pos: int, d_head: int, theta: float, device: torch.device, dtype: torch.dtype = torch.float32
+                  ) -> tuple[Tensor, Tensor]:
+    """cos/sin `[pos, d_head]` (`cat(freqs, freqs)`) in `dtype` (fp32, or float64 for a float64 model:
+    `mdm_lens.precision.compute_dtype`), rebuilt from frequencies in that dtype whatever the weights' dtype: the
+    reference's persistent `inv_freq` buffer would quantise positions if cast to bf16 (trap T1.2)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, device=device).to(dtype) / d_head))
+    freqs = torch.outer(torch.arange(n_pos, device=device, dtype=dtype), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 

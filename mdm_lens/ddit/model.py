@@ -15,6 +15,7 @@ from transformer_lens.hook_points import HookPoint
 
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
+from mdm_lens.precision import compute_dtype
 from mdm_lens.ddit.components import (AdaLN, DDiTBlock, DDiTEmbed, TimestepEmbedder, WeightLayerNorm, modulate,
                                       rotary_tables)
 from mdm_lens.tokenization import TokenizerMethods
@@ -150,9 +151,10 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
         return_type = validate.choice(return_type, RETURN_TYPES, name="return_type")
         tokens = check_tokens(tokens, self.cfg, attention_mask)
         sigma = check_sigma(self.step_sigma() if sigma is None else sigma, tokens.shape[0], self.cfg, tokens.device)
-        c = self.conditioning(sigma)  # fp32 always: the references compute it outside their autocast
+        c = self.conditioning(sigma)  # fp32 (float64 models: float64): the references compute it outside autocast
         resid = self.hook_embed(self.embed(tokens))
-        cos, sin = rotary_tables(tokens.shape[1], self.cfg.d_head, self.cfg.rope_theta, tokens.device)
+        cos, sin = rotary_tables(tokens.shape[1], self.cfg.d_head, self.cfg.rope_theta, tokens.device,
+                                 compute_dtype(self.cfg.dtype))
         with torch.autocast(device_type=tokens.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             for block in self.blocks:
                 resid = block(resid, c, cos, sin)

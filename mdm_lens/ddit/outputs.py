@@ -11,6 +11,7 @@ from torch import Tensor
 from mdm_lens import inputs, validate
 from mdm_lens.config import MDMConfig
 from mdm_lens.errors import InputError
+from mdm_lens.precision import compute_dtype
 
 RETURN_TYPES = ("logits", "aligned", "log_probs", "subs", "log_softmax", None)
 LENGTH_KEY = {"gidd": "max_seq_len"}  # the config.json key of n_ctx where it is not `model_length`
@@ -63,12 +64,13 @@ def check_tokens(tokens: Any, cfg: MDMConfig, attention_mask: Any) -> Tensor:
 
 
 def check_sigma(sigma: Any, batch: int, cfg: MDMConfig, device: torch.device) -> Float[Tensor, "batch"]:
-    """σ as a float32 `[batch]` tensor: a number or 0-d tensor is broadcast; finite and ≥ 0."""
+    """σ as a `[batch]` tensor in fp32 (float64 for a float64 model, `mdm_lens.precision`): a number or 0-d tensor
+    is broadcast; finite and ≥ 0."""
     if sigma is None:
         if cfg.extra["time_conditioning"]:
             raise InputError(f"sigma is required: this {cfg.family} model is time-conditioned (pass sigma=… per batch "
                              "row, e.g. −log α_t).", argument="sigma", value=None, allowed="a number or [batch] tensor")
-        return torch.zeros(batch, device=device)
+        return torch.zeros(batch, device=device, dtype=compute_dtype(cfg.dtype))
     if isinstance(sigma, (int, float)) and not isinstance(sigma, bool):
         sigma = torch.tensor(float(sigma))
     sigma = validate.tensor(sigma, name="sigma", ndim=(0, 1), dtype="float")
@@ -78,7 +80,7 @@ def check_sigma(sigma: Any, batch: int, cfg: MDMConfig, device: torch.device) ->
     if not bool(torch.isfinite(sigma).all()) or bool((sigma < 0).any()):
         raise InputError(f"sigma={sigma.tolist()} must be finite and >= 0.", argument="sigma", value=sigma,
                          allowed="finite values >= 0")
-    return sigma.to(device=device, dtype=torch.float32).reshape(-1).expand(batch).contiguous()
+    return sigma.to(device=device, dtype=compute_dtype(cfg.dtype)).reshape(-1).expand(batch).contiguous()
 
 
 TIME_WORDS = ("t", "time", "timestep", "timesteps", "noise_level", "alpha", "alpha_t")
