@@ -17,12 +17,10 @@ import torch
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
 from mdm_lens.ddit.config import ddit_config
-from mdm_lens.ddit.loading import PLACEMENT, _dtype, ddit_plan, load_weights
+from mdm_lens.ddit.loading import PLACEMENT, _dtype, ddit_plan, load_weights, research_family
 from mdm_lens.errors import ArgumentTypeError, CheckpointError, ConfigError
-from mdm_lens.loading.values import check_raw, is_bool, nonnegative_number, positive_int
+from mdm_lens.loading.values import check_raw, is_bool, positive_int, rate, time_margin, unit_interval
 
-ARCHITECTURES = {"BD3LM": "bd3lm", "DIT": "gidd"}
-MODEL_TYPES = {"bd3lm": "bd3lm", "dit": "gidd"}
 
 BD3LM_DEFAULTS: dict[str, Any] = dict(block_size=1, vocab_size=50258, model_length=1024, cross_attn=True, adaln=True,
                                       attn_backend="flex", causal=False, hidden_dim=768, cond_dim=129, n_blocks=12,
@@ -35,8 +33,10 @@ SCHEMA = {k: positive_int for k in ("block_size", "vocab_size", "model_length", 
                                     "n_heads", "max_seq_len", "hidden_size", "timestep_cond_dim", "num_hidden_layers",
                                     "num_attention_heads")}
 SCHEMA.update({k: is_bool for k in ("cross_attn", "adaln", "causal", "time_conditioning", "var_min")})
-SCHEMA.update({k: nonnegative_number for k in ("dropout", "attention_dropout", "sampling_eps_min", "sampling_eps_max",
-                                               "p_uniform", "t_eps")})
+# values inference does not use are checked too: a dropout of 2.0 or a reversed eps interval is a broken config
+SCHEMA.update({k: rate for k in ("dropout", "attention_dropout", "p_uniform")})
+SCHEMA.update({k: unit_interval for k in ("sampling_eps_min", "sampling_eps_max")})
+SCHEMA["t_eps"] = time_margin
 
 
 def hub_family(folder: Path) -> str | None:
@@ -47,10 +47,8 @@ def hub_family(folder: Path) -> str | None:
         return None
     if not isinstance(raw, dict):
         return None
-    for arch in raw.get("architectures") or []:
-        if arch in ARCHITECTURES:
-            return ARCHITECTURES[arch]
-    return MODEL_TYPES.get(str(raw.get("model_type", "")).lower())
+    family = research_family(raw, Path(folder) / "config.json")
+    return family if family in ("bd3lm", "gidd") else None
 
 
 def _heads(path: Path, d: int, h: int) -> None:
@@ -70,6 +68,7 @@ def bd3lm_config(raw: dict[str, Any], name: str, path: Path) -> MDMConfig:
     if v["model_length"] % v["block_size"]:
         raise ConfigError(f"{path}: model_length={v['model_length']} is not a multiple of block_size="
                           f"{v['block_size']}.")
+    _eps_interval(v["sampling_eps_min"], v["sampling_eps_max"], path)
     _heads(path, v["hidden_dim"], v["n_heads"])
     cfg = ddit_config("bd3lm", d_vocab=v["vocab_size"], n_ctx=v["model_length"], d_model=v["hidden_dim"],
                       cond_dim=v["cond_dim"], n_layers=v["n_blocks"], n_heads=v["n_heads"],
@@ -81,11 +80,20 @@ def bd3lm_config(raw: dict[str, Any], name: str, path: Path) -> MDMConfig:
     return cfg
 
 
+def _eps_interval(low: Any, high: Any, where: Any) -> None:
+    """BD3LM's training clock [sampling_eps_min, sampling_eps_max]: numbers in [0, 1], not reversed (the
+    checkpoint's buffers, which override config.json, are held to the same rule)."""
+    for key, value in (("sampling_eps_min", low), ("sampling_eps_max", high)):
+        if not unit_interval(value):
+            raise ConfigError(f"{where}: {key}={value!r} is invalid: expected a number in [0, 1].")
+    if low > high:
+        raise ConfigError(f"{where}: sampling_eps_min={low} is above sampling_eps_max={high}: the training clock's "
+                          "interval [min, max] is reversed.")
+
+
 def gidd_config(raw: dict[str, Any], name: str, path: Path) -> MDMConfig:
     check_raw(raw, SCHEMA, path)
     v = {**GIDD_DEFAULTS, **{k: raw[k] for k in GIDD_DEFAULTS if k in raw}}
-    if not v["p_uniform"] < 1:
-        raise ConfigError(f"{path}: p_uniform={v['p_uniform']} must lie in [0, 1).")
     _heads(path, v["hidden_size"], v["num_attention_heads"])
     cfg = ddit_config("gidd", d_vocab=v["vocab_size"], n_ctx=v["max_seq_len"], d_model=v["hidden_size"],
                       cond_dim=v["timestep_cond_dim"], n_layers=v["num_hidden_layers"],
@@ -154,6 +162,7 @@ def load_hub(folder: Path, family: str, name: str, *, dtype: Any = torch.float32
         eps = {k for k in ("sampling_eps_min", "sampling_eps_max") if k in reader.keys()}
         for k in eps:
             cfg.extra[k] = float(reader.get(k))
+        _eps_interval(cfg.extra["sampling_eps_min"], cfg.extra["sampling_eps_max"], f"{folder} (weights' buffers)")
         reader = _Renamed(reader, "", eps)
     else:
         _gidd_rotary(reader, cfg)

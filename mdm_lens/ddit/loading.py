@@ -15,7 +15,7 @@ import torch
 
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
-from mdm_lens.ddit.config import DEFAULTS, ddit_config
+from mdm_lens.ddit.config import DDIT_FAMILIES, DEFAULTS, ddit_config
 from mdm_lens.errors import ArgumentTypeError, CheckpointError, ConfigError
 from mdm_lens.loading.values import SCHEMAS, check_raw
 
@@ -24,11 +24,29 @@ PLACEMENT = ("device_map", "max_memory", "n_devices", "offload_folder")  # as Ho
 MODEL_TYPES = {"mdlm": "mdlm", "duo": "duo"}
 
 
-def ddit_family(raw: dict[str, Any]) -> str | None:
-    for arch in raw.get("architectures") or []:
-        if arch in ARCHITECTURES:
-            return ARCHITECTURES[arch]
-    return MODEL_TYPES.get(str(raw.get("model_type", "")).lower())
+# every research family's names, so that a config naming two of them (model_type "mdlm", architectures ["DUO"]) is
+# refused by whichever loader looks first, instead of loading as the one that loader checks first
+RESEARCH_ARCHITECTURES = {**ARCHITECTURES, "BD3LM": "bd3lm", "DIT": "gidd"}
+RESEARCH_MODEL_TYPES = {**MODEL_TYPES, "bd3lm": "bd3lm", "dit": "gidd"}
+
+
+def research_family(raw: dict[str, Any], path: Any = "config.json") -> str | None:
+    """The one research family (mdlm / duo / bd3lm / gidd) config.json's `model_type` and `architectures` name, or
+    None; a ConfigError when they name two (the reference's loader would build one class and read the other's
+    weights: which one is meant cannot be told)."""
+    archs = raw.get("architectures") or []
+    named = {RESEARCH_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in RESEARCH_ARCHITECTURES}
+    by_type = RESEARCH_MODEL_TYPES.get(str(raw.get("model_type", "")).lower())
+    families = named | ({by_type} if by_type else set())
+    if len(families) > 1:
+        raise ConfigError(f"{path}: model_type={raw.get('model_type')!r} and architectures={archs!r} name different "
+                          f"families ({', '.join(sorted(families))}); make them agree.")
+    return families.pop() if families else None
+
+
+def ddit_family(raw: dict[str, Any], path: Any = "config.json") -> str | None:
+    family = research_family(raw, path)
+    return family if family in DDIT_FAMILIES else None
 
 
 def folder_family(folder: Path) -> str | None:
@@ -37,7 +55,7 @@ def folder_family(folder: Path) -> str | None:
         raw = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return ddit_family(raw) if isinstance(raw, dict) else None
+    return ddit_family(raw, Path(folder) / "config.json") if isinstance(raw, dict) else None
 
 
 def config_from_ddit(raw: dict[str, Any], family: str, name: str, path: Path) -> MDMConfig:
@@ -95,7 +113,7 @@ def load_ddit(cls: type, name_or_path: str | os.PathLike, *, dtype: Any = torch.
     folder, known = resolve(name_or_path, allow_download=validate.boolean(allow_download, name="allow_download"))
     path = folder / "config.json"
     raw = json.loads(path.read_text())
-    family = ddit_family(raw)
+    family = ddit_family(raw, path)
     if family is None:
         raise ConfigError(f"{path}: model_type={raw.get('model_type')!r} is not a DDiT family (mdlm, duo).")
     cfg = config_from_ddit(raw, family, known.name if known else str(name_or_path), path)

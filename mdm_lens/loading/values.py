@@ -61,6 +61,21 @@ def unit_fraction(value: Any) -> bool:
     return finite_positive(value) and value <= 1
 
 
+def rate(value: Any) -> bool:
+    """A dropout or mixing probability: in [0, 1) (1 would drop / replace everything)."""
+    return nonnegative_number(value) and value < 1
+
+
+def unit_interval(value: Any) -> bool:
+    """A time on the diffusion clock: in [0, 1]."""
+    return nonnegative_number(value) and value <= 1
+
+
+def time_margin(value: Any) -> bool:
+    """GIDD's `t_eps`: in [0, 0.5) (its time grid (1 − 2·eps)·u + eps runs backwards from 0.5 on)."""
+    return nonnegative_number(value) and value < 0.5
+
+
 def nonnegative_int(value: Any) -> bool:
     return _int(value) and value >= 0
 
@@ -118,7 +133,7 @@ SDAR_MOE_SCHEMA: dict[str, Check] = {
 # the DDiT hub configs (MDLMConfig, DUOConfig; families-2.md §2.2, §4.1)
 DDIT_SCHEMA: dict[str, Check] = {
     "vocab_size": positive_int, "model_length": positive_int, "hidden_dim": positive_int, "cond_dim": positive_int,
-    "n_blocks": positive_int, "n_heads": positive_int, "dropout": nonnegative_number, "time_conditioning": is_bool,
+    "n_blocks": positive_int, "n_heads": positive_int, "dropout": rate, "time_conditioning": is_bool,
     "causal": is_bool,
 }
 
@@ -152,7 +167,8 @@ SCHEMAS: dict[str, dict[str, Check]] = {
 _WHAT = {positive_int: "an int > 0", nonnegative_number: "a finite number >= 0", is_bool: "true or false",
          token_id: "an int >= 0", token_ids: "an int >= 0 or a list of them", finite_positive: "a finite number > 0",
          unit_fraction: "a number in (0, 1]", nonnegative_int: "an int >= 0",
-         layer_list: "a list of ints >= 0", nemotron_mask_id: "an int >= -1 (-1: no mask token)"}
+         layer_list: "a list of ints >= 0", nemotron_mask_id: "an int >= -1 (-1: no mask token)",
+         rate: "a number in [0, 1)", unit_interval: "a number in [0, 1]", time_margin: "a number in [0, 0.5)"}
 
 
 def _describe(check: Check) -> str:
