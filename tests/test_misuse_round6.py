@@ -85,3 +85,21 @@ def test_settings_built_directly_are_checked_by_resolve(tmp_path):
         with pytest.raises(SamplerConfigError) as err:
             settings.resolve(models[family])
         assert err.value.argument == field, (family, err.value)
+
+
+def test_memory_plan_runs_each_samplers_own_input_checks(tmp_path):
+    # one `check_inputs` per sampler, run by generate and memory_plan alike: a block sampler's one-row rule and the
+    # block canvas beyond the context are refused by the plan with generate's own message
+    from tests.families.family_checkpoints import write_llada2
+
+    model = HookedMDM.from_pretrained(str(write_llada2(tmp_path / "l2")[0]), load_tokenizer=False)
+    two = torch.randint(0, 90, (2, 8), generator=torch.Generator().manual_seed(0))
+    far = dict(gen_length=model.cfg.n_ctx, block_length=32, steps=4)
+    for prompt, kw in ((two, dict(gen_length=32, block_length=32, steps=4)), (two[:1], far)):
+        with pytest.raises(SamplerConfigError) as plan_err:
+            model.memory_plan(prompt, sampler="llada2", **kw)
+        with pytest.raises(SamplerConfigError) as gen_err:
+            model.generate(prompt, sampler="llada2", **kw)
+        assert str(plan_err.value) == str(gen_err.value)
+    with pytest.raises(SamplerConfigError, match="one unpadded prompt"):
+        model.memory_plan(prompt_length=8, batch=2, sampler="llada2", gen_length=32, block_length=32, steps=4)

@@ -147,12 +147,9 @@ class BD3LMSampler(DDiTSampler):
                                      "from position 0).", argument="gen_length", value=s.gen_length,
                                      allowed=f"gen_length ≡ {-ids.shape[1] % bs} mod {bs}, or kv_cache=False")
 
-    def generate(self, model: Any, prompt: Any, s: Any, obs: Any) -> Any:
-        from mdm_lens.diffusion import arguments
-
-        ids, _ = arguments.prompt_tokens(model, prompt, obs.attention_mask)
+    def check_inputs(self, model: Any, ids: Tensor, am: Tensor, s: Any, obs: Any) -> None:
         self.check_ragged(model, ids, s)
-        return super().generate(model, prompt, s, obs)
+        super().check_inputs(model, ids, am, s, obs)
 
     def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: BD3LMSettings,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:

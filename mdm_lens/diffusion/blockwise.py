@@ -156,12 +156,11 @@ class AlignedBlockSampler(CanvasSampler):
     def check_prompt_ids(self, model: Any, ids: Tensor, s: Any) -> None:
         """A sampler's own checks of the prompt ids (before compute)."""
 
-    def generate(self, model: Any, prompt: Any, s: Any, obs: Observation) -> GenerateOutput:
-        ids, am = arguments.prompt_tokens(model, prompt, obs.attention_mask)
+    def check_inputs(self, model: Any, ids: Tensor, am: Tensor, s: Any, obs: Observation) -> None:
         arguments.one_unpadded_row(self.name, ids, am, "its reference builds a canvas of one row")
         prompt_length = ids.shape[1]
         self._check_prompt(model, ids, s.gen_length)
-        first, num_blocks, total = layout(prompt_length, s.gen_length, s.block_length)
+        total = layout(prompt_length, s.gen_length, s.block_length)[2]
         if total > model.cfg.n_ctx:
             raise SamplerConfigError(f"the block canvas runs to position {total} (prompt {prompt_length} + gen_length "
                                      f"{s.gen_length}, rounded up to whole blocks of {s.block_length}), beyond the "
@@ -169,6 +168,12 @@ class AlignedBlockSampler(CanvasSampler):
                                      allowed=f"a canvas of at most {model.cfg.n_ctx} positions")
         self.check_prompt_ids(model, ids, s)
         self.check_run(ids, am, s, obs)
+
+    def generate(self, model: Any, prompt: Any, s: Any, obs: Observation) -> GenerateOutput:
+        ids, am = arguments.prompt_tokens(model, prompt, obs.attention_mask)
+        self.check_inputs(model, ids, am, s, obs)
+        prompt_length = ids.shape[1]
+        first, num_blocks, total = layout(prompt_length, s.gen_length, s.block_length)
         runner = StepRunner(model, fwd_hooks=obs.fwd_hooks, hook_steps=obs.hook_steps, record=obs.record,
                             cache=obs.cache)
         plan = self.plan(s, prompt_length)

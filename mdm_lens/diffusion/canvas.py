@@ -87,11 +87,14 @@ class CanvasSampler(Sampler):
         if not self.causal and model.cfg.mask_token_id is None:
             raise SamplerConfigError("this model has no mask token (cfg.mask_token_id is None); set it to diffuse.")
 
+    def check_inputs(self, model: Any, ids: Tensor, am: Tensor, s: Any, obs: Observation) -> None:
+        self._check_prompt(model, ids, s.gen_length)
+        self.check_run(ids, am, s, obs)
+
     def generate(self, model: Any, prompt: Any, s: Any, obs: Observation) -> GenerateOutput:
         ids, am = arguments.prompt_tokens(model, prompt, obs.attention_mask)
         batch, prompt_length = ids.shape
-        self._check_prompt(model, ids, s.gen_length)
-        self.check_run(ids, am, s, obs)
+        self.check_inputs(model, ids, am, s, obs)
         runner = StepRunner(model, fwd_hooks=obs.fwd_hooks, hook_steps=obs.hook_steps, record=obs.record,
                             cache=obs.cache)
         plan = self.plan(s)

@@ -235,6 +235,9 @@ class DreamOnSampler(Sampler):
                                      allowed=f">= {inp.shape[1]}, with the grown canvas <= n_ctx {model.cfg.n_ctx}")
         return inp, ids.shape[1]
 
+    def check_inputs(self, model: Any, ids: Tensor, am: Tensor, s: DreamOnSettings, obs: Observation) -> None:
+        self.canvas(model, ids, s, Observation(attention_mask=am))  # its checks build the canvas they check
+
     def generate(self, model: Any, prompt: Any, s: DreamOnSettings, obs: Observation) -> GenerateOutput:
         inp, prefix = self.canvas(model, prompt, s, obs)
         max_width = min(s.max_tokens, inp.shape[1] + s.max_gen_len - s.min_gen_len)

@@ -153,8 +153,7 @@ class FastDLLMv2Sampler(CanvasSampler):
                                      "not a token-shift model (load a Fast-dLLM v2 checkpoint).", argument="sampler",
                                      value=self.name, allowed="a Fast-dLLM v2 model")
 
-    def generate(self, model: Any, prompt: Any, s: FastDLLMv2Settings, obs: Observation) -> GenerateOutput:
-        ids, am = arguments.prompt_tokens(model, prompt, obs.attention_mask)
+    def check_inputs(self, model: Any, ids: Tensor, am: Tensor, s: FastDLLMv2Settings, obs: Observation) -> None:
         lengths = am.sum(dim=1).tolist()
         if not bool((am == (torch.arange(am.shape[1], device=am.device) >= am.shape[1] - am.sum(1, keepdim=True))
                      .to(am.dtype)).all()):
@@ -183,6 +182,12 @@ class FastDLLMv2Sampler(CanvasSampler):
                                      f"blocks of {bs} after the longest prompt), beyond the context of "
                                      f"{model.cfg.n_ctx}.", argument="max_new_tokens", value=s.max_new_tokens,
                                      allowed=f"a canvas of at most {model.cfg.n_ctx} positions")
+
+    def generate(self, model: Any, prompt: Any, s: FastDLLMv2Settings, obs: Observation) -> GenerateOutput:
+        ids, am = arguments.prompt_tokens(model, prompt, obs.attention_mask)
+        self.check_inputs(model, ids, am, s, obs)
+        lengths, bs = am.sum(dim=1).tolist(), s.block_size
+        width = (s.max_new_tokens // bs + max(lengths) // bs) * bs + 1
         if min(lengths) == bs:
             warnings.warn(f"the shortest prompt has exactly block_size={bs} tokens: the reference never reads its "
                           "first block (no prefill for a prompt not longer than a block; decoding starts at block "

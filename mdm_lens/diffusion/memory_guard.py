@@ -40,7 +40,7 @@ def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: 
     prompt_length = validate.integer(prompt_length, name="prompt_length", min=1)
     batch = validate.integer(1 if batch is None else batch, name="batch", min=1)
     gen = getattr(resolved, "gen_length", None) or getattr(resolved, "max_new_tokens", 0)
-    _check_like_generate(model, plugin, ids, batch, prompt_length, gen, resolved, record, cache)
+    _check_like_generate(model, plugin, ids, batch, prompt_length, resolved, record, cache)
     steps = getattr(resolved, "steps", None) or gen  # Fast-dLLM v2 has no step count: at most one per token
     # BD3LM takes kv_cache=False (a bool), the Fast-dLLM family None or a cache mode
     kv = getattr(resolved, "kv_cache", None) not in (None, False) or bool(getattr(resolved, "use_block_cache", False))
@@ -48,23 +48,14 @@ def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: 
     return build_plan(model, batch, prompt_length + gen, steps, kv, cache, list(record), max_memory, resolved)
 
 
-def _check_like_generate(model: Any, plugin: Any, ids: Any, batch: int, prompt_length: int, gen: int,
-                         resolved: Any, record: Sequence[Any], cache: Any) -> None:
-    """The sampler's own prompt checks, as `generate` runs them, so that a plan exists only for a run `generate`
-    accepts: `_check_prompt` (prompt + gen_length within n_ctx where the sampler has that limit), `check_ragged`
-    (BD3LM's kv_cache takes whole blocks only) and `check_run` (limits on the batch, e.g. BD3LM's first hitting
-    takes one row); with only `prompt_length` given, on placeholder ids that are not the mask id."""
+def _check_like_generate(model: Any, plugin: Any, ids: Any, batch: int, prompt_length: int, resolved: Any,
+                         record: Sequence[Any], cache: Any) -> None:
+    """The sampler's own `check_inputs`, as `generate` runs it before compute (the length limit, the layout, the
+    batch it takes: BD3LM's kv_cache whole blocks, a block sampler's one unpadded row, ...), so that a plan exists
+    only for a run `generate` accepts; with only `prompt_length` given, on placeholder ids that are not the mask id."""
     if ids is None:
         ids = torch.full((batch, prompt_length), 1 if model.cfg.mask_token_id == 0 else 0, dtype=torch.long)
-    check = getattr(plugin, "_check_prompt", None)
-    if check is not None:
-        check(model, ids, gen)
-    ragged = getattr(plugin, "check_ragged", None)
-    if ragged is not None:
-        ragged(model, ids, resolved)
-    run_check = getattr(plugin, "check_run", None)
-    if run_check is not None:
-        run_check(ids, torch.ones_like(ids), resolved, Observation(record=list(record), cache=cache))
+    plugin.check_inputs(model, ids, torch.ones_like(ids), resolved, Observation(record=list(record), cache=cache))
 
 
 def guard(model: Any, prompt: Any, sampler: str, settings: dict[str, Any], record: Sequence[Any], cache: Any) -> None:

@@ -243,14 +243,17 @@ class NemotronSampler(CanvasSampler):
                     return [int(is_eos.long().argmax(dim=1).max()) + 1] * x.shape[0]
         return None
 
-    def generate(self, model: Any, prompt: Any, s: Any, obs: Observation) -> GenerateOutput:
-        ids, am = arguments.prompt_tokens(model, prompt, obs.attention_mask)
+    def check_inputs(self, model: Any, ids: Tensor, am: Tensor, s: Any, obs: Observation) -> None:
         if not bool(am.all()):
             raise SamplerConfigError(f"sampler={self.name!r} decodes unpadded prompts of one length (the reference "
                                      "takes no attention mask).", argument="attention_mask", value=am,
                                      allowed="all ones")
-        p = ids.shape[1]
         self._check_prompt(model, ids, s.gen_length)
+
+    def generate(self, model: Any, prompt: Any, s: Any, obs: Observation) -> GenerateOutput:
+        ids, am = arguments.prompt_tokens(model, prompt, obs.attention_mask)
+        self.check_inputs(model, ids, am, s, obs)
+        p = ids.shape[1]
         x = torch.cat([ids, ids.new_full((ids.shape[0], s.gen_length), model.cfg.mask_token_id or 0)], dim=1)
         runner = StepRunner(model, fwd_hooks=obs.fwd_hooks, hook_steps=obs.hook_steps, record=obs.record,
                             cache=obs.cache)

@@ -129,6 +129,10 @@ class Sampler:
         except ArgumentError as e:
             raise unpassed(self, e, kept) from None
 
+    def check_inputs(self, model: Any, ids: Any, am: Any, settings: SamplerSettings, obs: Observation) -> None:
+        """Every check `generate` runs on the prompt ids `[batch, pos]`, their attention mask and the settings before
+        any compute; `memory_plan` runs the same, so a plan exists only for a run `generate` accepts."""
+
     def generate(self, model: Any, prompt: Any, settings: SamplerSettings, obs: Observation) -> Any:
         raise NotImplementedError
 
