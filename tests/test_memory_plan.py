@@ -29,7 +29,8 @@ def test_single_device_figures_are_exact(tiny):
     assert row.kv_cache == 4 * 2 * 2 * 16 * 4 * 32 * 4  # layers · (k, v) · batch · pos · kv heads · d_head · fp32
     resid, pattern = 2 * 16 * 128 * 4, 2 * 4 * 16 * 16 * 4
     records = 4 * 2 * 4 * 4 * 16 * 4  # steps · batch · layers · heads · keys · fp32
-    assert row.caches == 2 * (resid + pattern) + records
+    trajectory = 4 * 2 * 16 * 8  # x_steps: the int64 canvas of each step, kept until generate returns
+    assert row.caches == 2 * (resid + pattern) + records + trajectory
     # phases are never alive together: the peak is the largest; here the MLP phase (4·d + 4·d_mlp per position)
     mlp = 2 * 16 * (4 * 128 + 4 * 384) * 4
     # explicit path (hook_pattern is cached): block input, ln1 out, q (k, v are the KV cache's), scaled q, z, mask,
@@ -49,7 +50,8 @@ def test_single_device_figures_are_exact(tiny):
 
 def test_no_kv_cache_without_the_setting_and_settings_are_checked(tiny):
     plan = tiny.memory_plan(PROMPT, steps=4, gen_length=10)
-    assert plan.rows["cpu"].kv_cache == 0 and plan.rows["cpu"].caches == 0 and plan.notes
+    assert plan.rows["cpu"].kv_cache == 0 and plan.notes
+    assert plan.rows["cpu"].caches == 4 * 2 * 16 * 8  # only the trajectory's x_steps
     with pytest.raises(SamplerConfigError):
         tiny.memory_plan(PROMPT, steps=4, gen_length=10, kv_cache="everything")
     big = tiny.memory_plan(prompt_length=6, batch=8, steps=4, gen_length=10)

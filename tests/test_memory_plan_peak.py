@@ -92,3 +92,45 @@ def test_attention_phase_counts_k_and_v_only_without_a_kv_cache():
         own = attention_phase_bytes(cfg, 3, 40, 4, path, kv_cache=False)
         cached = attention_phase_bytes(cfg, 3, 40, 4, path, kv_cache=True)
         assert own - cached == 2 * 3 * 40 * 2 * 8 * 4, path  # k and v: [batch, pos, kv_heads * d_head] fp32
+
+
+@pytest.mark.parametrize("family, prompt_len, block", [("llada2", 16, 32), ("llada2", 64, 16), ("sdar", 64, 16),
+                                                       ("sdar", 16, 16)])
+def test_plan_matches_the_profiled_peak_of_the_block_samplers(tmp_path: Path, family, prompt_len, block):
+    """LLaDA2 forwards the block-rounded canvas and samples the block's rows; SDAR prefills the prompt's blocks
+    (a long forward, a short cache), then forwards one block against a cache that grows to the canvas; both keep
+    each forward's note in the trajectory. Each case leans on a different term: the rounding (16 / 32), the prefill
+    (64 / 16), the trajectory and the grown cache (16 / 16)."""
+    from tests.families.family_checkpoints import write_llada2, write_sdar
+
+    folder = (write_llada2 if family == "llada2" else write_sdar)(tmp_path / family)[0]
+    model = HookedMDM.from_pretrained(str(folder))
+    prompt = torch.randint(0, 90, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    ratio = _ratio(model, prompt, sampler=family, steps=4, gen_length=64, block_length=block)
+    assert abs(ratio - 1) <= TOL, ratio
+
+
+def test_plan_matches_the_profiled_peak_of_nemotron(tmp_path: Path):
+    """Nemotron's largest forward is its last causal commit over every row (the cache refilled over them), and each
+    forward's canvas copy stays in the trajectory for replay."""
+    from tests.families.nemotron_fixture import write_nemotron
+
+    model = HookedMDM.from_pretrained(str(write_nemotron(tmp_path / "n")[0]))
+    prompt = torch.randint(0, 90, (1, 8), generator=torch.Generator().manual_seed(0))
+    ratio = _ratio(model, prompt, sampler="nemotron", gen_length=16)
+    assert abs(ratio - 1) <= TOL, ratio
+
+
+@pytest.mark.parametrize("family", ["mdlm", "gidd"])
+def test_plan_matches_the_profiled_peak_of_the_ddit_samplers(tmp_path: Path, family):
+    """The DDiT blocks' MLP is ungated (fc_in and its GELU, not gate/up/silu/product); GIDD's posterior keeps its
+    own per-logit buffers (`GiddSampler.logit_bytes`)."""
+    from tests.families.bd3gidd_checkpoints import write_gidd
+    from tests.families.ddit_checkpoints import MDLM_CONFIG, write_ddit
+
+    folder = (write_ddit(tmp_path / "m", dict(MDLM_CONFIG, model_length=64))[0] if family == "mdlm"
+              else write_gidd(tmp_path / "g")[0])
+    model = HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
+    prompt = torch.randint(0, 50, (2, 8 if family == "mdlm" else 4), generator=torch.Generator().manual_seed(0))
+    ratio = _ratio(model, prompt, steps=8, gen_length=32 if family == "mdlm" else 8)
+    assert abs(ratio - 1) <= TOL, ratio

@@ -121,6 +121,22 @@ class BD3LMSampler(DDiTSampler):
         return Plan(n_blocks * (s.steps + int(s.kv_cache)), n_blocks=n_blocks,
                     adaptive="BD3LM ends each block when it holds no mask")
 
+    def forward_extents(self, s: Any, prompt_length: int) -> list[tuple[int, int, int, int]] | None:
+        """Without kv_cache each step forwards a window of at most `context_size` positions and samples its block's
+        rows; with it, one block against a cache of q, k and v (3·d_model a position, not the generic 2·kv·d_head:
+        expressed as 1.5× the positions) preallocated over model_length."""
+        total = prompt_length + s.gen_length
+        if not s.kv_cache:
+            window = min(total, s.context_size)
+            return [(window, window, 0, s.block_size)]
+        n = min(total, s.context_size)
+        return [(s.block_size, n, 3 * s.context_size // 2, s.block_size)]
+
+    def logit_bytes(self, s: Any, dtype_bytes: int) -> int:
+        """Per block logit: SUBS' copy and normalised copy (model dtype), the fp64 p(x0) it keeps, then the fp64
+        Gumbel draw's uniform, two live temporaries and, without first hitting, the fp64 q beside them."""
+        return 2 * dtype_bytes + 8 * (4 + int(not s.first_hitting))
+
     def check_run(self, ids: Tensor, am: Tensor, s: Any, obs: Any) -> None:
         super().check_run(ids, am, s, obs)
         if s.first_hitting and ids.shape[0] != 1:

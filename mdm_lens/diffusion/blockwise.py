@@ -156,6 +156,33 @@ class AlignedBlockSampler(CanvasSampler):
     def check_prompt_ids(self, model: Any, ids: Tensor, s: Any) -> None:
         """A sampler's own checks of the prompt ids (before compute)."""
 
+    def forward_extents(self, s: Any, prompt_length: int) -> list[tuple[int, int, int, int]] | None:
+        """LLaDA2: each step forwards the canvas up to its block's end, no cache: at most the whole block-rounded
+        canvas, of which the block's rows are sampled (SDAR overrides: a KV cache)."""
+        total = layout(prompt_length, s.gen_length, s.block_length)[2]
+        return [(total, total, 0, s.block_length)]
+
+    # int64 bytes per canvas position and step that the recorder's forward notes keep beside x_steps (the forward's
+    # canvas copy; SDAR also its cache ages)
+    note_bytes = 8
+
+    def trajectory_bytes(self, s: Any, batch: int, prompt_length: int, steps: int) -> int:
+        """x_steps over the answer span and each forward's note over the block-rounded canvas, for every step of the
+        layout's plan (`steps` is per block here)."""
+        n_steps = self.plan(s, prompt_length).n_steps
+        total = layout(prompt_length, s.gen_length, s.block_length)[2]
+        return n_steps * batch * ((prompt_length + s.gen_length) * 8 + total * self.note_bytes)
+
+    def logit_bytes(self, s: Any, dtype_bytes: int) -> int:
+        """`sample_tokens` on the block's logits: temperature 0 keeps the softmax; otherwise the scaled copy, the
+        top-k copy, top-p's sorted logits (+ int64 order), their softmax and cumulative sum, two boolean masks and
+        the filtered copy, then the softmax that is drawn from."""
+        if not s.temperature:
+            return dtype_bytes
+        top_k = dtype_bytes if s.top_k else 0
+        top_p = 5 * dtype_bytes + 8 + 2 if s.top_p is not None and s.top_p < 1 else 0
+        return 2 * dtype_bytes + top_k + top_p
+
     def check_inputs(self, model: Any, ids: Tensor, am: Tensor, s: Any, obs: Observation) -> None:
         arguments.one_unpadded_row(self.name, ids, am, "its reference builds a canvas of one row")
         prompt_length = ids.shape[1]

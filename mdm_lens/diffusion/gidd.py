@@ -90,6 +90,11 @@ class GiddSampler(DDiTSampler):
     def plan(self, s: Any) -> Plan:
         return Plan(s.steps)
 
+    def logit_bytes(self, s: Any, dtype_bytes: int) -> int:
+        """The posterior's buffers per logit beside the logits: their masked copy, p, q_s, q_t, q_ts · q_s and its
+        quotient (model dtype), the int64 one-hot of z_t and the fp32 α_ts · one-hot and q_ts."""
+        return 6 * dtype_bytes + 8 + 2 * 4
+
     def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: GiddSettings,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
         mask_id, batch = model.cfg.mask_token_id, ids.shape[0]

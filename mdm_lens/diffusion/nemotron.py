@@ -208,6 +208,16 @@ class NemotronSampler(CanvasSampler):
         return Plan(1 + n_blocks * (s.block_length + 1), n_blocks,
                     adaptive="Nemotron may commit several tokens per step (threshold) and stops at EOS")
 
+    def forward_extents(self, s: Any, prompt_length: int) -> list[tuple[int, int, int, int]] | None:
+        """The largest forward is the last causal one (commit, or an AR step): every row up to the canvas end,
+        refilling the cache over them, its last logit sampled."""
+        n = prompt_length + s.gen_length
+        return [(n, n, n, 1)]
+
+    def trajectory_bytes(self, s: Any, batch: int, prompt_length: int, steps: int) -> int:
+        """x_steps and each forward's canvas copy (its note, for replay), int64, for every step of the plan."""
+        return self.plan(s, prompt_length).n_steps * batch * (prompt_length + s.gen_length) * 16
+
     def check_model(self, model: Any) -> None:
         if model.cfg.mask_token_id is None:
             raise SamplerConfigError("this model has no mask token (cfg.mask_token_id is None; Nemotron's config "

@@ -129,6 +129,25 @@ class Sampler:
         except ArgumentError as e:
             raise unpassed(self, e, kept) from None
 
+    def forward_extents(self, settings: SamplerSettings, prompt_length: int) -> list[tuple[int, int, int, int]] | None:
+        """(query rows, key positions, KV-cache positions held, rows whose logits the sampler processes) of each kind
+        of forward the run makes, for `memory_plan`; None: one forward over the canvas (prompt + gen_length), every
+        row sampled, with a cache where the settings ask for one."""
+        return None
+
+    def trajectory_bytes(self, settings: SamplerSettings, batch: int, prompt_length: int, steps: int) -> int:
+        """Bytes of the trajectory the run keeps until it returns (`memory_plan`'s caches column): the canvas
+        `x_steps` (int64 `[batch, prompt + gen]`) of each of at most `steps` steps."""
+        n = prompt_length + (getattr(settings, "gen_length", None) or 0)
+        return steps * batch * n * 8
+
+    def logit_bytes(self, settings: SamplerSettings, dtype_bytes: int) -> int:
+        """Bytes the sampler step allocates per logit it processes (`memory_plan`'s head phase); default the
+        measured LLaDA / Fast-dLLM figures (`mdm_lens.hooks.forward_bytes.sampler_logit_bytes`)."""
+        from mdm_lens.hooks.forward_bytes import sampler_logit_bytes
+
+        return sampler_logit_bytes(settings, dtype_bytes)
+
     def check_inputs(self, model: Any, ids: Any, am: Any, settings: SamplerSettings, obs: Observation) -> None:
         """Every check `generate` runs on the prompt ids `[batch, pos]`, their attention mask and the settings before
         any compute; `memory_plan` runs the same, so a plan exists only for a run `generate` accepts."""

@@ -150,6 +150,15 @@ class SDARSampler(AlignedBlockSampler):
         return Plan(prefill + (s.steps + 1) * (num_blocks - first), num_blocks - first,
                     adaptive="SDAR ends a block when it holds no mask and stops at a stopping token")
 
+    note_bytes = 16  # the forward's canvas copy and its KV cache's ages (`kv_age`), int64 per position
+
+    def forward_extents(self, s: SDARSettings, prompt_length: int) -> list[tuple[int, int, int, int]] | None:
+        """The prompt's whole blocks in one prefill forward (its logits unsampled; the cache grows to it), then one
+        block's rows at a time against the cache, which ends up spanning the block-rounded canvas."""
+        first, _, total = layout(prompt_length, s.gen_length, s.block_length)
+        bl, prefill = s.block_length, first * s.block_length
+        return [(prefill, prefill, prefill, 0), (bl, total, total, bl)] if first else [(bl, total, total, bl)]
+
     def check_run(self, ids: Tensor, am: Tensor, s: SDARSettings, obs: Any) -> None:
         from mdm_lens.hooks.reducers import ReceivedAttention, TopKKeys
 

@@ -28,19 +28,23 @@ from mdm_lens.hooks.memory import pattern_transient_bytes
 ATTENTION_PATHS = ("sdpa", "chunked", "explicit")
 
 
-def attention_phase_bytes(cfg: Any, batch: int, pos: int, s: int, path: str = "sdpa", kv_cache: bool = False) -> int:
-    """Live bytes while one layer's attention runs (see the module docstring for which tensors)."""
+def attention_phase_bytes(cfg: Any, batch: int, pos: int, s: int, path: str = "sdpa", kv_cache: bool = False,
+                          keys: int | None = None) -> int:
+    """Live bytes while one layer's attention runs (see the module docstring for which tensors): `pos` query rows
+    against `keys` keys (default `pos`; a KV-cached block forward computes a block's rows against the cache)."""
     from mdm_lens.pattern_rows import ROW_CHUNK_BYTES, chunk_rows
 
+    keys = pos if keys is None else keys
     bt, d, qd, kd = batch * pos, cfg.d_model, cfg.n_heads * cfg.d_head, cfg.n_key_value_heads * cfg.d_head
     common = bt * (2 * d + qd + (0 if kv_cache else 2 * kd)) * s  # block input, ln1 output, q, (k, v)
-    mask = batch * pos * pos  # a padded batch's boolean visibility mask (1 byte a pair; absent without pads)
+    mask = batch * pos * keys  # a padded batch's boolean visibility mask (1 byte a pair; absent without pads)
     if path == "sdpa":  # CPU/GPU flash kernels work on tiles; z, its flattened copy and the projection are full size
         return common + mask + bt * (2 * qd + d) * s
     if path == "chunked":
-        rows = min(pos, chunk_rows(batch, cfg.n_heads, pos, pos, ROW_CHUNK_BYTES))
-        return common + mask + bt * 2 * qd * s + 3 * batch * cfg.n_heads * rows * pos * 4
-    return common + mask + bt * 2 * qd * s + pattern_transient_bytes(cfg, batch, pos, None, s, True)
+        rows = min(pos, chunk_rows(batch, cfg.n_heads, pos, keys, ROW_CHUNK_BYTES))
+        return common + mask + bt * 2 * qd * s + 3 * batch * cfg.n_heads * rows * keys * 4
+    full = pattern_transient_bytes(cfg, batch, keys, None, s, True) * pos // max(keys, 1)  # [.., pos, keys] buffers
+    return common + mask + bt * 2 * qd * s + full
 
 
 def mlp_phase_bytes(cfg: Any, batch: int, pos: int, s: int, moe: bool = False) -> int:
@@ -50,6 +54,8 @@ def mlp_phase_bytes(cfg: Any, batch: int, pos: int, s: int, moe: bool = False) -
     block = 4 * bt * cfg.d_model * s
     if moe:
         return block + moe_phase_bytes(cfg, batch, pos, s)
+    if cfg.normalization_type == "LN":  # the DDiT families' ungated MLP: fc_in's output and its GELU
+        return block + 2 * bt * cfg.d_mlp * s
     return block + 4 * bt * cfg.d_mlp * s  # gate, up, silu(gate) and the product being written
 
 
@@ -73,13 +79,14 @@ def moe_phase_bytes(cfg: Any, batch: int, pos: int, s: int) -> int:
 
 
 def block_activation_bytes(cfg: Any, batch: int, pos: int, dtype_bytes: int, path: str = "sdpa",
-                           kv_cache: bool = False) -> int:
+                           kv_cache: bool = False, keys: int | None = None) -> int:
     """Peak live bytes of one block on the given attention path: its larger phase (attention or feed-forward; MoE
-    layers where `cfg.extra["moe_layers"]` says so)."""
+    layers where `cfg.extra["moe_layers"]` says so), for `pos` query rows against `keys` keys (default `pos`)."""
+    keys = pos if keys is None else keys
     moe_layers = cfg.extra.get("moe_layers") or []
     ffn = max(mlp_phase_bytes(cfg, batch, pos, dtype_bytes, bool(m)) for m in (list(moe_layers) or [False]))
-    mask = batch * pos * pos  # the boolean visibility mask (padding, block masks) is passed to every block
-    return max(attention_phase_bytes(cfg, batch, pos, dtype_bytes, path, kv_cache), ffn + mask)
+    mask = batch * pos * keys  # the boolean visibility mask (padding, block masks) is passed to every block
+    return max(attention_phase_bytes(cfg, batch, pos, dtype_bytes, path, kv_cache, keys), ffn + mask)
 
 
 def sampler_logit_bytes(settings: Any, dtype_bytes: int) -> int:
@@ -108,9 +115,12 @@ def carried_logit_bytes(settings: Any, dtype_bytes: int) -> int:
 
 
 def head_activation_bytes(cfg: Any, batch: int, pos: int, dtype_bytes: int, per_logit: int = 16,
-                          carried: int = 0) -> int:
-    """The logits `[batch, pos, d_vocab]` in the model dtype plus `per_logit` sampler bytes each, or, if larger,
-    the unembedding's own moment (final residual, its normalised copy, the new logits and the `carried` bytes per
+                          carried: int = 0, sampled: int | None = None) -> int:
+    """The logits `[batch, pos, d_vocab]` in the model dtype plus `per_logit` sampler bytes for each of the
+    `sampled` rows' logits (default all `pos`; a block sampler samples its block), or, if larger, the
+    unembedding's own moment (final residual, its normalised copy, the new logits and the `carried` bytes per
     logit of the previous step)."""
     bt, s = batch * pos, dtype_bytes
-    return bt * max(cfg.d_vocab * (s + per_logit), 2 * cfg.d_model * s + cfg.d_vocab * (s + carried))
+    sampled = pos if sampled is None else sampled
+    step = bt * cfg.d_vocab * s + batch * sampled * cfg.d_vocab * per_logit
+    return max(step, bt * (2 * cfg.d_model * s + cfg.d_vocab * (s + carried)))

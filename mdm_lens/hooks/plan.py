@@ -110,20 +110,44 @@ def _placement(model: Any) -> list[tuple[str, str, str, int]]:
     return out
 
 
+Extent = tuple[int, int, int, int]  # (query rows, key positions, KV-cache positions, sampled rows) of one forward
+
+
 def build_plan(model: Any, batch: int, pos: int, steps: int, kv_cache: bool, cache: Any, record: Sequence[Any],
-               max_memory: dict | None, settings: Any = None) -> MemoryPlan:
+               max_memory: dict | None, settings: Any = None, extents: Sequence[Extent] | None = None,
+               per_logit: int | None = None, trajectory: int = 0) -> MemoryPlan:
     """Per device: weights where they live, the largest streamed module, and the run's peak where it computes: the
     largest of its block phases and of the head phase (never alive together: the sum over-counted small runs by
     ~15%), plus the KV caches and requested caches, which live through the whole run. `settings` (the sampler's
-    resolved settings) say what the sampler allocates per logit (`forward_bytes.sampler_logit_bytes`)."""
+    resolved settings) say what the sampler allocates per logit (`forward_bytes.sampler_logit_bytes`). `extents`:
+    the shapes of the run's kinds of forward (`Sampler.forward_extents`; default one forward over the canvas `pos`,
+    every row sampled, the cache only with `kv_cache`): the plan is the forward whose activations plus the KV cache
+    it holds are largest (SDAR's long prefill has a short cache, its block forwards a long one). `per_logit` is the
+    sampler's bytes per sampled logit (`Sampler.logit_bytes`); requested caches span the canvas. `trajectory`: the
+    bytes of the trajectory the run keeps (`Sampler.trajectory_bytes`), full by the last forward of every kind but
+    a first one that runs once before any step (an extent with 0 sampled rows: SDAR's prefill), where it is empty."""
     cfg = model.cfg
     s = torch.finfo(cfg.dtype).bits // 8
+    extents = list(extents) if extents else [(pos, pos, pos if kv_cache else 0, pos)]
     path = _attention_path(model, cache, record)
     carried = carried_logit_bytes(settings, s)  # the previous step's logits live through the next forward
-    head = head_activation_bytes(cfg, batch, pos, s, sampler_logit_bytes(settings, s), carried)
-    block = block_activation_bytes(cfg, batch, pos, s, path, kv_cache) + batch * pos * cfg.d_vocab * carried
-    rows: dict[str, DeviceMemory] = {}
-    row = lambda d: rows.setdefault(d, DeviceMemory(d))  # noqa: E731
+    per_logit = sampler_logit_bytes(settings, s) if per_logit is None else per_logit
+    kv_layer = 2 * batch * cfg.n_key_value_heads * cfg.d_head * s  # bytes of one layer's k and v per position
+
+    def phases(e: Extent) -> tuple[int, int]:
+        q, k, _, sampled = e
+        head = head_activation_bytes(cfg, batch, q, s, per_logit, carried, sampled)
+        block = block_activation_bytes(cfg, batch, q, s, path, bool(e[2]), k) + batch * q * cfg.d_vocab * carried
+        return block, head
+
+    def held(e: Extent) -> int:  # what lives beside that forward's activations
+        return cfg.n_layers * kv_layer * e[2] + (trajectory if e[3] else 0)
+
+    peak = max(extents, key=lambda e: max(phases(e)) + held(e))
+    block, head = phases(peak)
+    kv_len = peak[2]
+    table: dict[str, DeviceMemory] = {}
+    row = lambda d: table.setdefault(d, DeviceMemory(d))  # noqa: E731
     for name, where, run, nbytes in _placement(model):
         row(where).weights += nbytes
         if where != run:  # offloaded: loaded onto `run` for the module's forward, one module at a time
@@ -132,15 +156,16 @@ def build_plan(model: Any, batch: int, pos: int, steps: int, kv_cache: bool, cac
                   or name.startswith(f"blocks.{i}.")]
         if blocks:
             row(run).activations = max(row(run).activations, block)
-            if kv_cache:
-                row(run).kv_cache += len(blocks) * 2 * batch * pos * cfg.n_key_value_heads * cfg.d_head * s
+            row(run).kv_cache += len(blocks) * kv_layer * kv_len
         if name in ("", "unembed"):
             row(run).activations = max(row(run).activations, head)
     main = str(model.input_device)
-    _requested(model, rows, row, cache, record, batch, pos, steps, s, main)
-    _budgets(model, rows, max_memory)
-    notes = [] if kv_cache else ["no KV cache in these settings (kv_cache='prefix'/'dual' or use_block_cache adds one)"]
-    return MemoryPlan(rows, batch, pos, steps, notes)
+    row(main).caches += trajectory if peak[3] else 0
+    _requested(model, table, row, cache, record, batch, pos, steps, s, main)
+    _budgets(model, table, max_memory)
+    has_kv = any(e[2] for e in extents)
+    notes = [] if has_kv else ["no KV cache in these settings (kv_cache='prefix'/'dual' or use_block_cache adds one)"]
+    return MemoryPlan(table, batch, pos, steps, notes)
 
 
 def _attention_path(model: Any, cache: Any, record: Sequence[Any]) -> str:
