@@ -103,3 +103,20 @@ def test_memory_plan_runs_each_samplers_own_input_checks(tmp_path):
         assert str(plan_err.value) == str(gen_err.value)
     with pytest.raises(SamplerConfigError, match="one unpadded prompt"):
         model.memory_plan(prompt_length=8, batch=2, sampler="llada2", gen_length=32, block_length=32, steps=4)
+
+
+def test_sdar_says_when_the_reference_quirk_rewrote_prompt_tokens():
+    # a block the prompt partly fills, one step: the reference's topk count (the whole block) exceeds the masks left
+    # and overwrites prompt tokens 4 and 5; reproduced, and said
+    from mdm_lens.diffusion.arguments import ReferenceQuirkWarning
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    prompt = torch.tensor([[1, 10, 20, 30, 40, 50]])
+    with pytest.warns(ReferenceQuirkWarning, match=r"2 of them prompt tokens \[4, 5\]"):
+        out = model.generate(prompt, sampler="sdar", steps=1, gen_length=6, block_length=4, temperature=1, seed=0)
+    assert not torch.equal(out.tokens[:, :6], prompt)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReferenceQuirkWarning)  # a prompt ending at a block boundary: nothing rewritten
+        model.generate(prompt[:, :4], sampler="sdar", steps=4, gen_length=8, block_length=4, temperature=1, seed=0)

@@ -142,3 +142,20 @@ def test_a_latent_edit_survives_the_error_term(model):
     want = x - sae.decode(sae.encode(x))          # decode(0) = 0: the error term alone
     torch.testing.assert_close(spliced[0], want, rtol=0, atol=1e-5)
     assert (spliced[0] - x).abs().max() > 1e-2    # the edit is not cancelled
+
+
+def test_ce_score_and_masked_canvas_on_a_model_without_pad_or_bos(tmp_path):
+    # MDLM's config has no pad and no bos id: every position is maskable (`tokens != None` is the bool True, not a
+    # mask, which used to crash here)
+    from mdm_lens import HookedMDM
+    from mdm_lens.sae import MaskedCanvas
+    from mdm_lens.sae.score import diffusion_ce_score
+    from tests.families.ddit_checkpoints import MDLM_CONFIG, write_ddit
+
+    mdlm = HookedMDM.from_pretrained(str(write_ddit(tmp_path / "m", MDLM_CONFIG)[0]), load_tokenizer=False)
+    assert mdlm.cfg.pad_token_id is None and mdlm.cfg.bos_token_id is None
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    noisy, masked = MaskedCanvas(mdlm, mask_rate=1.0, positions="all", seed=0).mask(tokens)
+    assert bool(masked.all()) and bool((noisy == mdlm.cfg.mask_token_id).all())
+    table = diffusion_ce_score(mdlm, ToySAE(mdlm.cfg.d_model), "blocks.0.hook_resid_post", tokens, mask_rates=[0.5])
+    assert int(table["n_masked"][0]) > 0 and table["ce_sae"].notna().all()

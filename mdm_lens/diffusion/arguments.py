@@ -20,6 +20,11 @@ class IdleStepsWarning(UserWarning):
     """More steps than tokens: some denoising steps commit nothing (the reference runs them anyway)."""
 
 
+class ReferenceQuirkWarning(UserWarning):
+    """A reference quirk the run reproduced changed what a caller would expect (e.g. SDAR rewriting prompt tokens);
+    the message names the steps and positions."""
+
+
 class MaskedAnswerWarning(UserWarning):
     """A run ended with the mask id in its returned answer span: the model sampled the mask token itself, or the
     block's steps ran out before every position was committed (LLaDA2 returns such a canvas, as its reference)."""

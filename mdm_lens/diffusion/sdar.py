@@ -22,7 +22,8 @@ Reference quirks, reproduced (the defaults) or refused:
   creates `transfer_index` (the reference raises UnboundLocalError at its first step): here it starts empty.
 * a topk count larger than the masks left (a partly-prompt first block, or earlier steps that committed more
   than their count) selects -inf positions too, rewriting prompt or decoded tokens with this step's sample;
-  reproduced (the trajectory shows the rewrite).
+  reproduced (the trajectory shows the rewrite), and said at the end of the run (`ReferenceQuirkWarning` naming the
+  steps and positions: prompt tokens change `out.tokens[:, :prompt_length]`).
 * temperature 0 divides the logits by zero and `torch.multinomial` fails: refused (use a small temperature).
 * a block still masked after `steps` steps (the model sampled the mask token) makes the reference index past its
   schedule: refused with an error at that step.
@@ -31,6 +32,7 @@ Reference quirks, reproduced (the defaults) or refused:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens.diffusion import rules as R
+from mdm_lens.diffusion.arguments import ReferenceQuirkWarning
 from mdm_lens import validate
 from mdm_lens.diffusion.blockwise import (AlignedBlockSampler, BlockRecorder, block_length_for, end_step, layout,
                                           sample_tokens,
@@ -184,6 +187,7 @@ class SDARSampler(AlignedBlockSampler):
         cache = KVCache(model, total)
         schedule = transfer_schedule(bl, s.steps)
         no_commit = torch.zeros_like(prompt_index)
+        rewritten: list[tuple[int, int]] = []  # (step, position) of unmasked positions a step overwrote
         step = 0
 
         def forward(kind: str, lo: int, hi: int, block: int, blk: slice) -> tuple[DenoisingState, Tensor]:
@@ -218,6 +222,7 @@ class SDARSampler(AlignedBlockSampler):
                 x0, x0_p = sample_tokens(logits, s.temperature, s.top_k, s.top_p, generator)
                 chosen = transfer(s.remasking_strategy, mask_index, x0_p, schedule[i], s.confidence_threshold,
                                   s.eb_threshold)
+                rewritten.extend((step, lo + int(j)) for j in (chosen & ~mask_index)[0].nonzero()[:, 0])
                 block_x = x[:, blk]
                 block_x[chosen] = x0[chosen]  # a view: writes the canvas
                 confidence = torch.where(mask_index, x0_p, torch.tensor(float("-inf"), dtype=x0_p.dtype))
@@ -227,7 +232,22 @@ class SDARSampler(AlignedBlockSampler):
             stop = s.stopping_criteria_idx
             if stop is not None and any(bool((x[:, prompt_length:] == t).any()) for t in stop):
                 break
+        _warn_rewritten(rewritten, prompt_length)
         return x, recorder, [None]
+
+
+def _warn_rewritten(rewritten: list[tuple[int, int]], prompt_length: int) -> None:
+    """Say when the reference quirk (a step's topk count above the masks left) overwrote tokens that were not masked:
+    prompt tokens change `out.tokens[:, :prompt_length]`."""
+    if not rewritten:
+        return
+    prompt = sorted({p for _, p in rewritten if p < prompt_length})
+    warnings.warn(f"sampler='sdar' rewrote {len(rewritten)} unmasked position(s) (steps, positions: {rewritten[:8]}"
+                  f"{' …' if len(rewritten) > 8 else ''}), {len(prompt)} of them prompt tokens {prompt[:8]}: a step's "
+                  "transfer count exceeded the masks left in its block (a block the prompt partly fills, with fewer "
+                  "steps than its length), so the reference's topk picked unmasked positions; reproduced. Give "
+                  "steps that divide the masked count, or a prompt that ends at a block boundary, to avoid it.",
+                  ReferenceQuirkWarning, stacklevel=4)
 
 
 register(SDARSampler())

@@ -17,6 +17,20 @@ EPS = 1e-3  # LLaDA's minimum masking probability (as mdm_lens.zoo.train.EPS)
 POSITIONS = ("masked", "unmasked", "all")
 
 
+
+def not_pad(cfg: Any, tokens: Tensor) -> Tensor:
+    """Positions that are not the pad id (all of them for a model without one: `tokens != None` would be the
+    Python bool True, not a mask)."""
+    return torch.ones_like(tokens, dtype=torch.bool) if cfg.pad_token_id is None else tokens != cfg.pad_token_id
+
+
+def maskable_positions(cfg: Any, tokens: Tensor) -> Tensor:
+    """The positions the forward process may mask: not pad, not a leading <bos> (training never masked it)."""
+    keep = not_pad(cfg, tokens)
+    if cfg.bos_token_id is not None:
+        keep[:, 0] &= tokens[:, 0] != cfg.bos_token_id
+    return keep
+
 class MaskedCanvas:
     """A model view for SAELens.
 
@@ -88,8 +102,7 @@ class MaskedCanvas:
             raise InputError(f"tokens hold the mask id {cfg.mask_token_id} at {n_mask} position(s); the forward "
                              "process masks clean sequences: pass the clean tokens.", argument="tokens",
                              value=validate.describe(tokens), allowed=f"ids other than {cfg.mask_token_id}")
-        maskable = tokens != cfg.pad_token_id
-        maskable[:, 0] &= tokens[:, 0] != cfg.bos_token_id  # <bos> is never masked (training did not)
+        maskable = maskable_positions(cfg, tokens)
         p = self.rates(tokens.shape[0])
         draw = torch.rand(tokens.shape, generator=self.generator)
         masked = (draw < p[:, None]) & maskable.cpu()

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, InputError
-from mdm_lens.sae.canvas import MaskedCanvas
+from mdm_lens.sae.canvas import MaskedCanvas, maskable_positions, not_pad
 from mdm_lens.sae.splice import _check_sae, _splice
 
 
@@ -28,13 +28,6 @@ def _nonempty(values: Any, name: str, types: Any) -> list:
         raise ArgumentError(f"{name}=[] is empty: the score needs at least one.", argument=name, value=values,
                             allowed="a non-empty list")
     return out
-
-
-def _maskable(model: Any, tokens: Tensor) -> Tensor:
-    """The positions the forward process may mask (MaskedCanvas' rule: not pad, not a leading <bos>)."""
-    keep = tokens != model.cfg.pad_token_id
-    keep[:, 0] &= tokens[:, 0] != model.cfg.bos_token_id
-    return keep
 
 
 @torch.no_grad()
@@ -69,7 +62,7 @@ def diffusion_ce_score(model: Any, sae: Any, hook_name: str, tokens: Tensor, *,
     seeds = [validate.integer(s, name=f"seeds[{j}]") for j, s in enumerate(_nonempty(seeds, "seeds", int))]
     use_error_term = validate.boolean(use_error_term, name="use_error_term")
     tokens = tokens.to(model.input_device)
-    real = tokens != model.cfg.pad_token_id
+    real = not_pad(model.cfg, tokens)
     attention_mask = real.long()
     rows = []
     for rate in rates:
@@ -102,7 +95,7 @@ def diffusion_ce_score(model: Any, sae: Any, hook_name: str, tokens: Tensor, *,
                 note = "no token was masked at this rate and seed"
             else:
                 ce_c, ce_s, ce_z = (_masked_ce(lg, tokens, masked) for lg in (clean, spliced, zero))
-                if n == int(_maskable(model, tokens).sum()):
+                if n == int(maskable_positions(model.cfg, tokens).sum()):
                     note = "every maskable token is masked: the canvas holds no input token (position-only " \
                            "activations)"
             den = ce_z - ce_c
