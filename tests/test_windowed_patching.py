@@ -77,3 +77,16 @@ def test_nemotron_steps_are_refused_naming_the_cache(tmp_path):
     assert all("KV cache" in why for why in r.reason) and bool(r.estimates["resid_pre"].isnan().all())
     with pytest.raises(StepForwardError, match="nemotron"):
         patch_anchor_activations(model, PROMPT, CORRUPT, step=1, gen_length=8, sampler="nemotron")
+
+
+def test_sdar_prefill_step_is_no_canvas_to_patch(tmp_path):
+    # a prompt of 6 with blocks of 4: step 0 prefills [0, 4), inside the prompt; it used to crash the pair's build
+    from tests.families.family_checkpoints import write_sdar
+
+    model = HookedMDM.from_pretrained(str(write_sdar(tmp_path / "s")[0]))
+    out = model.generate(torch.tensor([[1, 5, 7, 9, 11, 13]]), gen_length=8, sampler="sdar", block_length=4, steps=4)
+    with pytest.raises(StepForwardError, match="prefill"):
+        matched_canvases(out, torch.tensor([[1, 6, 7, 9, 11, 13]]), 0, model=model)
+    r = attribution_patching(model, out, "knockout", components=["resid_pre"])
+    assert "prefill" in r.reason[0] and bool(r.estimates["resid_pre"][0].isnan().all())
+    assert any(why == "" for why in r.reason[1:])

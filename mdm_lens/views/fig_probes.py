@@ -104,6 +104,11 @@ def sweep_probe_grids(table: pd.DataFrame, *, alpha: float = 0.05, seed: int = 0
     jobs = {"correct": (scored, "logistic", False, L * S), "step": (np.ones(n_items, bool), "ridge", True, L)}
     for name, (keep, probe, pooled, cells) in jobs.items():
         ci = 1 - alpha / cells
+        if not keep.any():  # e.g. no item with a scored answer (BD3LM's answers NaN): no probe, the section says so
+            grid = _failed("no item has a scored answer to fit this probe on", "auc" if name == "correct" else "r2")
+            grid.attrs.update(ci=ci, alpha=alpha, cells=cells, n_items=0)
+            out[name] = grid
+            continue
         sub = ProbeFeatures(feats.acts[:, :, torch.tensor(keep)], feats.layers, feats.steps, meta=feats.meta)
         target = torch.tensor(targets.acc.to_numpy()[keep] == 1.0) if name == "correct" else "step"
         try:

@@ -77,3 +77,20 @@ def _check_bd3lm_tables(out):
     tf = knock[knock["metric"].str.startswith("tf_")]
     assert len(tf) > 0 and tf["value"].isna().all()
     assert (tf["note"] == NOT_APPLICABLE.format(sampler="bd3lm")).all()
+
+
+def test_report_of_a_features_only_sweep_skips_the_probe_it_cannot_fit(tmp_path):
+    # items without answers: none has a scored answer, so the correctness probe is "not fit" with the reason; the
+    # report is still built (it used to abort on an empty activation tensor)
+    folder = _write(tmp_path / "ckpt", "bd3lm")
+    _char_tokenizer(folder)
+    data = tmp_path / "items.jsonl"
+    data.write_text("\n".join(json.dumps({"id": i["id"], "prompt": i["question"]}) for i in ITEMS) + "\n")
+    out = tmp_path / "sweep"
+    assert main(["sweep", "--model", str(folder), "--data", str(data), "--probes", "features", "--out", str(out),
+                 "--limit", "2", "--gen-length", "4", "--steps", "4", "--template", "zoo", "--no-progress"]) == 0
+    assert main(["report", str(out)]) == 0
+    from mdm_lens.views.fig_probes import sweep_probe_grids
+
+    grids = sweep_probe_grids(pd.read_parquet(out / "features.parquet"), n_boot=10)
+    assert grids["correct"]["reason"].str.contains("no item has a scored answer").all()
