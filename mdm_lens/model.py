@@ -76,6 +76,15 @@ def _circuits() -> Any:
     return circuits_tl
 
 
+#: `HookedMDM.forward`'s keywords (an unknown one is a typed error naming the nearest)
+FORWARD_KEYWORDS = ("tokens", "attention_mask", "attn_mask", "position_ids", "return_type", "block_length",
+                    "targets", "loss_per_token", "weighting", "p_mask")
+#: TransformerLens forward options with no counterpart here, named so the error says why
+TL_FORWARD_ONLY = {k: "It is a TransformerLens forward option mdm_lens does not implement: run the whole model and "
+                      "read (or hook) blocks.{l}.hook_resid_pre instead." for k in ("stop_at_layer", "start_at_layer")}
+TL_FORWARD_ONLY.update({k: "It is a TransformerLens forward option mdm_lens does not implement (token ids only; "
+                           "use model.to_tokens for text)." for k in ("prepend_bos", "padding_side", "tokens_to_return")})
+
 class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
     """A masked diffusion LM (bidirectional) or its autoregressive twin (causal) with TL hook points.
 
@@ -237,6 +246,7 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
         loss_per_token: bool = False,
         weighting: loss.Weighting = "none",
         p_mask: float | Tensor | None = None,
+        **unknown: Any,
     ) -> Any:
         """Run the model.
 
@@ -263,6 +273,7 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
                 next-token loss (`targets` default to the tokens). `loss_per_token=True`: `[batch, pos]` (MDM)
                 or `[batch, pos-1]` (ARM), NaN where a position is not scored.
         """
+        validate.keywords(unknown, FORWARD_KEYWORDS, where="forward", notes=TL_FORWARD_ONLY)
         return_type = validate.choice(return_type, RETURN_TYPES, name="return_type", error=InputError)
         tokens = inputs.token_ids(tokens, self.cfg, self.input_device)
         attention_mask = inputs.attention_mask(attention_mask, tokens, self.cfg)

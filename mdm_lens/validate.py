@@ -295,3 +295,68 @@ def distinct_ids(ids: dict[str, Any], *, why: str, error: type[Exception] = Argu
                 raise error(msg, argument=name, value=int(value), allowed=f"an id other than {other}'s")
             raise error(msg)
         seen[int(value)] = name
+
+
+def keywords(given: dict[str, Any], accepted: Sequence[str], *, where: str,
+             notes: dict[str, str] | None = None) -> None:
+    """Refuse keywords `where` does not take (Python's own error is a bare TypeError), naming the nearest accepted
+    one and, from `notes`, why a known foreign keyword (e.g. TransformerLens' `stop_at_layer`) is not taken."""
+    import difflib
+
+    for key in given:
+        if key in accepted:
+            continue
+        close = difflib.get_close_matches(key, list(accepted), n=1, cutoff=0.6)
+        hint = f" Did you mean {close[0]}=?" if close else ""
+        note = f" {notes[key]}" if notes and key in notes else ""
+        raise ArgumentError(f"{where}() got an unknown keyword {key}={describe(given[key])}.{hint}{note} Accepted: "
+                            f"{', '.join(accepted)}.", argument=key, value=given[key], allowed=", ".join(accepted))
+
+
+def known_keywords(fn: Any) -> Any:
+    """Decorator: an unknown keyword to `fn` (which takes no **kwargs) is the typed error of `keywords`."""
+    import functools
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        raise TypeError(f"known_keywords: {fn.__name__} takes **kwargs; check those where they are read")
+    accepted = tuple(p for p in params if p != "self" and params[p].kind is not inspect.Parameter.VAR_POSITIONAL)
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        keywords(kwargs, accepted, where=fn.__name__)
+        return fn(*args, **kwargs)
+
+    return checked
+
+
+def output_file(path: Any, *, name: str) -> Any:
+    """A file path to write: not an existing folder, its parent an existing folder (the OS errors would be raw)."""
+    from pathlib import Path
+
+    if not isinstance(path, (str, Path)) or str(path) == "":
+        raise ArgumentTypeError(f"{name}={path!r} is invalid: expected a file path.", argument=name, value=path,
+                                allowed="a str or pathlib.Path")
+    p = Path(path)
+    if p.is_dir():
+        raise ArgumentError(f"{name}={str(p)!r} is a folder: give a file path (e.g. {str(p / 'page.html')!r}).",
+                            argument=name, value=str(p), allowed="a file path")
+    if not p.parent.is_dir():
+        raise ArgumentError(f"{name}={str(p)!r}: its folder {str(p.parent)!r} does not exist (or is a file).",
+                            argument=name, value=str(p), allowed="a path in an existing folder")
+    return p
+
+
+def output_folder(path: Any, *, name: str, allowed: str = "a folder path (new or existing)") -> Any:
+    """A folder to write into: a path that is not an existing file (the OS errors would be raw, and only later)."""
+    from pathlib import Path
+
+    if not isinstance(path, (str, Path)) or str(path) == "":
+        raise ArgumentTypeError(f"{name}={path!r} is invalid: expected a folder path.", argument=name, value=path,
+                                allowed="a str or pathlib.Path")
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ArgumentError(f"{name} {str(p)!r} is a file, not a folder; choose a folder path.", argument=name,
+                            value=str(p), allowed=allowed)
+    return p

@@ -120,3 +120,63 @@ def test_sdar_says_when_the_reference_quirk_rewrote_prompt_tokens():
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReferenceQuirkWarning)  # a prompt ending at a block boundary: nothing rewritten
         model.generate(prompt[:, :4], sampler="sdar", steps=4, gen_length=8, block_length=4, temperature=1, seed=0)
+
+
+def test_unknown_keywords_are_typed_errors_naming_the_nearest():
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.lens.linear import item_split
+    from mdm_lens.probes.absorption import absorption_by_layer
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    x = model.to_tokens("The capital is")
+    with pytest.raises(ArgumentError, match="Did you mean attention_mask=") as err:
+        model(x, atention_mask=torch.ones_like(x))
+    assert err.value.argument == "atention_mask"
+    with pytest.raises(ArgumentError, match="TransformerLens forward option"):
+        model(x, stop_at_layer=2)
+    with pytest.raises(ArgumentError, match="absorption_by_layer.. got an unknown keyword nan_policy"):
+        absorption_by_layer(model, x, nan_policy="omit")
+    with pytest.raises(ArgumentError, match="unknown keyword test_size=0.0. Accepted: n_items, test_fraction"):
+        item_split(6, test_size=0.0)
+    assert item_split(6, test_fraction=0.5) is not None  # known keywords pass through the check
+
+
+def test_output_paths_of_the_wrong_kind_are_typed_errors(tmp_path):
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.loading import save_pretrained
+    from mdm_lens.views.sweep_report import report
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    out = model.generate(model.to_tokens("The capital is"), gen_length=4, steps=4)
+    page = out.explore(model)
+    with pytest.raises(ArgumentError, match="is a folder"):
+        page.save(tmp_path)
+    with pytest.raises(ArgumentError, match="does not exist"):
+        page.save(tmp_path / "missing" / "page.html")
+    assert page.save(tmp_path / "page.html").is_file()
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    with pytest.raises(ArgumentError, match="is a file, not a folder"):
+        save_pretrained(model, a_file)
+    with pytest.raises(ArgumentError, match="is a file, not a folder"):
+        report(tmp_path, out=a_file)
+
+
+def test_retrieval_items_that_are_plain_strings_are_refused_saying_what_an_item_is():
+    from mdm_lens.errors import InputTypeError
+    from mdm_lens.probes.retrieval import retrieval_scores
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    with pytest.raises(InputTypeError, match="QAItem") as err:
+        retrieval_scores(model, ["the capital of x is y"])
+    assert err.value.argument == "items"
+
+
+def test_ddit_readout_names_the_residual_width(tmp_path):
+    from mdm_lens.errors import InputError
+    from tests.families.ddit_checkpoints import DUO_CONFIG, write_ddit
+
+    duo = HookedMDM.from_pretrained(str(write_ddit(tmp_path / "d", DUO_CONFIG)[0]), load_tokenizer=False)
+    with pytest.raises(InputError, match=f"d_model={duo.cfg.d_model}"):
+        duo.readout(torch.randn(2, 5, duo.cfg.d_model - 1), sigma=0.5)
+    assert duo.readout(torch.randn(2, 5, duo.cfg.d_model), sigma=0.5).shape == (2, 5, duo.cfg.d_vocab)

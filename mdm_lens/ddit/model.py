@@ -199,6 +199,11 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
         """Raw logits of a final-layer residual: final norm, the final adaLN at `sigma` (default `step_sigma()`:
         the running step's σ, else the clean σ), unembedding. Rows `[batch, pos, d_model]` take one σ per batch
         row; any other shape takes one σ for all."""
+        resid = validate.tensor(resid, name="resid", dtype="float")
+        if resid.ndim == 0 or resid.shape[-1] != self.cfg.d_model:
+            raise InputError(f"resid has shape {tuple(resid.shape)}: readout takes residuals of width d_model="
+                             f"{self.cfg.d_model} (last axis).", argument="resid", value=tuple(resid.shape),
+                             allowed=f"[..., {self.cfg.d_model}]")
         flat = resid.ndim != 3
         r = resid.reshape(1, -1, resid.shape[-1]) if flat else resid
         sigma = self.step_sigma() if sigma is None else sigma

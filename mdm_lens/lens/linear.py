@@ -179,6 +179,7 @@ def features_from_cache(cache: Any, *, hook: str = "hook_resid_post", layers: An
 # splits and metrics
 # ---------------------------------------------------------------------------------------------------------------
 
+@validate.known_keywords
 def item_split(n_items: int, *, test_fraction: float = 0.25, seed: int = 0,
                stratify: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(train items, test items), sorted, disjoint, covering `range(n_items)`. `stratify` (`[item]` labels) puts

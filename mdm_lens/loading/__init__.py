@@ -305,7 +305,7 @@ def save_pretrained(model: Any, folder: str | os.PathLike) -> Path:
                             f"{'=True, '.join(done)}=True).", argument="model", value=done,
                             allowed="a model without weight processing")
     require_resident(model, "save_pretrained")  # offloaded weights are on meta: nothing to write
-    folder = Path(folder)
+    folder = validate.output_folder(folder, name="folder")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(model.cfg.to_json())
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}

@@ -7,11 +7,10 @@ loaded unprocessed without a word. Here both are typed errors naming the keyword
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentError
+
 
 #: keywords `from_pretrained` takes (its own + those it passes to `loading.load_pretrained`)
 ACCEPTED = ("dtype", "device", "allow_download", "load_tokenizer", "device_map", "max_memory", "n_devices",
@@ -25,16 +24,9 @@ TL_UNSUPPORTED = ("center_writing_weights", "refactor_factored_attn_matrices", "
 
 def check_pretrained_kwargs(kwargs: dict[str, Any], where: str, accepted: tuple[str, ...] = ACCEPTED) -> None:
     """Refuse keywords `where` does not take (`accepted`), naming the nearest accepted one."""
-    for key in kwargs:
-        if key in accepted:
-            continue
-        close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
-        hint = f" Did you mean {close[0]}=?" if close else ""
-        tl = (" It is a TransformerLens option mdm_lens does not implement (its processing is fold_ln, "
-              "center_unembed, fold_value_biases; see mdm_lens.processing).") if key in TL_UNSUPPORTED else ""
-        raise ArgumentError(f"{where}() got an unknown keyword {key}={validate.describe(kwargs[key])}.{hint}{tl} "
-                            f"Accepted: {', '.join(accepted)}.", argument=key, value=kwargs[key],
-                            allowed=", ".join(accepted))
+    tl = {k: "It is a TransformerLens option mdm_lens does not implement (its processing is fold_ln, "
+             "center_unembed, fold_value_biases; see mdm_lens.processing)." for k in TL_UNSUPPORTED}
+    validate.keywords(kwargs, accepted, where=where, notes=tl)
 
 
 def processing_flags(fold_ln: Any, center_unembed: Any, fold_value_biases: Any) -> dict[str, bool]:

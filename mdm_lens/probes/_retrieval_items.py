@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentError, ArgumentTypeError, OutOfRangeError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputTypeError, OutOfRangeError
 
 from ._results import ResultMixin, to_numpy
 from ._text import encode_with_offsets, model_tokenizer
@@ -110,6 +110,11 @@ def _as_item(item: Any, model: Any) -> RetrievalItem:
     """A RetrievalItem as is; a QAItem tokenised by the model's own tokenizer (typed error without one)."""
     if isinstance(item, RetrievalItem):
         return item
+    if not all(hasattr(item, f) for f in ("prompt", "answer", "passages")):  # e.g. a plain prompt string
+        raise InputTypeError(f"items holds {validate.describe(item)}: retrieval needs items that say where the "
+                             "answer is: a QAItem (prompt, passages, gold passage, answers; mdm_lens.items) or a "
+                             "RetrievalItem (token ids, needle span, answer, gold span).", argument="items",
+                             value=item, allowed="QAItem or RetrievalItem")
     return from_qa_item(item, model_tokenizer(model, "items", item, "RetrievalItem(s) of token ids"))
 
 

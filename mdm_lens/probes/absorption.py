@@ -137,6 +137,7 @@ def _absorption_from_received(received: Tensor, key_visible: Tensor | None, caus
     return names, vals, nulls, res.n_anchors.to(torch.float64)
 
 
+@validate.known_keywords
 def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_mask: Tensor | None = None,
                         mode: Literal["default", "paper"] = "default", rule: str = "zscore",
                         head: Literal["mean", "each"] = "mean",

@@ -127,6 +127,7 @@ def _nanmean(x: Tensor) -> float:
     return float(x.nanmean()) if bool((~x.isnan()).any()) else float("nan")
 
 
+@validate.known_keywords
 def noise_level(model: Any, tokens: Any, levels: Sequence[float] | Tensor, *, queries: str = "all",
                 layers: Sequence[int] | None = None) -> NoiseLevelResult:
     """The level × layer table on one canvas `tokens` `[batch, pos]` (MDLM / Duo / GIDD: pos ≤ n_ctx; BD3LM: its

@@ -29,17 +29,11 @@ COUNTS = {"limit": 1, "batch_size": 1, "steps": 1, "gen_length": 1, "block_lengt
 
 def check_counts(a: argparse.Namespace) -> None:
     """The count flags and ``--out``, named as flags (the runner checks them again, by argument name)."""
-    from pathlib import Path
-
-    from mdm_lens.errors import ArgumentError
-
     for name, low in COUNTS.items():
         v = getattr(a, name, None)
         if v is not None:
             validate.integer(v, name="--" + name.replace("_", "-"), min=low)
-    if Path(a.out).exists() and not Path(a.out).is_dir():
-        raise ArgumentError(f"--out {a.out!r} is a file, not a folder; choose a folder path.", argument="out",
-                            value=a.out, allowed="a folder (new or a sweep folder)")
+    validate.output_folder(a.out, name="--out", allowed="a folder (new or a sweep folder)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

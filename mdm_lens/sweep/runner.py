@@ -200,9 +200,7 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
         validate.choice(device.split(":")[0] if isinstance(device, str) else device, ("cpu", "cuda"), name="device")
     validate.boolean(force, name="force")
     validate.boolean(skip_bad, name="skip_bad")
-    if Path(out).exists() and not Path(out).is_dir():
-        raise ArgumentError(f"out={str(out)!r} is a file, not a folder; choose a folder path.", argument="out",
-                            value=str(out), allowed="a folder (new or a sweep folder)")
+    validate.output_folder(out, name="out", allowed="a folder (new or a sweep folder)")
     read = read_items(data, skip_bad=skip_bad)
     screened = C.screen(read.items, names, str(data), skip_bad, limit)
     if not screened.items:

@@ -30,6 +30,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mdm_lens import validate
 from mdm_lens.errors import ArgumentError
 
 __all__ = ["SweepStore"]
@@ -82,9 +83,7 @@ class SweepStore:
         """Rank 0: create DIR, or check that DIR was made with the same arguments (``force`` wipes it). A folder
         with no finished batch holds nothing to lose: it is reused with the new arguments, without ``force``
         (a run that failed before computing anything never forces ``--force`` on the next)."""
-        if self.root.exists() and not self.root.is_dir():
-            raise ArgumentError(f"--out {str(self.root)!r} is a file, not a folder; choose a folder path.",
-                                argument="out", value=str(self.root), allowed="a folder (new or a sweep folder)")
+        validate.output_folder(self.root, name="--out", allowed="a folder (new or a sweep folder)")
         spec = self.root / "sweep.json"
         wipe = force
         if spec.exists():

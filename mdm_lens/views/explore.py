@@ -284,7 +284,8 @@ class Explorer:
                 "</body></html>")
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
+        """Write the page to the file `path` (a folder, or a file under a missing folder, is refused)."""
+        path = validate.output_file(path, name="path")
         path.write_text(self.page(), encoding="utf-8")
         return path
 

@@ -220,7 +220,7 @@ def _canvas(sweeps: Sequence[Sweep]) -> str:
 def report(folder: str | Path, out: str | Path | None = None, title: str | None = None,
            extra: Sequence[Section] = (), meta: dict[str, Any] | None = None) -> Path:
     """Write ``out/index.html`` (default ``folder/report``) from the sweep(s) in ``folder``; returns its path."""
-    out = Path(out) if out is not None else Path(folder) / "report"
+    out = validate.output_folder(out if out is not None else Path(folder) / "report", name="out")
     sweeps, left = find_sweeps(folder, exclude=[out])
     img = out / "figures"
     img.mkdir(parents=True, exist_ok=True)
