@@ -139,7 +139,7 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype: torch.dtype | str = torch.float32,
-                        device: str | torch.device = "cpu", fold_ln: bool = False, center_unembed: bool = False,
+                        device: str | torch.device | None = None, fold_ln: bool = False, center_unembed: bool = False,
                         fold_value_biases: bool = False, **kwargs: Any) -> "HookedMDM":
         """Load a real checkpoint (local folder, HF cache, or a shipped zoo model). See `mdm_lens.loading`.
 

@@ -180,3 +180,26 @@ def test_ddit_readout_names_the_residual_width(tmp_path):
     with pytest.raises(InputError, match=f"d_model={duo.cfg.d_model}"):
         duo.readout(torch.randn(2, 5, duo.cfg.d_model - 1), sigma=0.5)
     assert duo.readout(torch.randn(2, 5, duo.cfg.d_model), sigma=0.5).shape == (2, 5, duo.cfg.d_vocab)
+
+
+@pytest.mark.parametrize("family", ["nemotron", "llada2"])
+def test_a_mask_id_that_is_the_eos_id_is_refused_at_load(tmp_path, family):
+    from mdm_lens.errors import ConfigError
+    from tests.families.family_checkpoints import MASK_ID, write_llada2
+    from tests.families.nemotron_fixture import write_nemotron
+
+    write = write_nemotron if family == "nemotron" else write_llada2
+    folder = write(tmp_path / family, eos_token_id=MASK_ID)[0]
+    with pytest.raises(ConfigError, match="mask_token_id=.* and eos_token_id=.* are the same token"):
+        HookedMDM.from_pretrained(str(folder))
+
+
+def test_an_explicit_device_beside_a_device_map_is_refused(tmp_path):
+    from mdm_lens.errors import ArgumentError
+
+    for kw in (dict(device="cpu", device_map="auto"), dict(device="cpu", device_map={"": "disk"},
+                                                            offload_folder=str(tmp_path / "off"))):
+        with pytest.raises(ArgumentError, match="were both given") as err:
+            HookedMDM.from_pretrained("mdm-lens/tiny-mdm", **kw)
+        assert err.value.argument == "device"
+    assert HookedMDM.from_pretrained("mdm-lens/tiny-mdm", device_map="auto").hf_device_map == {"": "cpu"}

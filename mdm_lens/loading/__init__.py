@@ -81,6 +81,10 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
     _apply_registry_facts(cfg, known, family)
     apply_special_tokens(cfg, folder, raw, family, known)
     apply_dreamon_tokens(cfg, folder, family)  # after EOS: DreamOn deletes at the tokenizer's EOS
+    if cfg.attention != "causal":  # a diffusion model whose mask is its EOS: every EOS stop fires on the masks
+        validate.distinct_ids({"mask_token_id": cfg.mask_token_id, "eos_token_id": cfg.eos_token_id},
+                              why="the samplers' EOS stop would fire on the canvas's own masks and the answer would "
+                                  "keep mask ids as if they came after the EOS.", error=ConfigError)
     return cfg, family
 
 
@@ -212,7 +216,7 @@ def _is_unembed(key: str) -> bool:
 
 
 def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32,
-                    device: str | torch.device = "cpu", allow_download: bool = False,
+                    device: str | torch.device | None = None, allow_download: bool = False,
                     load_tokenizer: bool = True, device_map: Any = None, max_memory: Any = None,
                     n_devices: Any = None, offload_folder: Any = None) -> Any:
     if not isinstance(name_or_path, (str, os.PathLike)):
@@ -220,7 +224,13 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
                                 "path (a checkpoint folder, a hub id or a zoo name).", argument="name_or_path",
                                 value=name_or_path, allowed="a str or os.PathLike")
     dtype = parse_dtype(dtype)
-    device = parse_device(device)
+    if device is not None and (device_map is not None or n_devices not in (None, 1)):
+        # an explicit device (cpu included: None is the default) beside a map: the map places every module
+        raise ArgumentError(f"device={str(device)!r} and {'device_map' if device_map is not None else 'n_devices'}= "
+                            "were both given: the map places every module, so device would be ignored; pass one of "
+                            "them (device_map={'': 'cuda:0'} puts everything on one device).", argument="device",
+                            value=str(device), allowed="device, or device_map / n_devices, not both")
+    device = parse_device("cpu" if device is None else device)
     allow_download = validate.boolean(allow_download, name="allow_download")
     load_tokenizer = validate.boolean(load_tokenizer, name="load_tokenizer")
     folder, known = resolve(name_or_path, allow_download=allow_download)
