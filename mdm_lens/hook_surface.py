@@ -46,15 +46,27 @@ def _step_hook_pair(pair: Any, name: str) -> Any:
     """A `StepHook` (``sae_hook(...)``, ``at_steps(fn, name=...)``; duck-typed: hooks/ imports this module's users)
     outside `generate`: a plain forward has no denoising step, so an all-steps hook fires on every forward and a
     step-bound one is refused (it would otherwise fire at no step or at every one, both silently wrong)."""
+    if isinstance(pair, (list, tuple)) and len(pair) == 2 and _bound(pair[1]):  # (name, at_steps(fn, steps))
+        _refuse_steps(pair[1].when, name)
+        return (pair[0], pair[1].fn)
     when = getattr(pair, "when", None)
     if isinstance(pair, (list, tuple)) or when is None or not hasattr(pair, "fn") or not hasattr(pair, "name"):
         return pair
-    if when != type(when)():  # Steps() is every step
-        raise ArgumentError(f"{name}={validate.describe(pair)} is bound to denoising steps ({when}); a plain "
-                            "forward has no step. Pass it to model.generate(..., fwd_hooks=[...]), or drop the "
-                            "'@ steps(...)' to hook every forward.", argument=name, value=when,
-                            allowed="a hook bound to every step (no @ steps(...)) outside generate")
+    _refuse_steps(when, name)
     return (pair.name, pair.fn)
+
+
+def _bound(fn: Any) -> bool:
+    """A `BoundHook` (`at_steps(fn, steps)` without a name), duck-typed: a callable with `.fn` and `.when`."""
+    return callable(fn) and hasattr(fn, "fn") and hasattr(fn, "when") and not hasattr(fn, "name")
+
+
+def _refuse_steps(when: Any, name: str) -> None:
+    if when != type(when)():  # Steps() is every step
+        raise ArgumentError(f"{name} is bound to denoising steps ({when}); a plain forward has no step. Pass it to "
+                            "model.generate(..., fwd_hooks=[...]) (or out.replay), or drop the steps to hook every "
+                            "forward.", argument=name, value=when,
+                            allowed="a hook bound to every step (no @ steps(...)) outside generate")
 
 
 def _check_incl_bwd(kwargs: dict[str, Any]) -> None:

@@ -203,3 +203,23 @@ def test_an_explicit_device_beside_a_device_map_is_refused(tmp_path):
             HookedMDM.from_pretrained("mdm-lens/tiny-mdm", **kw)
         assert err.value.argument == "device"
     assert HookedMDM.from_pretrained("mdm-lens/tiny-mdm", device_map="auto").hf_device_map == {"": "cpu"}
+
+
+def test_a_step_bound_hook_in_a_pair_is_refused_outside_generate_as_the_named_form():
+    from mdm_lens import at_steps
+    from mdm_lens.errors import ArgumentError
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    x = model.to_tokens("The capital is")
+    zero = lambda a, hook: a * 0  # noqa: E731
+    for hooks in ([("blocks.0.hook_resid_post", at_steps(zero, [1]))],
+                  [at_steps(zero, [1], name="blocks.0.hook_resid_post")]):
+        with pytest.raises(ArgumentError, match="a plain forward has no step"):
+            model.run_with_hooks(x, fwd_hooks=hooks)
+    every = model.run_with_hooks(x, fwd_hooks=[("blocks.0.hook_resid_post", at_steps(zero, None))])
+    plain = model.run_with_hooks(x, fwd_hooks=[("blocks.0.hook_resid_post", zero)])
+    assert torch.equal(every, plain)  # bound to every step: every forward
+    out = model.generate(x, gen_length=4, steps=4)
+    seen = []
+    out.replay(model, 1, fwd_hooks=[("blocks.0.hook_resid_post", at_steps(lambda a, hook: seen.append(1), [1]))])
+    assert seen == [1]  # inside a replay the step exists

@@ -205,7 +205,8 @@ def at_steps(fn: Callable, step_list: Iterable[StepSpec] | Steps | None = None, 
 @dataclass
 class BoundHook:
     """A hook function bound to steps, to pair with a name: `(name, at_steps(fn, [0, -1]))`. `.when` holds its
-    steps. Outside `generate` and `GenerateOutput.replay` (no denoising state) it fires on every forward pass."""
+    steps. Outside `generate` and `GenerateOutput.replay` (no denoising state) `run_with_hooks` refuses it, as the
+    named form (a plain forward has no step); bound to every step it hooks every forward."""
 
     fn: Callable
     when: Steps

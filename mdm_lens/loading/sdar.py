@@ -13,6 +13,8 @@ The mask token is `<|MASK|>`, read from the tokenizer files."""
 
 from __future__ import annotations
 
+import warnings
+
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,10 @@ def config_from_sdar(config: dict[str, Any], family: str, name: str, folder: Pat
 
     if get("hidden_act") != "silu":
         raise ConfigError(f"SDAR hidden_act={get('hidden_act')!r}; only SiLU-gated MLPs are supported.")
+    if get("use_sliding_window"):  # accepted as the reference does, but said: the key promises something else
+        warnings.warn(f"{folder}: SDAR config has use_sliding_window=true; the reference's attention (SDPA under the "
+                      "sampler's block mask) ignores it, and so does mdm_lens: every block sees all earlier ones.",
+                      UserWarning, stacklevel=4)
     d_model, n_heads = get("hidden_size"), get("num_attention_heads")
     n_layers = get("num_hidden_layers")
     n_kv = get("num_key_value_heads") or n_heads
