@@ -55,14 +55,30 @@ def _na(item_id: str, mode: str, reason: str) -> dict:
                 value=np.nan, reason=reason)
 
 
+def _has_fast_dllm_cache(sampler: str) -> bool:
+    """Whether `sampler` takes Fast-dLLM's approximate caches (`kv_cache="prefix"` / `"dual"`, default None)."""
+    import dataclasses
+
+    from mdm_lens.diffusion import registry
+
+    fields = {f.name: f.default for f in dataclasses.fields(registry.get(sampler).Settings)}
+    return "kv_cache" in fields and fields["kv_cache"] is None
+
+
 def cache(model: Any, batch: Any, s: Any, shared: dict) -> pd.DataFrame:
     out = shared["out"]
     parts: list[pd.DataFrame] = []
     rows: list[dict] = []
+    no_cache = None if out.causal or _has_fast_dllm_cache(out.sampler) else (
+        f"not applicable: the cache probe compares Fast-dLLM's approximate prefix / dual KV caches, which the "
+        f"{out.sampler!r} sampler does not have (its own cache, if any, is part of its algorithm)")
     for row, item_id in enumerate(batch.item_ids):
         for mode in MODES:
             if out.causal:
                 rows.append(_na(item_id, mode, "causal (ARM) model: no KV-cached diffusion loop"))
+                continue
+            if no_cache is not None:
+                rows.append(_na(item_id, mode, no_cache))
                 continue
             prompt = batch.ids[row:row + 1, batch.offsets[row]:]
             try:

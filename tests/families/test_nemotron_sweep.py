@@ -33,6 +33,8 @@ def test_sweep_and_report_run_on_nemotron(tmp_path):
         if "item_id" in table:
             assert set(table["item_id"]) == {"a", "b"}, probe
     _check_lens_and_knockout(out)
+    cache = pd.read_parquet(out / "cache.parquet")  # Fast-dLLM's prefix/dual caches only: said, not an internal error
+    assert cache["value"].isna().all() and cache["reason"].str.startswith("not applicable").all()
     atp = pd.read_parquet(out / "atp.parquet")  # every step reads the prompt through a cache: NaN, the reason noted
     assert len(atp) > 0 and atp["value"].isna().all() and atp["reason"].str.contains("KV cache").all()
     feats = pd.read_parquet(out / "features.parquet")  # each step's own forward replayed (window_replay)
