@@ -127,11 +127,6 @@ def step_canvas(out: Any, step: int) -> tuple[Tensor, Tensor]:
     if getattr(out, "sampler", None) in BLOCK_SAMPLERS:
         state = state_at(out, s)
         end = int(state.extra["query_end"])
-        if end < out.prompt_length:  # SDAR's prefill of the prompt's whole blocks: no answer row in its canvas
-            raise StepForwardError(
-                f"step {s} of this {out.sampler!r} run is its prefill forward over the prompt's whole blocks [0, {end})"
-                f", inside the {out.prompt_length}-token prompt: no answer position, nothing to patch or attribute.",
-                argument="step", value=s, allowed="a denoising step (state_at(step).extra['kind'] == 'denoise')")
         x = state.x[:, :end].to(out.tokens.device)
         return x, torch.ones_like(x)  # one unpadded row; the canvas may run past the output (a block's tail)
     x = out.trajectory.x_steps[s].to(out.tokens.device)

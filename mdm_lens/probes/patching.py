@@ -40,7 +40,7 @@ from torch import Tensor
 
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentError
+from mdm_lens.errors import ArgumentError, StepForwardError
 
 from . import _causal as C
 from ._causal import anchor_mask_from_scores
@@ -101,6 +101,11 @@ def matched_canvases(out: Any, corrupt: Any, step: int, *, model: Any = None) ->
     s = validate.index(step, out.n_steps, name="step", what="step")
     P = out.prompt_length
     x, am = step_canvas(out, s)
+    if x.shape[1] < P:  # SDAR's prefill of the prompt's whole blocks: its canvas ends inside the prompt
+        raise StepForwardError(
+            f"step {s} of this {out.sampler!r} run is its prefill forward over the prompt's whole blocks [0, "
+            f"{x.shape[1]}), inside the {P}-token prompt: no answer position, nothing to patch or attribute.",
+            argument="step", value=s, allowed="a denoising step (state_at(step).extra['kind'] == 'denoise')")
     if hasattr(corrupt, "trajectory"):
         if not torch.equal(corrupt.attention_mask[:, :P].cpu(), out.attention_mask[:, :P].cpu()):
             raise ArgumentError("corrupt has a different prompt padding than the clean run; pad both prompts the same "
