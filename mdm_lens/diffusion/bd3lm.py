@@ -165,7 +165,30 @@ class BD3LMSampler(DDiTSampler):
 
     def check_inputs(self, model: Any, ids: Tensor, am: Tensor, s: Any, obs: Any) -> None:
         self.check_ragged(model, ids, s)
+        self.check_records(ids, s, obs)
         super().check_inputs(model, ids, am, s, obs)
+
+    @staticmethod
+    def check_records(ids: Tensor, s: Any, obs: Any) -> None:
+        """Reducers place a forward's keys at canvas positions 0.. (`record=`): refused, before compute, on runs
+        whose forwards' keys are not that prefix: windows that start past 0 (the canvas longer than context_size /
+        model_length) and KV-cached first-hitting runs with fewer steps than a block's positions (an unfinished
+        block is not stored, so later blocks attend to [stored blocks; own block], not a prefix)."""
+        if not obs.record:
+            return
+        total = ids.shape[1] + s.gen_length
+        why = (f"the canvas ({total}) is longer than context_size={s.context_size}, so later windows start past "
+               "position 0" if total > s.context_size else
+               f"kv_cache=True with first hitting and steps={s.steps} < block_size={s.block_size} leaves blocks "
+               "unfinished and unstored, so later blocks' keys skip them" if s.kv_cache and s.first_hitting
+               and s.steps < s.block_size else "")
+        if why:
+            raise SamplerConfigError(f"record={[type(r).__name__ for r in obs.record]} on this bd3lm run: reducers "
+                                     f"place a forward's keys at canvas positions 0.., but {why}. Read attention "
+                                     "with cache= (each forward's own rows and keys: state.rows / state.keys) or "
+                                     "out.replay, or shorten the canvas / raise steps.", argument="record",
+                                     value=[type(r).__name__ for r in obs.record],
+                                     allowed="record=[] on such runs")
 
     def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: BD3LMSettings,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
