@@ -9,7 +9,6 @@ TL's three, and each ``*_slice`` is one of TL's slice inputs whose indices lie i
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import numbers
 from typing import Any, Callable
@@ -37,13 +36,7 @@ def bind(fn: Callable, helper: str, args: tuple, kwargs: dict) -> dict[str, Any]
     `ArgumentError` naming the nearest accepted keyword."""
     sig = inspect.signature(fn)
     names = [p for p in sig.parameters if p != "self"]
-    for key in kwargs:
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
-            hint = f" Did you mean {close[0]}=?" if close else ""
-            raise ArgumentError(f"{helper}() got an unknown keyword {key}={validate.describe(kwargs[key])}.{hint} "
-                                f"Accepted: {', '.join(names)}.", argument=key, value=kwargs[key],
-                                allowed=", ".join(names))
+    validate.keywords(kwargs, names, where=helper)
     try:
         bound = sig.bind(None, *args, **kwargs)
     except TypeError as e:
