@@ -223,20 +223,3 @@ def test_a_step_bound_hook_in_a_pair_is_refused_outside_generate_as_the_named_fo
     seen = []
     out.replay(model, 1, fwd_hooks=[("blocks.0.hook_resid_post", at_steps(lambda a, hook: seen.append(1), [1]))])
     assert seen == [1]  # inside a replay the step exists
-
-
-@pytest.mark.parametrize("kw", [dict(gen_length=27, steps=6), dict(gen_length=15, steps=6, context_size=8),
-                                dict(gen_length=15, steps=3, kv_cache=True)])
-def test_bd3lm_reducers_are_refused_where_a_forwards_keys_are_not_the_prefix(bd3, kw):
-    # reducers place keys at canvas positions 0..; these runs' forwards attend to windows starting past 0 or to
-    # [stored blocks; own block] with an unfinished block missing (TopKKeys recorded wrong positions, ReceivedAttention
-    # crashed): refused before compute, by generate and memory_plan alike
-    from mdm_lens import ReceivedAttention, TopKKeys
-
-    for rec in (ReceivedAttention(), TopKKeys(k=4)):
-        with pytest.raises(SamplerConfigError, match="reducers place a forward's keys at canvas positions 0"):
-            bd3.generate(torch.full((1, 1), 7), record=[rec], seed=0, **kw)
-        with pytest.raises(SamplerConfigError, match="reducers place"):
-            bd3.memory_plan(torch.full((1, 1), 7), record=[rec], **kw)
-    out = bd3.generate(torch.full((1, 1), 7), gen_length=15, steps=6, kv_cache=True, record=[TopKKeys(k=4)], seed=0)
-    assert out.records  # keys are the prefix here: recorded

@@ -165,30 +165,7 @@ class BD3LMSampler(DDiTSampler):
 
     def check_inputs(self, model: Any, ids: Tensor, am: Tensor, s: Any, obs: Any) -> None:
         self.check_ragged(model, ids, s)
-        self.check_records(ids, s, obs)
         super().check_inputs(model, ids, am, s, obs)
-
-    @staticmethod
-    def check_records(ids: Tensor, s: Any, obs: Any) -> None:
-        """Reducers place a forward's keys at canvas positions 0.. (`record=`): refused, before compute, on runs
-        whose forwards' keys are not that prefix: windows that start past 0 (the canvas longer than context_size /
-        model_length) and KV-cached first-hitting runs with fewer steps than a block's positions (an unfinished
-        block is not stored, so later blocks attend to [stored blocks; own block], not a prefix)."""
-        if not obs.record:
-            return
-        total = ids.shape[1] + s.gen_length
-        why = (f"the canvas ({total}) is longer than context_size={s.context_size}, so later windows start past "
-               "position 0" if total > s.context_size else
-               f"kv_cache=True with first hitting and steps={s.steps} < block_size={s.block_size} leaves blocks "
-               "unfinished and unstored, so later blocks' keys skip them" if s.kv_cache and s.first_hitting
-               and s.steps < s.block_size else "")
-        if why:
-            raise SamplerConfigError(f"record={[type(r).__name__ for r in obs.record]} on this bd3lm run: reducers "
-                                     f"place a forward's keys at canvas positions 0.., but {why}. Read attention "
-                                     "with cache= (each forward's own rows and keys: state.rows / state.keys) or "
-                                     "out.replay, or shorten the canvas / raise steps.", argument="record",
-                                     value=[type(r).__name__ for r in obs.record],
-                                     allowed="record=[] on such runs")
 
     def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: BD3LMSettings,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
@@ -222,9 +199,16 @@ class BD3LMSampler(DDiTSampler):
             state.query_rows, state.key_cols = slice(start, end), slice(start, end)
             _note(run, state, cached=False)
             return runner.forward(state, x[:, start:end], sigma=sigma)[:, lo - start:]
-        state.query_rows, state.key_cols = slice(end - bs, end), slice(end - cache.length, end)
+        state.query_rows = slice(end - bs, end)
+        keys = cached_key_positions(run.setdefault("stored", []), cache.idx, end, bs)
+        state.key_cols = slice(int(keys.min()), end)
+        if keys.numel() != end - int(keys.min()):  # an unfinished block was skipped: not one run of positions
+            state.key_index = keys
         _note(run, state, cached=True)
-        return runner.forward(state, x[:, end - bs:end], sigma=sigma, kv_cache=cache, store_kv=store)
+        out = runner.forward(state, x[:, end - bs:end], sigma=sigma, kv_cache=cache, store_kv=store)
+        if store:  # the block's positions join the cache (which keeps the last model_length − block_size of them)
+            run["stored"] = (run["stored"] + list(range(end - bs, end)))[-cache.idx:] if cache.idx else []
+        return out
 
     def _block(self, runner: Any, model: Any, s: BD3LMSettings, x: Tensor, prompt: Tensor, b: int, cache: Any,
                rng: Streams, recorder: TrajectoryRecorder, run: dict, bar: Any) -> Tensor:
@@ -293,11 +277,18 @@ class BD3LMSampler(DDiTSampler):
         return torch.where(blk != mask_id, blk, drawn)
 
 
+def cached_key_positions(stored: list[int], n_stored: int, end: int, bs: int) -> Tensor:
+    """The canvas positions a cached forward's keys are: the cache's stored positions (its last `n_stored`, as
+    the cache slides) then the block's own `[end − bs, end)`."""
+    return torch.tensor(stored[len(stored) - n_stored:] + list(range(end - bs, end)), dtype=torch.long)
+
+
 def _note(run: dict, state: DenoisingState, cached: bool) -> None:
     """Keep step `state.step`'s forward for `out.replay` (mdm_lens.diffusion.window_replay): its rows, keys, t, σ,
     whether it read / stored the KV cache. The canvas is the trajectory's `x_steps[step]`, not copied again."""
     run["forwards"].append(dict(block=state.block, block_slice=state.block_slice, n_steps=state.n_steps,
                                 n_blocks=state.n_blocks, rows=state.rows, keys=state.keys,
+                                key_index=state.key_index,
                                 extra=dict(t=state.extra["t"].detach().cpu().clone(),
                                            sigma=state.extra["sigma"].detach().cpu().clone(),
                                            kv_store=state.extra["kv_store"], kv_cache=cached)))

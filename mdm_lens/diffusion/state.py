@@ -13,6 +13,9 @@ of `x`. Positions are indices into the state's canvas `x`: the absolute sequence
 sampler (prompt at 0, left pads included); DiffusionGemma's decoder canvas starts at `block_slice.start` of its
 sequence. Pad positions are computed rows like any other: consumers drop them through `key_visible`.
 `query_positions` / `key_positions` give the same facts as `[batch, rows]` / `[batch, keys]` index tensors.
+Keys that are not one run of positions (a BD3LM KV-cached run whose unfinished blocks were not stored attends to
+[stored blocks; own block]) set `key_index`, the position of every key column; `key_cols` is then their span and
+`key_positions` is the truth (`keys_contiguous` says which).
 
 Variable-length runs (DreamOn's expand / delete, LLaDA2.2's InDel: `mdm_lens.diffusion.varlen`) insert and remove
 rows mid-run, so column j of `x` is not the same token slot at every step. `slot` names each column's slot (an id
@@ -54,6 +57,7 @@ class DenoisingState:
     key_cols: slice | None = None  # canvas positions its attention keys cover, cached ones included (None: all)
     slot: Int[Tensor, "batch pos"] | None = None  # variable-length runs: the slot id of each column of x
     n_original: int | None = None  # variable-length runs: the width of step 0's canvas (slots below it are original)
+    key_index: Int[Tensor, "keys"] | None = None  # keys that are not one run of positions: each column's position
 
     @property
     def variable_length(self) -> bool:
@@ -94,8 +98,15 @@ class DenoisingState:
     @property
     def key_positions(self) -> Int[Tensor, "batch keys"]:
         """The canvas position of each key column of the forward's attention (cached keys included)."""
+        if self.key_index is not None:
+            return self.key_index.to(self.x.device).expand(self.x.shape[0], -1)
         k = self.keys
         return torch.arange(k.start, k.stop, device=self.x.device).expand(self.x.shape[0], -1)
+
+    @property
+    def keys_contiguous(self) -> bool:
+        """Whether key column c is position `keys.start + c` (False: read `key_positions`)."""
+        return self.key_index is None
 
     @property
     def is_first(self) -> bool:

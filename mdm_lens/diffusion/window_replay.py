@@ -79,7 +79,7 @@ def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
     extra["n_run"] = n
     state = DenoisingState(step, f["n_steps"], f["block"], f["n_blocks"], x, masked, prompt, torch.ones_like(prompt),
                            f["block_slice"], extra=extra)
-    state.query_rows, state.key_cols = f["rows"], f["keys"]
+    state.query_rows, state.key_cols, state.key_index = f["rows"], f["keys"], f.get("key_index")
     return state
 
 

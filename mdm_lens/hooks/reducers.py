@@ -89,6 +89,39 @@ class Reducer:
         return torch.cat([t, t.new_full(shape, value)], dim=dim)
 
 
+def key_start(state: DenoisingState) -> int:
+    """The canvas position of key column 0 of this step's forward: 0 unless the forward's keys are a window that
+    starts past the canvas's first position (BD3LM's slid or short-context windows, `state.key_cols`)."""
+    return state.keys.start if state.key_cols is not None else 0
+
+
+def key_end(state: DenoisingState, n_keys: int) -> int:
+    """One past the canvas position of the forward's last key column."""
+    if state.key_index is not None:
+        return int(state.key_index.max()) + 1
+    return key_start(state) + n_keys
+
+
+def moved_keys(state: DenoisingState, n_keys: int) -> Tensor | None:
+    """The canvas position of each of the forward's `n_keys` key columns, or None when column c is position c
+    (every forward whose keys are the canvas prefix)."""
+    if state.key_index is not None:
+        return state.key_index
+    k0 = key_start(state)
+    return torch.arange(k0, k0 + n_keys) if k0 else None
+
+
+def place_keys(t: Tensor, state: DenoisingState, fill: float = 0.0) -> Tensor:
+    """Put a last axis of key columns at their canvas positions (`fill` at the positions that are not keys of
+    this forward, up to the last key; the reducers then right-pad to the final sequence as for any prefix)."""
+    where = moved_keys(state, t.shape[-1])
+    if where is None:
+        return t
+    out = t.new_full((*t.shape[:-1], int(where.max()) + 1), fill)
+    out[..., where.to(t.device)] = t
+    return out
+
+
 def query_window(state: DenoisingState, per_position: Tensor, n_queries: int | None) -> Tensor:
     """The query rows a forward computed: all positions, or, on a forward of some rows (`state.query_rows`: a block,
     a KV-cached window, a replay's prefix), the rows `[start, start + n_queries)` of the per-position tensor."""
@@ -147,13 +180,17 @@ class ReceivedAttention(Reducer):
             if self.query == "committed":  # the rows are known only after the commit: keep the layer's q, k
                 self._consumers[layer] = _KeepRows()
             else:
+                # the query set over canvas positions up to the forward's last key (rows are picked at their
+                # absolute positions, which need not start at 0: a BD3LM window)
                 self._consumers[layer] = ColumnSums(
-                    lambda rows: query_weights(state, self.query, rows.n_keys, rows.n_queries), kind=self.kind)
+                    lambda rows: query_weights(state, self.query, key_end(state, rows.n_keys), rows.n_queries),
+                    kind=self.kind)
         return [row_hook(model, l, c) for l, c in self._consumers.items()]
 
     def _committed(self, rows: PatternRows, state: DenoisingState) -> Tensor:
         """The committed rows' statistic, recomputing only those rows (in bounded chunks)."""
-        weights = query_window(state, state.committed[:, : rows.n_keys], rows.n_queries).to(rows.device)
+        weights = query_window(state, state.committed[:, : key_end(state, rows.n_keys)],
+                               rows.n_queries).to(rows.device)
         sums = ColumnSums(lambda _: weights, kind=self.kind)
         sums.start(rows)
         index = weights.any(0).nonzero().flatten()
@@ -171,7 +208,7 @@ class ReceivedAttention(Reducer):
             else:
                 current[layer] = _ran(c.result, layer)
         self._consumers = {}
-        stacked = torch.stack([current[l] for l in self.layers], dim=1)  # [batch, layer, head, key]
+        stacked = place_keys(torch.stack([current[l] for l in self.layers], dim=1), state)  # [b, layer, head, key]
         self._rows.append({self.name: self._pad(stacked, dim=-1).cpu()})
         self.steps_seen.append(state.step)
 
@@ -224,7 +261,10 @@ class KeyValueNorms(Reducer):
         for kind in ("key_norms", "value_norms"):
             per_layer = [self._current[(kind, l)] for l in self.layers]  # [batch, kv_head, pos] each
             self.kv_heads = [t.shape[1] for t in per_layer]
-            width, n_pos = max(self.kv_heads), max(t.shape[-1] for t in per_layer)
+            width = max(self.kv_heads)
+            # a window's keys sit at their canvas positions; NaN at positions that are not keys of this forward
+            per_layer = [place_keys(t, state, float("nan")) for t in per_layer]
+            n_pos = max(t.shape[-1] for t in per_layer)
             stacked = per_layer[0].new_full((per_layer[0].shape[0], len(per_layer), width, n_pos), float("nan"))
             for i, t in enumerate(per_layer):
                 stacked[:, i, : t.shape[1], : t.shape[2]] = t
@@ -287,12 +327,16 @@ class TopKKeys(Reducer):
         n_keys = tops[0].query_offset + vals.shape[-2]
         offset = state.rows.start if state.query_rows is not None else tops[0].query_offset
         # keys a query cannot attend to (pads, a causal query's future) come out of topk with weight 0: absent
-        visible = state.key_visible
+        visible, where = state.key_visible, moved_keys(state, n_keys)
+        if where is not None and visible is not None:  # column c of a window's keys is canvas position where[c]
+            visible = visible[:, where.to(visible.device)]
         if visible is not None and visible.shape[-1] >= n_keys:
             seen = visible[:, :n_keys].to(idx.device)[:, None, None, None, :].expand(*idx.shape[:-1], n_keys)
             absent = ~torch.gather(seen, -1, idx)
         else:
             absent = torch.zeros_like(idx, dtype=torch.bool)
+        if where is not None:
+            idx = where.to(idx.device)[idx]
         if self.causal:
             query_pos = offset + torch.arange(idx.shape[-2], device=idx.device)[:, None]
             absent |= idx > query_pos

@@ -62,6 +62,8 @@ class TrajectoryCache:
         self._where: dict[str, dict[int, tuple[slice, slice, int, Tensor]]] = {}
         # variable-length runs (DreamOn, InDel): per phase and step, the original position of each row (−1 inserted)
         self._origin: dict[str, dict[int, Tensor]] = {}
+        # per phase and step whose keys are not one run of positions (`DenoisingState.key_index`): their positions
+        self._key_index: dict[str, dict[int, Tensor]] = {}
         self.estimated_bytes = 0
         self.model: Any = None
 
@@ -89,6 +91,7 @@ class TrajectoryCache:
         self._phases = {p: {} for p in self.when.phases}
         self._where = {p: {} for p in self.when.phases}
         self._origin = {p: {} for p in self.when.phases}
+        self._key_index = {p: {} for p in self.when.phases}
 
     def active(self, state: DenoisingState) -> bool:
         return self.when.matches(state.step, state.n_steps, state.block, state.phase)
@@ -97,6 +100,8 @@ class TrajectoryCache:
         store = self._phases.setdefault(state.phase, {}).setdefault(state.step, {})
         self._where.setdefault(state.phase, {})[state.step] = (state.rows, state.keys, int(state.x.shape[1]),
                                                                state.key_visible.detach().bool().cpu())
+        if state.key_index is not None:
+            self._key_index.setdefault(state.phase, {})[state.step] = state.key_index.detach().cpu()
         if state.variable_length:  # slot ids: two inserted rows share origin −1 but are different tokens
             self._origin.setdefault(state.phase, {})[state.step] = state.slot.detach().cpu()
             self._n_original = int(state.n_original)
@@ -175,6 +180,12 @@ class TrajectoryCache:
         where = self._where.get(self._phase(phase), {})
         self._check_same_rows(name, steps, phase)
         if align:
+            scattered = sorted(set(steps) & set(self._key_index.get(self._phase(phase), {})))
+            if scattered and name.endswith(("hook_pattern", "hook_attn_scores")):
+                raise InputError(f"{name}: steps {scattered[:6]} attend to keys that are not one run of positions (a "
+                                 "KV cache that skipped an unstored block), so their key columns cannot be aligned "
+                                 "to the canvas as a block; read cache[step] with cache.key_positions_of(step).",
+                                 argument="align", value=align, allowed="False for these steps")
             return aligned(name, tensors, [where[s] for s in steps], steps)
         moved = [(s, where[s][0]) for s in steps if s in where and where[s][0].start != 0]
         if moved:
@@ -233,8 +244,22 @@ class TrajectoryCache:
         return self._where_of(step, phase)[0]
 
     def keys_of(self, step: int, phase: str | None = None) -> slice:
-        """The canvas positions of the key columns of `step`'s attention patterns (cached keys included)."""
-        return self._where_of(step, phase)[1]
+        """The canvas positions of the key columns of `step`'s attention patterns (cached keys included): key
+        column c is position `start + c`. Refused for a step whose keys are not one run of positions (read
+        `key_positions_of`)."""
+        keys = self._where_of(step, phase)[1]
+        if step in self._key_index.get(self._phase(phase), {}):
+            raise InputError(f"step {step}'s keys are not one run of positions (a KV cache that skipped an unstored "
+                             "block), so no slice names them; cache.key_positions_of(step) gives each key column's "
+                             "position.", argument="step", value=step, allowed="a step with contiguous keys")
+        return keys
+
+    def key_positions_of(self, step: int, phase: str | None = None) -> Tensor:
+        """`[keys]`: the canvas position of every key column of `step`'s attention patterns (cached keys
+        included), whether or not they are one run of positions."""
+        keys = self._where_of(step, phase)[1]
+        index = self._key_index.get(self._phase(phase), {}).get(step)
+        return torch.arange(keys.start, keys.stop) if index is None else index.clone()
 
     def width(self, phase: str | None = None) -> int:
         """The canvas width `align=True` uses: the widest cached step's canvas."""
