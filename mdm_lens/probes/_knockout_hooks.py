@@ -141,11 +141,15 @@ class KnockoutHooks:
         kv = C.visible_keys(scores)
         if not self.needs_prepass:
             m = torch.zeros_like(kv)
-            # key column c is canvas position k0 + c (a window that does not start at 0: bd3lm past its context)
+            # key column c is canvas position state.key_positions[c] (a bd3lm window past its context, or a KV
+            # cache that skipped an unstored block); c itself on forwards whose keys are the canvas prefix
             st = self.model.state
-            k0 = st.keys.start if st is not None and st.key_cols is not None and not is_block_diffusion(
-                self.model) else 0
-            m[:, [p - k0 for p in self.targets if 0 <= p - k0 < m.shape[1]]] = True
+            if st is not None and st.key_cols is not None and not is_block_diffusion(self.model):
+                where = st.key_positions[0].tolist()[:m.shape[1]]
+            else:
+                where = range(m.shape[1])
+            targets = set(self.targets)
+            m[:, [c for c, p in enumerate(where) if p in targets]] = True
             return m & kv
         # under the block-causal mask a block run's forward holds the first keys of the pre-pass over the whole
         # canvas, with the same values (later blocks never reach earlier ones): the anchors are cut to its keys
