@@ -1,0 +1,79 @@
+"""Blind mutation lists I and J (audit/2026-12-05): what survived the suite, each pinned by a planted case whose
+expected value comes from the reference (the spec's class defaults, transformers' list rule), not from our code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mdm_lens import HookedMDM
+from mdm_lens.ddit.hub import bd3lm_config, gidd_config
+from mdm_lens.ddit.loading import config_from_ddit
+from mdm_lens.loading.hf import config_from_hf
+
+# the hub config classes' defaults (families-2.md §2.2 MDLMConfig, §3 BD3LMConfig, §4.1 Duo, §5 DITConfig): a
+# config.json without the key gets the CLASS default (MDLM / BD3LM cond_dim 129, though released files say 128)
+CLASS_DEFAULTS = {
+    "mdlm": dict(d_vocab=50258, n_ctx=1024, d_model=768, n_layers=12, n_heads=12,
+                 extra=dict(cond_dim=129, dropout=0.1, time_conditioning=False)),
+    "duo": dict(d_vocab=50258, n_ctx=1024, d_model=768, n_layers=12, n_heads=12, extra=dict(cond_dim=128, dropout=0.1)),
+    "bd3lm": dict(d_vocab=50258, n_ctx=1024, d_model=768, n_layers=12, n_heads=12,
+                  extra=dict(cond_dim=129, dropout=0.1, time_conditioning=False, block_size=1, attn_backend="flex",
+                             var_min=True, sampling_eps_min=1e-3, sampling_eps_max=0.999)),
+    "gidd": dict(d_vocab=50258, n_ctx=1024, d_model=768, n_layers=12, n_heads=12,
+                 extra=dict(cond_dim=128, dropout=0.0, p_uniform=0.0, t_eps=1e-4)),
+}
+
+
+def _config(family: str, raw: dict):
+    where = Path("config.json")
+    if family == "bd3lm":
+        return bd3lm_config(raw, "x", where)
+    if family == "gidd":
+        return gidd_config(raw, "x", where)
+    return config_from_ddit(raw, family, "x", where)
+
+
+@pytest.mark.parametrize("family", CLASS_DEFAULTS)
+def test_a_config_without_keys_gets_the_reference_class_defaults(family):
+    cfg, want = _config(family, {}), CLASS_DEFAULTS[family]
+    for key, value in want.items():
+        if key != "extra":
+            assert getattr(cfg, key) == value, key
+    for key, value in want["extra"].items():
+        assert cfg.extra[key] == pytest.approx(value) if isinstance(value, float) else cfg.extra[key] == value, key
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "dream"])
+def test_list_valued_special_ids_take_the_first_entry(family):
+    # transformers reads a list-valued bos/pad id by its first entry (generation's `eos_token_id[0]` rule)
+    raw = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,
+               vocab_size=100, max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=[5, 7],
+               pad_token_id=[3, 9])
+    cfg = config_from_hf(raw, family, "x")
+    assert (cfg.bos_token_id, cfg.pad_token_id) == (5, 3)
+
+
+def test_an_explicit_gen_length_beats_the_checkpoints(monkeypatch):
+    import mdm_lens.zoo.evaluate as E
+    from types import SimpleNamespace
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    assert model.cfg.extra["gen_length"] == 4
+    seen, real = [], E.greedy_mdm_canvas
+    monkeypatch.setattr(E, "greedy_mdm_canvas", lambda m, prompts, g: seen.append(g) or real(m, prompts, g))
+    item = SimpleNamespace(prompt="the capital of france is")  # the evaluator reads only the prompt
+    E.greedy_answer(model, [item], gen_length=2)
+    E.greedy_answer(model, [item])
+    assert seen == [2, 4]  # the argument when given, the checkpoint's otherwise
+
+
+def test_arm_answer_rows_include_the_row_that_emits_the_first_answer_token():
+    from mdm_lens.probes._causal import readout_rows
+
+    arm = HookedMDM.from_pretrained("mdm-lens/tiny-arm")
+    rows = readout_rows(arm, torch.zeros(2, 6, dtype=torch.long), 3, "answer")
+    assert rows.tolist() == [[False, False, True, True, True, True]] * 2
+    assert readout_rows(arm, torch.zeros(1, 6, dtype=torch.long), 3, "masked").tolist() == [[False] * 5 + [True]]
