@@ -81,3 +81,15 @@ def test_a_run_over_max_memory_is_refused_before_any_forward(tmp_path):
     assert all(not hp.fwd_hooks for hp in off.hook_dict.values())
     off.max_memory = {"cpu": 10**9}  # the same run fits a larger budget
     assert off.generate(PROMPT, steps=4, gen_length=10).tokens.shape == (2, 16)
+
+
+def test_fastdllm_v2_plans_the_trajectory_of_its_max_new_tokens(tmp_path):
+    # Fast-dLLM v2 names the answer length max_new_tokens: the trajectory (int64 x_steps of at most one step per
+    # token, over prompt + answer) must count the answer, not the prompt alone
+    from tests.test_fastdllm_v2 import write_fastdllm_v2
+
+    folder, *_ = write_fastdllm_v2(tmp_path / "fd2")
+    model = HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
+    plan = model.memory_plan(prompt_length=4, max_new_tokens=8, small_block_size=2, stop_token=5,
+                             pad_id=0)
+    assert plan.rows["cpu"].caches == 8 * 1 * (4 + 8) * 8

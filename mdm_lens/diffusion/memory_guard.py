@@ -39,7 +39,7 @@ def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: 
                                 allowed="token ids [batch, pos], a text, or prompt_length=int")
     prompt_length = validate.integer(prompt_length, name="prompt_length", min=1)
     batch = validate.integer(1 if batch is None else batch, name="batch", min=1)
-    gen = getattr(resolved, "gen_length", None) or getattr(resolved, "max_new_tokens", 0)
+    gen = plugin.answer_length(resolved)
     _check_like_generate(model, plugin, ids, batch, prompt_length, resolved, record, cache)
     steps = getattr(resolved, "steps", None) or gen  # Fast-dLLM v2 has no step count: at most one per token
     # BD3LM takes kv_cache=False (a bool), the Fast-dLLM family None or a cache mode

@@ -135,11 +135,16 @@ class Sampler:
         row sampled, with a cache where the settings ask for one."""
         return None
 
+    @staticmethod
+    def answer_length(settings: SamplerSettings) -> int:
+        """The tokens the run generates: `gen_length`, or `max_new_tokens` where a sampler keeps the reference's
+        name (Fast-dLLM v2)."""
+        return int(getattr(settings, "gen_length", None) or getattr(settings, "max_new_tokens", None) or 0)
+
     def trajectory_bytes(self, settings: SamplerSettings, batch: int, prompt_length: int, steps: int) -> int:
         """Bytes of the trajectory the run keeps until it returns (`memory_plan`'s caches column): the canvas
         `x_steps` (int64 `[batch, prompt + gen]`) of each of at most `steps` steps."""
-        n = prompt_length + (getattr(settings, "gen_length", None) or 0)
-        return steps * batch * n * 8
+        return steps * batch * (prompt_length + self.answer_length(settings)) * 8
 
     def logit_bytes(self, settings: SamplerSettings, dtype_bytes: int) -> int:
         """Bytes the sampler step allocates per logit it processes (`memory_plan`'s head phase); default the
