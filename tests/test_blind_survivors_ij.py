@@ -77,3 +77,15 @@ def test_arm_answer_rows_include_the_row_that_emits_the_first_answer_token():
     rows = readout_rows(arm, torch.zeros(2, 6, dtype=torch.long), 3, "answer")
     assert rows.tolist() == [[False, False, True, True, True, True]] * 2
     assert readout_rows(arm, torch.zeros(1, 6, dtype=torch.long), 3, "masked").tolist() == [[False] * 5 + [True]]
+
+
+def test_a_setting_the_checkpoint_lacks_is_not_called_a_conflict(tmp_path):
+    from mdm_lens.errors import SamplerConfigError
+    from tests.test_fastdllm_v2 import write_fastdllm_v2
+
+    folder, *_ = write_fastdllm_v2(tmp_path / "fd2")
+    model = HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
+    assert model.cfg.pad_token_id is None
+    with pytest.raises(SamplerConfigError, match="pass pad_id=") as err:
+        model.memory_plan(prompt_length=4, max_new_tokens=8, small_block_size=2, stop_token=5)
+    assert "conflicts" not in str(err.value) and err.value.argument == "pad_id"

@@ -233,6 +233,8 @@ def unpassed(sampler: Sampler, error: ArgumentError, given: dict[str, Any]) -> A
     if name is None or name in given or name not in fields:
         return error
     default = fields[name].default
+    if (default is None or default is dataclasses.MISSING) and error.value is None:
+        return error  # the checkpoint names no value (nothing conflicts): the error already asks for one
     source = (f"its default is {default!r}" if default is not None and default is not dataclasses.MISSING
               else "its value comes from the checkpoint (model.cfg)")
     note = (f" You did not pass {name}: {source}, which conflicts with the settings given "
