@@ -84,3 +84,57 @@ def test_bridge_expert_ids_are_checked_against_its_experts():
                                                           r"ids in \[4, 7\]; expected expert ids in \[0, 4\)"):
         bridge.run_with_hooks(ids, decoder_input_ids=canvas,
                               fwd_hooks=[("blocks.0.mlp.hook_expert_indices", lambda a, hook: a % 4 + 4)])
+
+
+# --- 3. integer checkpoint tensors ---------------------------------------------------------------------------------
+
+def _retype(folder, key_part: str, dtype: torch.dtype) -> str:
+    """Rewrite the first tensor whose name contains `key_part` (in whichever weight file holds it) as `dtype`."""
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(folder.glob("*.safetensors")):
+        weights = load_file(str(f))
+        key = next((k for k in weights if key_part in k), None)
+        if key is not None:
+            weights[key] = (weights[key] * 100).to(dtype)
+            save_file(weights, str(f), metadata={"format": "pt"})
+            return key
+    raise AssertionError(f"no tensor named like {key_part!r}")
+
+
+def _write_case(case: str, folder):
+    from tests.families.family_checkpoints import write_sdar
+    from tests.families.nemotron_fixture import write_nemotron
+
+    if case == "sdar":
+        return write_sdar(folder)[0], "model.embed_tokens.weight"
+    if case == "llada2":
+        return write_llada2(folder)[0], "model.word_embeddings.weight"
+    if case == "nemotron":
+        return write_nemotron(folder)[0], "embed_tokens.weight"
+    if case == "native":
+        from mdm_lens.loading import save_pretrained
+
+        save_pretrained(HookedMDM.from_pretrained("mdm-lens/tiny-mdm"), folder)
+        return folder, "embed.W_E"
+    if case == "mdlm":
+        return write_ddit(folder, MDLM_CONFIG)[0], "vocab_embed"
+    if case == "bd3lm":
+        return write_bd3lm(folder)[0], "vocab_embed"
+    if case == "gidd":
+        return write_gidd(folder)[0], "vocab_embed"
+    from mdm_lens.bridge.tiny import tiny_diffusion_gemma
+
+    tiny_diffusion_gemma(seed=2).save_pretrained(str(folder))
+    return folder, "embed_tokens.weight"
+
+
+@pytest.mark.parametrize("case", ["sdar", "llada2", "nemotron", "native", "mdlm", "bd3lm", "gidd", "diffusion_gemma"])
+@pytest.mark.parametrize("dtype, shown", [(torch.int32, "int32|I32"), (torch.bool, "bool|BOOL")])
+def test_an_integer_checkpoint_tensor_is_refused_by_name(case, dtype, shown, tmp_path):
+    from mdm_lens.errors import CheckpointError
+
+    folder, part = _write_case(case, tmp_path / case)
+    key = _retype(folder, part, dtype)
+    with pytest.raises(CheckpointError, match=rf"tensor\(s\) {key} \(({shown})\) in .* are not floating point"):
+        HookedMDM.from_pretrained(str(folder), load_tokenizer=False)

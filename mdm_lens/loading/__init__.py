@@ -30,7 +30,7 @@ from mdm_lens.loading.llada import config_from_llada, is_llada, llada_plan
 from mdm_lens.loading.native import check_native_extra, check_native_raw
 from mdm_lens.loading import placement
 from mdm_lens.loading.plan import Plan, source_shapes
-from mdm_lens.loading.readers import CheckpointReader
+from mdm_lens.loading.readers import CheckpointReader, refuse_non_floating
 from mdm_lens.loading.registry import FAMILY_DEFAULTS, KNOWN_MODELS, KnownModel, lookup  # noqa: F401 (re-export)
 # name resolution and the tokenizer file live one level down (shared with the bridge); re-exported here
 from mdm_lens.loading.resolve import ZOO_DIR, ZOO_ORG, resolve  # noqa: F401
@@ -152,6 +152,7 @@ def build_state_dict(plan: Plan, reader: CheckpointReader, expected: dict[str, t
             f"shape mismatch in {reader.folder}: {listing('misshapen', shown, reader.folder)}. config.json and the "
             "weights disagree (d_model, heads, kv heads, head size, d_mlp or vocab size), or the tensor is corrupt."
         )
+    refuse_non_floating(reader, sorted(wanted))  # from the headers too, before any tensor is read
     out = {}
     for target, sources in plan.items():
         parts = [reader.get(src) for src in sources]
