@@ -138,3 +138,45 @@ def test_an_integer_checkpoint_tensor_is_refused_by_name(case, dtype, shown, tmp
     key = _retype(folder, part, dtype)
     with pytest.raises(CheckpointError, match=rf"tensor\(s\) {key} \(({shown})\) in .* are not floating point"):
         HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
+
+
+# --- 4. the unknown-architecture message is the dispatch table -----------------------------------------------------
+
+def _dispatch(raw: dict, folder) -> str:
+    """The family `from_pretrained` would load a folder with this config.json as (its dispatch order)."""
+    import json
+
+    from mdm_lens.bridge.loading import bridged_architecture
+    from mdm_lens.ddit.hub import hub_family
+    from mdm_lens.ddit.loading import folder_family
+    from mdm_lens.loading import _family
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw))
+    if bridged_architecture(folder):
+        return "diffusion_gemma"
+    return hub_family(folder) or folder_family(folder) or _family(raw, folder / "config.json")
+
+
+def test_every_listed_name_dispatches_to_its_family(tmp_path):
+    from mdm_lens.loading.dispatch import NATIVE_MODEL_TYPE, dispatched
+
+    archs, types = dispatched()
+    # the families that were missing from the hand-written list
+    assert {"NemotronLabsDiffusionModel", "MDLM", "DUO", "BD3LM", "DIT", "DiffusionGemmaForBlockDiffusion"} <= set(archs)
+    for i, (name, family) in enumerate(archs.items()):
+        assert _dispatch({"architectures": [name]}, tmp_path / f"a{i}") == family, name
+    for i, (name, family) in enumerate(types.items()):
+        if name != NATIVE_MODEL_TYPE:  # read_config reads mdm_lens' own format before any family dispatch
+            assert _dispatch({"model_type": name}, tmp_path / f"t{i}") == family, name
+
+
+def test_the_unknown_architecture_error_names_every_supported_name(tmp_path):
+    from mdm_lens.errors import ConfigError
+    from mdm_lens.loading.dispatch import dispatched
+
+    with pytest.raises(ConfigError, match="is not a supported family") as err:
+        _dispatch({"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}, tmp_path / "x")
+    archs, types = dispatched()
+    for name in [*archs, *types]:
+        assert name in str(err.value), name

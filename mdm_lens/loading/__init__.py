@@ -23,6 +23,7 @@ from mdm_lens.errors import ArgumentError, ArgumentTypeError, CheckpointError, C
 from mdm_lens.offload_checks import mark_offloaded, require_resident
 from mdm_lens.loading.dreamon import apply_dreamon_tokens
 from mdm_lens.loading.diagnose import causes, listing, mismatch_report
+from mdm_lens.loading.dispatch import supported_names
 from mdm_lens.loading.families import family_config, family_of, family_plan
 from mdm_lens.loading.fastdllm_v2 import config_from_fastdllm_v2, is_fastdllm_v2
 from mdm_lens.loading.hf import config_from_hf, hf_family, hf_plan
@@ -97,9 +98,7 @@ def _family(raw: dict[str, Any], path: Path) -> str:
     family = family or hf_family(raw)
     if family is None:
         raise ConfigError(f"{path}: architectures={raw.get('architectures')} model_type="
-                          f"{raw.get('model_type')!r} is not a supported family (LLaDAModelLM, DreamModel, "
-                          "LlamaForCausalLM, Qwen2ForCausalLM, LLaDA2MoeModelLM, LLaDAMoEModelLM, SDARForCausalLM, "
-                          "SDARMoeForCausalLM, Fast_dLLM_QwenForCausalLM, RND1LM, CoDALanguageModel).")
+                          f"{raw.get('model_type')!r} is not a supported family (supported: {supported_names()}).")
     return family
 
 
