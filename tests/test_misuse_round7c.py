@@ -180,3 +180,35 @@ def test_the_unknown_architecture_error_names_every_supported_name(tmp_path):
     archs, types = dispatched()
     for name in [*archs, *types]:
         assert name in str(err.value), name
+
+
+# --- 5. over-long names --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["a" * 5000, "org/" + "b" * 5000, "/tmp/" + "c" * 300, "~/" + "d" * 300])
+def test_an_over_long_name_is_a_typed_error_naming_the_argument(name):
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.loading.resolve import resolve
+
+    for call in (lambda: resolve(name), lambda: HookedMDM.from_pretrained(name)):
+        with pytest.raises(ArgumentError, match=r"name_or_path='.*… \(\d+ characters\)' is not a usable path "
+                                                r"\(File name too long\)") as err:
+            call()
+        assert err.value.argument == "name_or_path"
+
+
+@pytest.mark.parametrize("check, name", [("output_file", "path"), ("output_folder", "folder")])
+def test_an_over_long_output_path_is_a_typed_error(check, name):
+    from mdm_lens import validate
+    from mdm_lens.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match=rf"{name}='.*' is not a usable path") as err:
+        getattr(validate, check)("/tmp/" + "e" * 400, name=name)
+    assert err.value.argument == name
+
+
+def test_an_over_long_items_file_is_a_typed_error():
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.sweep.items import read_items
+
+    with pytest.raises(ArgumentError, match=r"data='.*' is not a usable path"):
+        read_items("f" * 400 + ".jsonl")
