@@ -212,3 +212,44 @@ def test_an_over_long_items_file_is_a_typed_error():
 
     with pytest.raises(ArgumentError, match=r"data='.*' is not a usable path"):
         read_items("f" * 400 + ".jsonl")
+
+
+# --- 6. received attention under a mask the pattern does not follow ------------------------------------------------
+
+def _bidirectional(n: int = 4) -> torch.Tensor:
+    return torch.full((1, n, n), 1.0 / n, dtype=torch.float64)  # uniform over every key: half of it is "future"
+
+
+@pytest.mark.parametrize("kw, arg, declared, worst", [
+    (dict(causal=True), "causal", "causal=True", "0.75"),                         # row 0 puts 3/4 on keys 1..3
+    (dict(block_length=2), "block_length", "block_length=2", "0.5"),             # rows 0-1 put 2/4 on block 1
+    (dict(block_length=2, causal=True), "block_length", "block_length=2 and causal=True", "0.75")])
+def test_mass_on_keys_the_declared_mask_hides_is_refused(kw, arg, declared, worst):
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.probes.floating import received_attention
+
+    with pytest.raises(ArgumentError, match=rf"pattern puts up to {worst} of a query row's mass on keys that "
+                                            rf"{declared} hides") as err:
+        received_attention(_bidirectional(), **kw)
+    assert err.value.argument == arg
+
+
+def test_a_pattern_that_follows_its_mask_and_padding_aside_is_accepted():
+    from mdm_lens.probes.floating import received_attention, uniform_pattern
+
+    causal = uniform_pattern(4, causal=True)[None]
+    m = received_attention(causal, causal=True)
+    assert torch.allclose(m, torch.tensor([[25 / 48, 13 / 48, 7 / 48, 3 / 48]], dtype=torch.float64))
+    assert torch.allclose(m.sum(-1), torch.ones(1, dtype=torch.float64))
+    # mass on a padding key (key_visible False) is not "hidden by the mask": ignored as before
+    padded = causal.clone()
+    padded[0, 0, :2] = 0.5  # row 0 puts half its mass on key 1: a future key, but also a pad key
+    visible = torch.tensor([[True, False, True, True]])
+    got = received_attention(padded, key_visible=visible, causal=True)  # rows 0, 2, 3
+    assert torch.allclose(got, torch.tensor([[13 / 36, 0.0, 7 / 36, 3 / 36]], dtype=torch.float64))
+    # a row outside the query set may put mass anywhere
+    rows = torch.tensor([[False, True, True, True]])
+    leaky = causal.clone()
+    leaky[0, 0] = 0.25
+    assert torch.allclose(received_attention(leaky, query_mask=rows, causal=True),
+                          received_attention(causal, query_mask=rows, causal=True))
