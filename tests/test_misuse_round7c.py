@@ -253,3 +253,59 @@ def test_a_pattern_that_follows_its_mask_and_padding_aside_is_accepted():
     leaky[0, 0] = 0.25
     assert torch.allclose(received_attention(leaky, query_mask=rows, causal=True),
                           received_attention(causal, query_mask=rows, causal=True))
+
+
+# --- 7. right padding without a mask in the probes -----------------------------------------------------------------
+
+def _right_padded(model):
+    from mdm_lens.probes._runtools import generate_final
+
+    prompts = [model.to_tokens("The capital of France is")[0], model.to_tokens("Hi")[0]]
+    tokens, mask, _ = generate_final(model, prompts, gen_length=4, steps=4)
+    assert int(tokens[1, -1]) == model.cfg.pad_token_id == 0 and int(mask[1].sum()) < tokens.shape[1]
+    return tokens, mask
+
+
+def _pad_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "end in the pad id" in str(w.message)]
+
+
+@pytest.mark.parametrize("probe", ["absorption_by_layer", "final_attention", "qk_at_layer", "masked_kl"])
+def test_right_padded_tokens_without_a_mask_warn_once(tiny, probe):
+    from mdm_lens.lens.tuned import masked_kl
+    from mdm_lens.probes.absorption import absorption_by_layer, final_attention
+    from mdm_lens.probes.run import qk_at_layer
+
+    tokens, mask = _right_padded(tiny)
+    call = {"absorption_by_layer": lambda **kw: absorption_by_layer(tiny, tokens, **kw),
+            "final_attention": lambda **kw: final_attention(tiny, tokens, **kw),
+            "qk_at_layer": lambda **kw: qk_at_layer(tiny, tokens, 0, **kw),
+            "masked_kl": lambda **kw: masked_kl(tiny, tokens, **kw)}[probe]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        call()
+    start = int(mask[1].sum())
+    assert _pad_warnings(record) == [
+        f"{probe}: 1 row(s) of tokens (e.g. row 1, pads from position {start}) end in the pad id 0 but no "
+        "attention_mask was given, so those pads are counted as real tokens (queries and keys). Pass the mask "
+        f"(generate_final returns it: `tokens, mask, _ = generate_final(...)`; `{probe}(..., attention_mask=mask)`)."]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        call(attention_mask=mask)
+    assert _pad_warnings(record) == []
+
+
+def test_absorption_with_and_without_the_mask_differ_and_samplers_do_not_warn(tiny):
+    from mdm_lens.probes.absorption import absorption_by_layer
+
+    tokens, mask = _right_padded(tiny)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unmasked = absorption_by_layer(tiny, tokens).per_sample
+    masked = absorption_by_layer(tiny, tokens, attention_mask=mask).per_sample
+    assert not torch.allclose(unmasked[1], masked[1])  # the pads were counted: the warning is not noise
+    assert torch.allclose(unmasked[0], masked[0])      # the full row is the same either way
+    with warnings.catch_warnings(record=True) as record:  # a sampler's canvas may end in pad ids: no warning
+        warnings.simplefilter("always")
+        tiny.generate(torch.tensor([[1, 5, 0, 0]]), gen_length=4, steps=4)
+    assert _pad_warnings(record) == []
