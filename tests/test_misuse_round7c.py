@@ -309,3 +309,61 @@ def test_absorption_with_and_without_the_mask_differ_and_samplers_do_not_warn(ti
         warnings.simplefilter("always")
         tiny.generate(torch.tensor([[1, 5, 0, 0]]), gen_length=4, steps=4)
     assert _pad_warnings(record) == []
+
+
+# --- 8. anchor-rule arguments another rule would ignore ------------------------------------------------------------
+
+RECEIVED = torch.tensor([[0.40, 0.05, 0.30, 0.05, 0.20]], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kw, rule, shown", [
+    (dict(k=3), "zscore", "k=3 is ignored with rule='zscore': only the topk rule keeps k keys"),
+    (dict(k=2), "gu", "k=2 is ignored with rule='gu'"),
+    (dict(eps=0.1), "topk", "eps=0.1 is ignored with rule='topk': it sets the threshold of the other rules"),
+    (dict(floor=1.0), "paper_temporal", "floor=1.0 is ignored with rule='paper_temporal': only the zscore rule"),
+    (dict(kind="cumulative"), "rulli", "kind='cumulative' is ignored with rule='rulli'")])
+def test_detect_anchors_refuses_another_rules_argument(kw, rule, shown):
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.probes.floating import detect_anchors
+
+    with pytest.raises(ArgumentError, match=shown.replace("(", r"\(").replace(")", r"\)")) as err:
+        detect_anchors(RECEIVED, rule=rule, **kw)
+    assert err.value.argument == next(iter(kw))
+
+
+def test_the_arguments_a_rule_reads_still_work():
+    from mdm_lens.probes.floating import detect_anchors
+
+    assert detect_anchors(RECEIVED, rule="topk", k=3).tolist() == [[True, False, True, False, True]]
+    assert detect_anchors(RECEIVED, rule="gu", eps=0.35).tolist() == [[True, False, False, False, False]]
+    assert detect_anchors(RECEIVED, rule="gu", eps=0.45).tolist() == [[False] * 5]
+    assert detect_anchors(RECEIVED, eps=0.5, floor=1.5).tolist() == [[True, False, False, False, False]]
+    # the neutral values (the defaults) are accepted under every rule
+    assert detect_anchors(RECEIVED, rule="topk", eps=None, floor=2.0, kind="mass").tolist() == \
+        detect_anchors(RECEIVED, rule="topk").tolist()
+
+
+def test_rule_arguments_are_refused_through_the_step_probes(tiny):
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.hooks import ReceivedAttention
+    from mdm_lens.probes.run import anchors_over_steps, drift_from_output
+
+    out = tiny.generate(tiny.to_tokens("The capital is"), steps=4, gen_length=4, record=[ReceivedAttention()])
+    with pytest.raises(ArgumentError, match=r"k=3 is ignored with rule='zscore'"):
+        anchors_over_steps(out, k=3)
+    with pytest.raises(ArgumentError, match=r"eps=0\.2 is ignored with rule='topk'"):
+        anchors_over_steps(out, rule="topk", eps=0.2)
+    with pytest.raises(ArgumentError, match=r"k=2 is ignored with rule='paper_qk'"):
+        drift_from_output(out, rule="paper_qk", k=2)
+    assert anchors_over_steps(out, rule="topk", k=2).anchors.sum(-1).eq(2).all()
+
+
+def test_absorption_variants_refuses_a_rule_beside_given_anchors():
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.probes.floating import absorption_variants
+
+    anchors = torch.tensor([[True, False, False, False, False]])
+    with pytest.raises(ArgumentError, match=r"rule='topk' is ignored with anchors=") as err:
+        absorption_variants(RECEIVED, anchors=anchors, rule="topk")
+    assert err.value.argument == "rule"
+    assert float(absorption_variants(RECEIVED, anchors=anchors).anchors) == pytest.approx(40.0)
