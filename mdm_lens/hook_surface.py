@@ -111,11 +111,39 @@ def shape_checked(fn: Callable) -> Callable:
                              f"shape {tuple(tensor.shape)} (a hook that edits must return a tensor of the same "
                              "shape).", argument="fwd_hooks", value=tuple(out.shape),
                              allowed=f"shape {tuple(tensor.shape)}")
+        # another dtype (r.double()) or device would fail in the next matmul with a raw torch error far from the
+        # hook (or, for an int activation, index with truncated values); the hook must cast back itself
+        for what, got, want in (("dtype", out.dtype, tensor.dtype), ("device", out.device, tensor.device)):
+            if got != want:
+                raise InputError(f"the hook on {where} returned a tensor of {what} {got}, expected the activation's "
+                                 f"{what} {want} (a hook that edits must return the same {what}: cast back with "
+                                 f".to({want if what == 'dtype' else repr(str(want))})).", argument="fwd_hooks",
+                                 value=str(got),
+                                 allowed=f"{what} {want}")
+        _check_index_range(out, hook, where)
         return out
 
     hook_fn._mdm_shape_checked = True  # type: ignore[attr-defined]
     hook_fn.__repr__ = fn.__repr__  # type: ignore[method-assign]  (TL names its torch hook after it)
     return hook_fn
+
+
+def bound_indices(point: Any, n: int) -> None:
+    """Mark a hook point whose activation holds indices into a table of `n` rows (MoE expert ids): a hook's
+    returned ids are then checked against [0, n), as the model itself would only fail with a raw
+    "index out of bounds" (or, for a negative id, silently read another expert)."""
+    point.__dict__["index_range"] = int(n)  # plain attribute: not a submodule, not in the state dict
+
+
+def _check_index_range(out: Tensor, hook: Any, where: str) -> None:
+    n = getattr(hook, "index_range", None)
+    if n is None or out.numel() == 0:
+        return
+    lo, hi = int(out.min()), int(out.max())
+    if lo < 0 or hi >= n:
+        raise InputError(f"the hook on {where} returned ids in [{lo}, {hi}]; expected expert ids in [0, {n}) "
+                         f"(this layer has {n} experts).", argument="fwd_hooks", value=(lo, hi),
+                         allowed=f"ids in [0, {n})")
 
 
 class CheckedHookSurface(HookedRootModule):

@@ -118,6 +118,23 @@ def warn_leading_pads(tokens: Tensor, cfg: MDMConfig) -> None:
                       "`model(tokens, attention_mask=mask)`).", UserWarning, stacklevel=4)
 
 
+def warn_trailing_pads(tokens: Tensor, cfg: MDMConfig, where: str) -> None:
+    """Rows that end in a run of pad ids look right-padded (`generate_final` pads that way); the forward's own
+    heuristic only reads leading pads (a sampler's canvases legitimately end in anything), so the probes that take
+    an `attention_mask` call this when none was given. Skipped where the pad id is also BOS / mask / EOS: a
+    generated answer ends in EOS ids, which the reference attends."""
+    pad = cfg.pad_token_id
+    if pad is None or pad in (cfg.bos_token_id, cfg.mask_token_id, cfg.eos_token_id) or tokens.shape[1] < 2:
+        return
+    rows = ((tokens[:, -1] == pad) & (tokens != pad).any(-1)).nonzero().flatten().tolist()
+    if rows:
+        n = int((tokens[rows[0]] != pad).long().cumsum(0).argmax()) + 1  # the first row's length before its pads
+        warnings.warn(f"{where}: {len(rows)} row(s) of tokens (e.g. row {rows[0]}, pads from position {n}) end in "
+                      f"the pad id {pad} but no attention_mask was given, so those pads are counted as real tokens "
+                      "(queries and keys). Pass the mask (generate_final returns it: `tokens, mask, _ = "
+                      f"generate_final(...)`; `{where}(..., attention_mask=mask)`).", UserWarning, stacklevel=4)
+
+
 def explicit_mask(attn_mask: Any, tokens: Tensor) -> Bool[Tensor, "batch 1 query key"] | None:
     if attn_mask is None:
         return None

@@ -34,6 +34,7 @@ from mdm_lens import validate
 from mdm_lens.components import GatedMLP
 from mdm_lens.config import MDMConfig
 from mdm_lens.errors import ArgumentError, ConfigError
+from mdm_lens.hook_surface import bound_indices
 
 
 def select_experts(scores: Float[Tensor, "token expert"], top_k: int, n_group: int = 1, topk_group: int = 1
@@ -94,6 +95,7 @@ class MoEMLP(nn.Module):
         self.shared_expert = GatedMLP(expert_config(cfg, int(d_shared))) if d_shared else None
         for name in ("hook_router_logits", "hook_expert_indices", "hook_expert_weights", "hook_experts_out"):
             setattr(self, name, HookPoint())
+        bound_indices(self.hook_expert_indices, self.n_experts)
         if self.shared_expert is not None:  # only where it fires
             self.hook_shared_out = HookPoint()
 

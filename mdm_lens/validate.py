@@ -331,6 +331,24 @@ def known_keywords(fn: Any) -> Any:
     return checked
 
 
+def path_kind(path: Any, *, name: str) -> str:
+    """"dir", "file" or "missing" for a user-given path; a path the OS cannot even look up (a component over the
+    file-name limit: "a" * 5000, a symlink loop) is an `ArgumentError` naming the argument, not a raw OSError from
+    `Path.is_dir()`."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    try:
+        return "dir" if p.is_dir() else "file" if p.exists() else "missing"
+    except (OSError, ValueError) as e:  # ENAMETOOLONG, ELOOP; ValueError: an embedded NUL byte
+        text = str(path)
+        shown = text if len(text) <= 80 else f"{text[:60]}… ({len(text)} characters)"
+        why = getattr(e, "strerror", None) or str(e)
+        raise ArgumentError(f"{name}={shown!r} is not a usable path ({why}): expected a folder or file path the "
+                            "OS can look up (each component at most 255 bytes), or a name.", argument=name,
+                            value=shown, allowed="a path of valid length") from e
+
+
 def output_file(path: Any, *, name: str) -> Any:
     """A file path to write: not an existing folder, its parent an existing folder (the OS errors would be raw)."""
     from pathlib import Path
@@ -339,7 +357,7 @@ def output_file(path: Any, *, name: str) -> Any:
         raise ArgumentTypeError(f"{name}={path!r} is invalid: expected a file path.", argument=name, value=path,
                                 allowed="a str or pathlib.Path")
     p = Path(path)
-    if p.is_dir():
+    if path_kind(p, name=name) == "dir":
         raise ArgumentError(f"{name}={str(p)!r} is a folder: give a file path (e.g. {str(p / 'page.html')!r}).",
                             argument=name, value=str(p), allowed="a file path")
     if not p.parent.is_dir():
@@ -356,7 +374,7 @@ def output_folder(path: Any, *, name: str, allowed: str = "a folder path (new or
         raise ArgumentTypeError(f"{name}={path!r} is invalid: expected a folder path.", argument=name, value=path,
                                 allowed="a str or pathlib.Path")
     p = Path(path)
-    if p.exists() and not p.is_dir():
+    if path_kind(p, name=name) == "file":
         raise ArgumentError(f"{name} {str(p)!r} is a file, not a folder; choose a folder path.", argument=name,
                             value=str(p), allowed=allowed)
     return p

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from mdm_lens.bridge.spec import FAMILY
-from mdm_lens.errors import CheckpointError, ConfigError
+from mdm_lens.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from mdm_lens.loading.readers import CheckpointReader, refuse_non_floating
 from mdm_lens.loading.resolve import load_tokenizer as read_tokenizer
 from mdm_lens.loading.resolve import resolve
 
@@ -46,6 +47,12 @@ def load_hf(folder: Path, architecture: str, *, dtype: torch.dtype | str = torch
                                   output_loading_info=True)
     if device_map is not None:
         kwargs["device_map"] = device_map
+    try:  # transformers would cast an integer weight silently: refused from the headers, as the native loaders do
+        reader = CheckpointReader(Path(folder))
+    except CheckpointNotFoundError:
+        pass  # no weight files: transformers' own error names what it looked for
+    else:
+        refuse_non_floating(reader, reader.keys())
     try:
         model, info = cls.from_pretrained(str(folder), **kwargs)
     except (RuntimeError, ValueError, OSError) as e:

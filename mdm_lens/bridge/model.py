@@ -40,7 +40,7 @@ from mdm_lens.bridge.layers import BlockHooks, NormHooks, tap, unwrap_layer, wra
 from mdm_lens.bridge.taps import TapPoint
 from mdm_lens.bridge.spec import describe
 from mdm_lens.errors import ConfigError, InputError
-from mdm_lens.hook_surface import CheckedHookSurface
+from mdm_lens.hook_surface import CheckedHookSurface, bound_indices
 
 ReturnType = Literal["logits", "aligned", None]
 
@@ -115,6 +115,8 @@ class TransformersBridge(CheckedHookSurface):
         self._layer_handles = getattr(self, "_layer_handles", [])
         for layer, h in zip(layers, hooks):
             self._layer_handles.append((layer, wrap_layer(layer, h, self.spec.style)))
+            if h.mlp.moe and self.spec.n_experts:
+                bound_indices(h.mlp.hook_expert_indices, self.spec.n_experts)
         self._taps += [tap(hook_embed, embed), tap(ln.hook_out, norm)]
 
     def _soft_embed_hook(self, module: nn.Module, args: tuple) -> tuple | None:

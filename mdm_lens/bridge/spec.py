@@ -30,6 +30,7 @@ class Spec:
     encoder_norm: nn.Module | None = None
     self_conditioning: nn.Module | None = None
     moe: bool = False
+    n_experts: int = 0  # routed experts per MoE layer (the range a hook's expert ids are checked against)
 
 
 def _diffusion_gemma(model: nn.Module) -> Spec:
@@ -52,7 +53,8 @@ def _diffusion_gemma(model: nn.Module) -> Spec:
     enc = model.model.encoder.language_model
     return Spec("gemma", cfg, layers, model.model.decoder.embed_tokens, model.model.decoder.norm,
                 encoder_layers=enc.layers, encoder_embed=enc.embed_tokens, encoder_norm=enc.norm,
-                self_conditioning=model.model.decoder.self_conditioning, moe=True)
+                self_conditioning=model.model.decoder.self_conditioning, moe=True,
+                n_experts=int(getattr(tc, "num_experts", None) or 0))
 
 
 def _causal_lm(model: nn.Module, cls: str) -> Spec:

@@ -118,6 +118,12 @@ class _Renamed:
     def shape(self, key: str) -> tuple[int, ...]:
         return self.reader.shape(self.names[key])
 
+    def dtype(self, key: str) -> str:
+        return self.reader.dtype(self.names[key])
+
+    def stored_name(self, key: str) -> str:
+        return self.names[key]
+
     def get(self, key: str) -> torch.Tensor:
         return self.reader.get(self.names[key])
 

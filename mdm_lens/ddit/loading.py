@@ -17,6 +17,7 @@ from mdm_lens import validate
 from mdm_lens.config import MDMConfig
 from mdm_lens.ddit.config import DDIT_FAMILIES, DEFAULTS, ddit_config
 from mdm_lens.errors import ArgumentTypeError, CheckpointError, ConfigError
+from mdm_lens.loading.readers import refuse_non_floating
 from mdm_lens.loading.values import SCHEMAS, check_raw
 
 ARCHITECTURES = {"MDLM": "mdlm", "DUO": "duo"}
@@ -175,6 +176,7 @@ def read_state(reader: Any, plan: dict[str, str], model: Any, cfg: MDMConfig,
                               f"{cfg.n_layers}: missing {missing[:6]}{'…' if len(missing) > 6 else ''}, unexpected "
                               f"{extra[:6]}{'…' if len(extra) > 6 else ''}.")
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    refuse_non_floating(reader, sorted(plan.values()))
     out = {}
     for ours, theirs in plan.items():
         if reader.shape(theirs) != expected[ours]:

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from mdm_lens import validate
 from mdm_lens.errors import (ArgumentTypeError, CheckpointNotFoundError, InputError, NonFiniteError,
                              OutOfRangeError)
+from mdm_lens.inputs import warn_trailing_pads
 from mdm_lens.lens.logit import _readout, check_model, resid_name
 
 __all__ = ["TunedLens", "train_tuned_lens", "masked_kl", "model_identity"]
@@ -200,13 +201,15 @@ class TunedLens(nn.Module):
 
 # --- data ---------------------------------------------------------------------------------------------
 
-def _check_tokens(model: Any, tokens: Any, attention_mask: Any) -> tuple[Tensor, Tensor | None]:
+def _check_tokens(model: Any, tokens: Any, attention_mask: Any, where: str) -> tuple[Tensor, Tensor | None]:
     tokens = validate.tensor(tokens, name="tokens", ndim=2, dtype="int")
     if int(tokens.min()) < 0 or int(tokens.max()) >= model.cfg.d_vocab:
         raise InputError(f"tokens hold ids outside [0, {model.cfg.d_vocab}).", argument="tokens",
                          value=validate.describe(tokens), allowed=f"ids in [0, {model.cfg.d_vocab})")
     if attention_mask is not None:
         validate.tensor(attention_mask, name="attention_mask", shape=tuple(tokens.shape), dtype=("int", "bool"))
+    else:
+        warn_trailing_pads(tokens, model.cfg, where)
     return tokens, attention_mask
 
 
@@ -247,7 +250,7 @@ def masked_kl(model: Any, tokens: Any, *, lens: TunedLens | None = None, attenti
     drawn from `seed`, so two lenses evaluated with one seed see the same canvases). `lens=None`: the logit lens.
     Float64 `[len(layers)]`; all NaN when no position was masked (a mean over nothing is undefined)."""
     check_model(model)
-    tokens, attention_mask = _check_tokens(model, tokens, attention_mask)
+    tokens, attention_mask = _check_tokens(model, tokens, attention_mask, "masked_kl")
     layers = validate.indices(layers, model.cfg.n_layers, name="layers", what="layer")
     if lens is not None:
         if not isinstance(lens, TunedLens):
@@ -286,7 +289,7 @@ def train_tuned_lens(model: Any, tokens: Any, *, attention_mask: Any = None, lay
     gradient. `lens.training_info["loss"]` is the per-step mean KL over layers (NaN for a batch with no masked
     position, which is skipped)."""
     check_model(model)
-    tokens, attention_mask = _check_tokens(model, tokens, attention_mask)
+    tokens, attention_mask = _check_tokens(model, tokens, attention_mask, "train_tuned_lens")
     n_steps = validate.integer(n_steps, name="n_steps", min=1)
     batch_size = validate.integer(batch_size, name="batch_size", min=1)
     lr = validate.number(lr, name="lr", min=0.0, min_open=True)

@@ -23,6 +23,7 @@ from mdm_lens.errors import ArgumentError, ArgumentTypeError, CheckpointError, C
 from mdm_lens.offload_checks import mark_offloaded, require_resident
 from mdm_lens.loading.dreamon import apply_dreamon_tokens
 from mdm_lens.loading.diagnose import causes, listing, mismatch_report
+from mdm_lens.loading.dispatch import supported_names
 from mdm_lens.loading.families import family_config, family_of, family_plan
 from mdm_lens.loading.fastdllm_v2 import config_from_fastdllm_v2, is_fastdllm_v2
 from mdm_lens.loading.hf import config_from_hf, hf_family, hf_plan
@@ -30,7 +31,7 @@ from mdm_lens.loading.llada import config_from_llada, is_llada, llada_plan
 from mdm_lens.loading.native import check_native_extra, check_native_raw
 from mdm_lens.loading import placement
 from mdm_lens.loading.plan import Plan, source_shapes
-from mdm_lens.loading.readers import CheckpointReader
+from mdm_lens.loading.readers import CheckpointReader, refuse_non_floating
 from mdm_lens.loading.registry import FAMILY_DEFAULTS, KNOWN_MODELS, KnownModel, lookup  # noqa: F401 (re-export)
 # name resolution and the tokenizer file live one level down (shared with the bridge); re-exported here
 from mdm_lens.loading.resolve import ZOO_DIR, ZOO_ORG, resolve  # noqa: F401
@@ -97,9 +98,7 @@ def _family(raw: dict[str, Any], path: Path) -> str:
     family = family or hf_family(raw)
     if family is None:
         raise ConfigError(f"{path}: architectures={raw.get('architectures')} model_type="
-                          f"{raw.get('model_type')!r} is not a supported family (LLaDAModelLM, DreamModel, "
-                          "LlamaForCausalLM, Qwen2ForCausalLM, LLaDA2MoeModelLM, LLaDAMoEModelLM, SDARForCausalLM, "
-                          "SDARMoeForCausalLM, Fast_dLLM_QwenForCausalLM, RND1LM, CoDALanguageModel).")
+                          f"{raw.get('model_type')!r} is not a supported family (supported: {supported_names()}).")
     return family
 
 
@@ -152,6 +151,7 @@ def build_state_dict(plan: Plan, reader: CheckpointReader, expected: dict[str, t
             f"shape mismatch in {reader.folder}: {listing('misshapen', shown, reader.folder)}. config.json and the "
             "weights disagree (d_model, heads, kv heads, head size, d_mlp or vocab size), or the tensor is corrupt."
         )
+    refuse_non_floating(reader, sorted(wanted))  # from the headers too, before any tensor is read
     out = {}
     for target, sources in plan.items():
         parts = [reader.get(src) for src in sources]

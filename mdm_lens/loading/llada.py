@@ -27,8 +27,11 @@ REFERENCE_DEFAULTS: dict[str, Any] = {
 SAMPLER_MASK_ID = 126336
 
 
+ARCHITECTURE, MODEL_TYPE = "LLaDAModelLM", "llada"  # read by loading/dispatch.py's list of supported names
+
+
 def is_llada(config: dict[str, Any]) -> bool:
-    return config.get("model_type") == "llada" or "LLaDAModelLM" in (config.get("architectures") or [])
+    return config.get("model_type") == MODEL_TYPE or ARCHITECTURE in (config.get("architectures") or [])
 
 
 def _get(config: dict[str, Any], key: str) -> Any:

@@ -79,6 +79,15 @@ class CheckpointReader:
                 return tuple(h.get_slice(key).get_shape())
         return tuple(self._bin(f)[key].shape)
 
+    def dtype(self, key: str) -> str:
+        """The stored dtype's name from the file header ("F32", "BF16", "I32", …; torch's name for a .bin), so a
+        wrong dtype is refused before the tensor is read."""
+        f = self._where[key]
+        if f.suffix == ".safetensors":
+            with _open(f) as h:
+                return str(h.get_slice(key).get_dtype())
+        return str(self._bin(f)[key].dtype).removeprefix("torch.")
+
     def get(self, key: str) -> torch.Tensor:
         f = self._where[key]
         if f.suffix == ".safetensors":
@@ -106,3 +115,20 @@ def _corrupt(f: Path, error: Exception, key: str | None = None) -> CheckpointErr
     what = f" (while reading tensor {key!r})" if key else ""
     return CheckpointError(f"{f} is not a readable safetensors file{what}: {error} [{size} bytes on disk]. The file is "
                            "truncated or corrupt (an interrupted download?); delete it and fetch it again.")
+
+
+def is_floating_name(name: str) -> bool:
+    """A safetensors ("F32", "BF16", "F8_E4M3") or torch ("float32", "bfloat16") dtype name of a real floating type."""
+    return name.startswith(("F", "BF")) or name.startswith(("float", "bfloat"))
+
+
+def refuse_non_floating(reader: Any, keys: Any) -> None:
+    """Every weight a model reads is a floating tensor: an integer / bool one (`embed_tokens.weight` saved as
+    int32) would be cast silently into nonsense weights, so it is refused by name, as NaN/inf values are."""
+    stored = getattr(reader, "stored_name", lambda k: k)  # a renaming view (GIDD's) names the file's own key
+    bad = [f"{stored(k)} ({reader.dtype(k)})" for k in keys if not is_floating_name(reader.dtype(k))]
+    if bad:
+        shown = ", ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+        raise CheckpointError(f"tensor(s) {shown} in {reader.folder} are not floating point: a weight is stored as "
+                              "float32 / bfloat16 / float16 (/ float64). The file is corrupt, quantized in a format "
+                              "mdm_lens does not read, or not this model's checkpoint.")

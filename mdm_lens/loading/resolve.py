@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, CheckpointError, CheckpointNotFoundError, UnknownModelError
 from mdm_lens.loading.registry import KNOWN_MODELS, KnownModel, lookup
 
@@ -47,7 +48,7 @@ def resolve(name_or_path: str | os.PathLike, allow_download: bool = False) -> tu
                                           "Rebuild it with `python -m mdm_lens.zoo.train`.")
         return folder, known
     path = Path(text).expanduser()
-    if path.is_dir():
+    if validate.path_kind(path, name="name_or_path") == "dir":
         return path, known
     if text.lower().startswith(ZOO_ORG + "/"):  # our own org never lives on the hub: a typo of a zoo name
         zoo = ", ".join(k for k, v in KNOWN_MODELS.items() if v.zoo)

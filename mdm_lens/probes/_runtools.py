@@ -12,6 +12,7 @@ from mdm_lens import validate
 from mdm_lens.diffusion.replay import BLOCK_SAMPLERS, state_at
 from mdm_lens.diffusion.window_replay import WINDOW_SAMPLERS
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, StepForwardError
+from mdm_lens.inputs import warn_trailing_pads
 
 from . import _checks as C
 
@@ -68,8 +69,12 @@ def _tokens(tokens: Any, name: str = "tokens", device: Any = None) -> Tensor:
     return _batch(t, device)
 
 
-def _attention_mask(mask: Any, tokens: Tensor) -> Tensor | None:
+def _attention_mask(mask: Any, tokens: Tensor, model: Any = None, where: str = "") -> Tensor | None:
+    """The probe's `[batch, pos]` padding mask; with `model` (a user-facing entry point, not an internal forward)
+    a missing mask on right-padded rows is warned about, as the forward warns about left padding."""
     if mask is None:
+        if model is not None:
+            warn_trailing_pads(tokens, model.cfg, where)
         return None
     m = _tokens(mask, "attention_mask", tokens.device) if not (isinstance(mask, Tensor) and mask.dtype == torch.bool) \
         else _batch(mask, tokens.device)

@@ -47,7 +47,13 @@ def final_attention(model: Any, tokens: Int[Tensor, "batch pos"], attention_mask
     _no_prompt_length(model, prompt_length)
     tokens = _tokens(tokens, device=model.input_device)
     layer_ids = layer_list(model, layers)
-    am = _attention_mask(attention_mask, tokens)
+    return _final_attention(model, tokens, _attention_mask(attention_mask, tokens, model, "final_attention"),
+                            layer_ids, prompt_length)
+
+
+def _final_attention(model: Any, tokens: Tensor, am: Tensor | None, layer_ids: list[int],
+                     prompt_length: int | None) -> Tensor:
+    """:func:`final_attention` of checked arguments (absorption_by_layer's own call: it warned already)."""
     if is_block_diffusion(model):
         view = sequence_view(model, tokens, am, layer_ids, prompt_length, encoder_patterns=True)
         P = view.prompt_length
@@ -173,17 +179,19 @@ def absorption_by_layer(model: Any, tokens: Int[Tensor, "batch pos"], attention_
                                 "decoder patterns of one forward.", argument="chunked", value=True,
                                 allowed="None or False on DiffusionGemma")
         toks = _tokens(tokens, device=model.input_device)
-        view = sequence_view(model, toks, _attention_mask(attention_mask, toks), layer_ids, prompt_length)
+        view = sequence_view(model, toks, _attention_mask(attention_mask, toks, model, "absorption_by_layer"),
+                             layer_ids, prompt_length)
         attn = torch.stack([view.cache[f"blocks.{l}.attn.hook_pattern"] for l in layer_ids], dim=1)
         kv = torch.stack([view.key_visible[l] for l in layer_ids], dim=1)           # [batch, layer, key]
         return absorption_from_attention(model, attn, toks, attention_mask, mode, rule, head, layer_ids,
                                          query_rows=view.query_rows, key_visible=kv)
     toks = _tokens(tokens, device=model.input_device)
+    am = _attention_mask(attention_mask, toks, model, "absorption_by_layer")
     if chunked is None:
         chunked = patterns_exceed_budget(model, toks.shape, len(layer_ids))
     if validate.boolean(chunked, name="chunked"):
-        return absorption_chunked(model, toks, _attention_mask(attention_mask, toks), mode, rule, head, layer_ids)
-    attn = final_attention(model, toks, attention_mask, layer_ids)
+        return absorption_chunked(model, toks, am, mode, rule, head, layer_ids)
+    attn = _final_attention(model, toks, am, layer_ids, None)
     return absorption_from_attention(model, attn, toks, attention_mask, mode, rule, head, layer_ids)
 
 

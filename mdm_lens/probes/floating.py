@@ -29,6 +29,7 @@ from mdm_lens import validate
 from mdm_lens.errors import ArgumentError
 
 from . import _checks as C
+from ._ignored import refuse_ignored
 from ._results import ResultMixin
 # measurement half (masks, received attention, Absorb): its own module, re-exported here as before
 from .received import (KINDS, Kind, absorption, align_mask, received_attention, uniform_pattern,
@@ -102,6 +103,24 @@ def _rule_b_rtol(dtype: torch.dtype) -> float:
     return RULE_B_ULPS * torch.finfo(dtype).eps
 
 
+# which rules read each tuning argument, and the value that means "not given" (the default); `causal` is not here:
+# it describes the received attention (every caller passes the model's mask), not a rule's parameter
+_RULE_ARGUMENTS = {"eps": (None, tuple(r for r in RULES if r != "topk"), "it sets the threshold of the other rules"),
+                   "floor": (2.0, ("zscore",), "only the zscore rule has a mass floor"),
+                   "kind": ("mass", ("zscore",), "it only shapes the zscore rule's mass floor"),
+                   "k": (1, ("topk",), "only the topk rule keeps k keys")}
+
+
+def _refuse_other_rules_arguments(rule: str, **given: object) -> None:
+    """An argument only another rule reads (``detect_anchors(r, k=3)`` under the default zscore) is refused naming
+    both, instead of returning the zscore anchors as if k had been used."""
+    for name, value in given.items():
+        neutral, readers, why = _RULE_ARGUMENTS[name]
+        if rule not in readers:
+            refuse_ignored(name, value, neutral, by="rule", by_value=rule,
+                           why=f"{why} ({', '.join(map(repr, readers))})")
+
+
 def detect_anchors(received: Float[Tensor, "... key"], rule: Rule = "zscore", eps: float | None = None,
                    floor: float = 2.0, key_visible: Bool[Tensor, "... key"] | None = None,
                    causal: bool = False, k: int = 1, kind: Kind = "mass",
@@ -130,18 +149,22 @@ def detect_anchors(received: Float[Tensor, "... key"], rule: Rule = "zscore", ep
       et al. UNCONFIRMED.
     - ``topk``: the k largest visible keys (1 ≤ k ≤ number of keys; fewer where fewer are visible).
 
-    ``causal`` / ``kind`` only shape the zscore mass floor.  Invisible keys are never anchors.
+    ``causal`` / ``kind`` only shape the zscore mass floor.  Invisible keys are never anchors.  An argument only
+    another rule reads (``k`` without ``rule="topk"``, ``eps`` with it, ``floor`` / ``kind`` without zscore) raises
+    ``ArgumentError`` naming both.
     NaN/inf at a visible key raises ``NonFiniteError``; ``nan_policy="omit"`` treats such keys as invisible
     (the convention of step series whose not-yet-existing keys are NaN).
     """
     received = C.float_tensor(received, name="received")
     rule = validate.choice(rule, RULES, name="rule")
+    given_eps = eps
     eps = _DEFAULT_EPS[rule] if eps is None else validate.number(eps, name="eps", min=0)
     floor = validate.number(floor, name="floor", min=0)
     key_visible = C.mask(key_visible, name="key_visible", size=received.shape[-1], against=received.shape)
     causal = validate.boolean(causal, name="causal")
     k = validate.integer(k, name="k", min=1, max=received.shape[-1] if rule == "topk" else None)
     kind = validate.choice(kind, KINDS, name="kind")
+    _refuse_other_rules_arguments(rule, eps=given_eps, floor=floor, k=k, kind=kind)  # after the type checks
     policy = C.nan_policy(nan_policy)
     vis = _visible(received, key_visible, policy)
     r = torch.where(vis, received.to(torch.float64), torch.zeros((), dtype=torch.float64))  # f64: exact ties
@@ -262,6 +285,9 @@ def absorption_variants(received: Float[Tensor, "... key"], key_visible: Bool[Te
     anchors = C.mask(anchors, name="anchors", size=received.shape[-1], against=received.shape)
     causal = validate.boolean(causal, name="causal")
     rule = validate.choice(rule, RULES, name="rule")
+    if anchors is not None:  # given anchors are the set: a rule would pick nothing
+        refuse_ignored("rule", rule, "zscore", by="anchors", by_value=validate.describe(anchors),
+                       why="rule detects the anchors only when anchors=None")
     policy = C.nan_policy(nan_policy)
     vis = _visible(received, key_visible, policy)
     r = torch.where(vis, received.to(torch.float64), torch.zeros((), dtype=torch.float64))

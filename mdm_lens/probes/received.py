@@ -122,6 +122,36 @@ def _check_probabilities(pattern: Tensor, used: Tensor) -> None:
                             value=tuple(pattern.shape), allowed="probabilities: entries in [0, 1], rows summing to <= 1")
 
 
+HIDDEN_MASS_TOL = 1e-3  # a masked softmax puts exactly 0 there in any dtype; 1e-3 leaves room for additive masks
+
+
+def _check_hidden_mass(pattern: Tensor, q: Tensor, key_visible: Tensor | None, causal: bool,
+                       block_length: int | None) -> None:
+    """The declared mask (``causal`` / ``block_length``) must be the pattern's own: mass a used query row puts on
+    a key the mask hides would be dropped silently (the result no longer a distribution), so it is refused, as
+    row sums > 1 are. Padding keys (``key_visible`` False) are aside: an unmasked pattern's mass there is ignored
+    by design."""
+    if not causal and block_length is None:
+        return
+    n_q, n_k = pattern.shape[-2:]
+    hidden = ~visibility_mask(n_q, n_k, None, causal, device=pattern.device, block_length=block_length)
+    hidden = hidden & q[..., :, None]
+    if key_visible is not None:
+        hidden = hidden & key_visible[..., None, :]
+    hidden = hidden & torch.isfinite(pattern)
+    mass = torch.where(hidden, pattern, torch.zeros((), dtype=pattern.dtype, device=pattern.device)).sum(-1)
+    worst = float(mass.max()) if mass.numel() else 0.0
+    if worst > HIDDEN_MASS_TOL:
+        declared = " and ".join(([f"block_length={block_length}"] if block_length is not None else [])
+                                + (["causal=True"] if causal else []))
+        arg = "block_length" if block_length is not None else "causal"
+        raise ArgumentError(f"pattern puts up to {worst:.3g} of a query row's mass on keys that {declared} hides: the "
+                            "declared mask is not the pattern's own, and that mass would be dropped silently. Pass the "
+                            "mask the model used (bidirectional: causal=False, no block_length; block diffusion: its "
+                            "block size).", argument=arg, value=block_length if arg == "block_length" else causal,
+                            allowed=f"a mask under which used rows carry at most {HIDDEN_MASS_TOL:g} hidden mass")
+
+
 def received_attention(pattern: Float[Tensor, "... query key"],
                        query_mask: Bool[Tensor, "... query"] | None = None,
                        key_visible: Bool[Tensor, "... key"] | None = None,
@@ -134,10 +164,11 @@ def received_attention(pattern: Float[Tensor, "... query key"],
       every query sees every key, i.e. bidirectional); 0 where Q_j is empty
     - ``cumulative``: α_j = Σ_{i∈Q} A_ij                    (Rulli / SAP column sum)
 
-    ``causal`` and ``block_length`` (block-causal) only matter for ``visibility`` (which queries can see j); entries at invisible
-    (query, key) pairs are ignored, so unmasked patterns with mass (or NaN) on padding do not leak into
-    m_j.  NaN/inf at a used entry raises ``NonFiniteError`` (``nan_policy="omit"``: such entries count
-    as 0).  An empty query set raises for ``mass`` / ``visibility`` (a mean over no rows is undefined).
+    ``causal`` and ``block_length`` (block-causal) only matter for ``visibility`` (which queries can see j); entries at
+    padding keys are ignored, so unmasked patterns with mass (or NaN) on padding do not leak into m_j, but a used row
+    with more than ``HIDDEN_MASS_TOL`` of mass on keys ``causal`` / ``block_length`` hide raises ``ArgumentError``
+    (the declared mask is not the pattern's).  NaN/inf at a used entry raises ``NonFiniteError``
+    (``nan_policy="omit"``: such entries count as 0).  An empty query set raises for ``mass`` / ``visibility`` (a mean over no rows is undefined).
     """
     pattern = C.float_tensor(pattern, name="pattern", min_ndim=2)
     n_q, n_k = pattern.shape[-2:]
@@ -154,6 +185,7 @@ def received_attention(pattern: Float[Tensor, "... query key"],
     C.finite_where(pattern, used, name="pattern", policy=policy)
     used = used & torch.isfinite(pattern)
     _check_probabilities(pattern, used)
+    _check_hidden_mass(pattern, q, key_visible, causal, block_length)
     a = torch.where(used, pattern, torch.zeros((), dtype=pattern.dtype, device=pattern.device))
     col = a.sum(-2)                                                         # Σ_{i∈Q} A_ij
     if kind == "cumulative":

@@ -263,7 +263,7 @@ def qk_at_layer(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, anchor
     l = validate.index(layer, model.cfg.n_layers, name="layer", what="layer")
     share = validate.number(share, name="share", min=0.5, max=1)
     rule = validate.choice(rule, ("top1",) + floating.RULES, name="rule")
-    am = _attention_mask(attention_mask, tokens)
+    am = _attention_mask(attention_mask, tokens, model, "qk_at_layer")
     kv = None if am is None else am.bool()
     if anchor is not None:  # a named rule or explicit positions: `rule` would pick nothing
         refuse_ignored("rule", rule, "top1", by="anchor", by_value=anchor if isinstance(anchor, (str, int)) else validate.describe(anchor),

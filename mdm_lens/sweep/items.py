@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mdm_lens import validate
 from mdm_lens.errors import InputError
 from mdm_lens.items import gold_set
 
@@ -231,7 +232,7 @@ def read_items(path: str | Path, skip_bad: bool = False) -> ReadResult:
     must be unique. A bad line (not UTF-8, not json, not an item, a duplicate id) raises `InputError` naming the
     file and line, or with `skip_bad` is recorded in `skipped` with its reason."""
     path = Path(path)
-    if path.is_dir():
+    if validate.path_kind(path, name="data") == "dir":
         raise InputError(f"--data {str(path)!r} is a directory: expected a .jsonl file.", argument="data",
                          value=str(path), allowed="a .jsonl file")
     if not path.is_file():

@@ -53,8 +53,11 @@ def series(draw, min_T=1, max_T=10):
 def test_detect_anchors_valid(case, rule, eps, floor, use_vis, causal, kind, data):
     r, vis, T = case
     k = data.draw(st.integers(1, T))
-    out = F.detect_anchors(r, rule=rule, eps=eps, floor=floor, key_visible=vis if use_vis else None,
-                           causal=causal, k=k, kind=kind)
+    # each rule gets only the arguments it reads (another rule's argument is refused: test_misuse_round7c)
+    reads = dict(eps=eps) if rule != "topk" else dict(k=k)
+    if rule == "zscore":
+        reads.update(floor=floor, kind=kind)
+    out = F.detect_anchors(r, rule=rule, key_visible=vis if use_vis else None, causal=causal, **reads)
     assert out.dtype == torch.bool and out.shape == r.shape
     if use_vis:
         assert not (out & ~vis).any()
@@ -119,6 +122,7 @@ def test_tensor_inputs_invalid(case, which, fn):
 def test_received_attention_valid_and_invalid(T, lead, seed, kind, causal, use_q):
     g = torch.Generator().manual_seed(seed)
     A = torch.rand(*lead, T, T, generator=g, dtype=f64)
+    A = A.tril() if causal else A  # a causal pattern (mass on future keys is refused under causal=True)
     A = A / A.sum(-1, keepdim=True)
     qm = torch.rand(*lead, T, generator=g) > 0.5
     qm[..., 0] = True
