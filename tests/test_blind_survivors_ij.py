@@ -89,3 +89,45 @@ def test_a_setting_the_checkpoint_lacks_is_not_called_a_conflict(tmp_path):
     with pytest.raises(SamplerConfigError, match="pass pad_id=") as err:
         model.memory_plan(prompt_length=4, max_new_tokens=8, small_block_size=2, stop_token=5)
     assert "conflicts" not in str(err.value) and err.value.argument == "pad_id"
+
+
+def test_verdicts_follow_the_interval_not_the_point_estimate():
+    from mdm_lens.views.stats import Interval
+
+    assert Interval(-0.1, -0.5, 0.3, 5).verdict == "tie"  # below 0, but the interval holds 0
+    assert Interval(0.1, -0.3, 0.5, 5).verdict == "tie"
+    assert Interval(-0.2, -0.5, -0.1, 5).verdict == "negative"
+    assert Interval(0.2, 0.1, 0.3, 5).verdict == "positive"
+    assert Interval(float("nan"), float("nan"), float("nan"), 0).verdict == "undefined"
+
+
+def test_a_95_percent_interval_leaves_2_5_percent_of_the_bootstrap_in_each_tail():
+    import numpy as np
+
+    from mdm_lens.views.stats import _boot_means, bootstrap_mean
+
+    values = np.random.default_rng(0).normal(size=40)
+    iv = bootstrap_mean(values, n_boot=20000, seed=3, level=0.95)
+    boots = _boot_means([values], 20000, 3)  # the same resamples the interval was read from
+    assert abs(float((boots < iv.low).mean()) - 0.025) < 0.002
+    assert abs(float((boots > iv.high).mean()) - 0.025) < 0.002
+
+
+def test_sweep_summaries_report_the_population_std():
+    import pandas as pd
+
+    from mdm_lens.sweep.summary import mean_std
+
+    df = pd.DataFrame({"g": ["a"] * 4 + ["b"], "value": [1.0, 2.0, 3.0, 4.0, 7.0]})
+    out = mean_std(df, ["g"]).set_index("g")
+    assert out.loc["a", "std"] == pytest.approx(1.25 ** 0.5)  # ddof=0: sqrt(mean squared deviation)
+    assert out.loc["b", "std"] == 0.0  # one item: 0 spread, not NaN
+    assert out.loc["a", "mean"] == 2.5 and out.loc["a", "n"] == 4
+
+
+def test_every_k_always_includes_the_last_step():
+    from mdm_lens import steps
+
+    sel = steps(every=3)
+    assert [k for k in range(8) if sel.matches(k, 8)] == [0, 3, 6, 7]
+    assert [k for k in range(7) if sel.matches(k, 7)] == [0, 3, 6]
