@@ -131,3 +131,47 @@ def test_every_k_always_includes_the_last_step():
     sel = steps(every=3)
     assert [k for k in range(8) if sel.matches(k, 8)] == [0, 3, 6, 7]
     assert [k for k in range(7) if sel.matches(k, 7)] == [0, 3, 6]
+
+
+def test_a_causal_suffix_of_queries_sees_keys_up_to_its_own_position():
+    from mdm_lens.probes.received import visibility_mask
+
+    # 2 queries at positions 2, 3 of 4 keys (a KV-cached suffix): query 0 sees keys 0..2, query 1 all four
+    assert visibility_mask(2, 4, causal=True).tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert visibility_mask(4, 4, block_length=2).tolist() == [
+        [True, True, False, False], [True, True, False, False], [True] * 4, [True] * 4]
+
+
+def test_omit_drops_non_finite_keys_from_anchor_detection():
+    from mdm_lens.probes.floating import detect_anchors
+
+    received = torch.tensor([[0.60, float("nan"), 0.15, 0.05, 0.05, 0.05, 0.05, 0.05]])
+    got = detect_anchors(received, rule="topk", k=2, nan_policy="omit")
+    assert got.tolist() == [[True, False, True, False, False, False, False, False]]  # NaN is never an anchor
+    with pytest.raises(Exception, match="received"):
+        detect_anchors(received, rule="topk", k=2)  # the default policy refuses a NaN visible key
+
+
+def test_dream_padded_rows_count_positions_from_their_first_real_token():
+    from mdm_lens.config import MDMConfig
+
+    cfg = MDMConfig(d_model=16, n_layers=1, n_heads=2, d_head=8, d_mlp=32, d_vocab=40, n_ctx=16,
+                    position_policy="cumsum", padding_mask="pair", logit_shift=True, family="dream")
+    model = HookedMDM.from_config(cfg, seed=0)
+    am = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    pos = model.positions(torch.ones(3, 5, dtype=torch.long), am)
+    # the reference: cumsum(mask) - 1, pads set to 1
+    assert pos.tolist() == [[1, 1, 0, 1, 2], [0, 1, 2, 3, 4], [1, 0, 1, 2, 3]]
+
+
+def test_checkpoint_special_ids_beat_the_family_constants():
+    from mdm_lens.config import MDMConfig
+    from mdm_lens.loading import _apply_registry_facts
+
+    cfg = MDMConfig(d_model=16, n_layers=1, n_heads=2, d_head=8, d_mlp=32, d_vocab=200000, n_ctx=16, family="dream",
+                    mask_token_id=7, pad_token_id=9)
+    _apply_registry_facts(cfg, None, "dream")
+    assert (cfg.mask_token_id, cfg.pad_token_id) == (7, 9)  # config.json's own ids
+    bare = MDMConfig(d_model=16, n_layers=1, n_heads=2, d_head=8, d_mlp=32, d_vocab=200000, n_ctx=16, family="dream")
+    _apply_registry_facts(bare, None, "dream")
+    assert (bare.mask_token_id, bare.pad_token_id) == (151666, 151643)  # absent: the reference constants
