@@ -175,3 +175,14 @@ def test_checkpoint_special_ids_beat_the_family_constants():
     bare = MDMConfig(d_model=16, n_layers=1, n_heads=2, d_head=8, d_mlp=32, d_vocab=200000, n_ctx=16, family="dream")
     _apply_registry_facts(bare, None, "dream")
     assert (bare.mask_token_id, bare.pad_token_id) == (151666, 151643)  # absent: the reference constants
+
+
+def test_a_device_map_entry_claims_its_module_not_others_sharing_the_prefix():
+    from mdm_lens.loading.placement import target_of
+
+    dm = {"": "cpu", "blocks.1": "disk", "blocks.1.mlp": 0}
+    assert target_of("blocks.1.attn.W_Q", dm) == "disk"
+    assert target_of("blocks.1.mlp.W_in", dm) == 0
+    assert target_of("blocks.10.attn.W_Q", dm) == "cpu"  # blocks.10 is not inside blocks.1
+    assert target_of("blocks.1", dm) == "disk"
+    assert target_of("blocks.1.mlpx", dm) == "disk"
