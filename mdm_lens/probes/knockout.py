@@ -178,7 +178,7 @@ def _committed_metric(model: Any, clean: Any, s: int, raw: Tensor, metric: Any) 
 
 
 
-def _resolve_steps(steps: Any, n_steps: int) -> list[int] | None:
+def _resolve_steps(steps: Any, n_steps: int, what: str = "step") -> list[int] | None:
     """None (every step) or sorted step indices; "first"/"last" and negatives as in ``at_steps``."""
     if steps is None:
         return None
@@ -186,7 +186,7 @@ def _resolve_steps(steps: Any, n_steps: int) -> list[int] | None:
         steps = [steps]
     if isinstance(steps, (list, tuple)):
         steps = [0 if v == "first" else -1 if v == "last" else v for v in steps]
-    return sorted(validate.indices(steps, n_steps, name="steps", what="step"))
+    return sorted(validate.indices(steps, n_steps, name="steps", what=what))
 
 
 def _value(metric: Any, row: dict) -> float:
@@ -233,9 +233,12 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
     P = prompt.shape[1]
     sampler = None if is_block_diffusion(model) else _check_sampler(model, generate_kwargs)
     # nemotron / bd3lm: the grid is the run's denoising forwards (own_forwards), not the sampler's steps setting
-    grid = grid_size(model, sampler, P, g, ns) if sampler in OWN_FORWARDS else ns
-    chosen = _resolve_steps(steps, grid)
-    step_list = chosen if chosen is not None else list(range(grid))
+    if sampler is None or sampler in OWN_FORWARDS:
+        grid = grid_size(model, sampler, P, g, ns) if sampler in OWN_FORWARDS else ns
+        chosen = _resolve_steps(steps, grid)
+        step_list = chosen if chosen is not None else list(range(grid))
+    else:  # the types now; the range once the clean run says how many forwards it made (below)
+        _resolve_steps(steps, 10 ** 9)
     if isinstance(targets, str):
         validate.choice(targets, ("anchors", "random"), name="targets")
     else:
@@ -262,6 +265,10 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
         return model.generate(prompt, steps=ns, gen_length=g, fwd_hooks=list(hooks), **generate_kwargs)
 
     clean = gen()
+    # the grid is the clean run's forwards: an adaptive sampler (LLaDA2 / SDAR blocks, threshold commits, a stop
+    # token) makes more or fewer than n_steps, and "last" / -1 is its last forward, not step n_steps − 1
+    chosen = _resolve_steps(steps, clean.n_steps, what=f"forward of the clean run ({clean.n_steps} made)")
+    step_list = chosen if chosen is not None else list(range(clean.n_steps))
     if answer is None:
         gold_ids, source = C.clean_answer(model, clean.generated.cpu(), off), "clean generation"
     else:

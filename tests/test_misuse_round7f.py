@@ -1,0 +1,31 @@
+"""Held-out misuse, round seven (f): knockout's step grid is the clean run's forwards on adaptive samplers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mdm_lens import HookedMDM
+from mdm_lens.errors import OutOfRangeError
+from mdm_lens.probes.knockout import knockout
+from tests.families.family_checkpoints import write_llada2, write_sdar
+
+PROMPT = torch.tensor([[5, 17, 33, 2, 61]])
+
+
+@pytest.fixture(scope="module", params=["llada2", "sdar"])
+def block_model(request, tmp_path_factory):
+    write = write_llada2 if request.param == "llada2" else write_sdar
+    folder = write(tmp_path_factory.mktemp(request.param))[0]
+    return HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
+
+
+def test_knockout_steps_are_the_clean_runs_forwards(block_model):
+    n = block_model.generate(PROMPT, gen_length=8, block_length=4).n_steps
+    assert n > 8  # adaptive: more forwards than gen_length (the old grid)
+    assert knockout(block_model, PROMPT, gen_length=8, block_length=4, steps=["last"], targets=[0]).steps == [n - 1]
+    assert knockout(block_model, PROMPT, gen_length=8, block_length=4, steps=[-2], targets=[0]).steps == [n - 2]
+    full = knockout(block_model, PROMPT, gen_length=8, block_length=4, targets=[0])
+    assert full.steps == list(range(n)) and full.tf_answer_logprob.shape == (3, n)  # clean, targets, random
+    with pytest.raises(OutOfRangeError, match=f"forward of the clean run \\({n} made\\)"):
+        knockout(block_model, PROMPT, gen_length=8, block_length=4, steps=[n], targets=[0])
