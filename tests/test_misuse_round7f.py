@@ -29,3 +29,15 @@ def test_knockout_steps_are_the_clean_runs_forwards(block_model):
     assert full.steps == list(range(n)) and full.tf_answer_logprob.shape == (3, n)  # clean, targets, random
     with pytest.raises(OutOfRangeError, match=f"forward of the clean run \\({n} made\\)"):
         knockout(block_model, PROMPT, gen_length=8, block_length=4, steps=[n], targets=[0])
+
+
+def test_sdar_stop_sets_the_answer_span_up_to_the_first_stop_token(tmp_path):
+    model = HookedMDM.from_pretrained(str(write_sdar(tmp_path / "sdar")[0]), load_tokenizer=False)
+    free = model.generate(PROMPT, gen_length=12, block_length=4)
+    assert free.answer_length is None  # no stop rule: the whole gen_length
+    stop = int(free.tokens[0, 7])  # the third answer token, decoded in the first generated block
+    first = int((free.tokens[0, 5:] == stop).nonzero()[0, 0])
+    out = model.generate(PROMPT, gen_length=12, block_length=4, stopping_criteria_idx=stop)
+    assert out.answer_length == [first + 1]  # up to and including the stop token
+    assert torch.equal(out.tokens[0, :8], free.tokens[0, :8])  # the first block is the same run
+    assert bool((out.tokens[0, 8:] == model.cfg.mask_token_id).all())  # later blocks never ran

@@ -231,7 +231,11 @@ class SDARSampler(AlignedBlockSampler):
                 step += 1
             stop = s.stopping_criteria_idx
             if stop is not None and any(bool((x[:, prompt_length:] == t).any()) for t in stop):
-                break
+                # the answer ends at its first stop token (inclusive, as LLaDA2's EOS): the blocks after it never
+                # ran and keep the mask id, which the answer span must not include
+                hit = torch.isin(x[0, prompt_length:], torch.tensor(stop, device=x.device)).nonzero()
+                _warn_rewritten(rewritten, prompt_length)
+                return x, recorder, [int(hit[0, 0]) + 1]
         _warn_rewritten(rewritten, prompt_length)
         return x, recorder, [None]
 

@@ -360,7 +360,11 @@ def test_sdar_matches_reference(models, case):
     out = generate(model, prompt, sampler="sdar", **case)
     n = prompt.shape[1] + case["gen_length"]
     assert torch.equal(out.tokens, canvas[:, :n])
-    assert out.answer_length is None
+    stop = case.get("stopping_criteria_idx")
+    stop = (stop,) if isinstance(stop, int) else stop
+    hit = [] if stop is None else torch.isin(out.tokens[0, prompt.shape[1]:], torch.tensor(stop)).nonzero()[:, 0]
+    # the answer ends at the first stop token (inclusive) when one was decoded; else it is the whole gen_length
+    assert out.answer_length == ([int(hit[0]) + 1] if len(hit) else None)
 
 
 def test_sdar_stop_and_prefill_steps(models):
