@@ -41,3 +41,20 @@ def test_sdar_stop_sets_the_answer_span_up_to_the_first_stop_token(tmp_path):
     assert out.answer_length == [first + 1]  # up to and including the stop token
     assert torch.equal(out.tokens[0, :8], free.tokens[0, :8])  # the first block is the same run
     assert bool((out.tokens[0, 8:] == model.cfg.mask_token_id).all())  # later blocks never ran
+
+
+def test_fastdllm_v2_warns_when_max_new_tokens_is_floored_to_whole_blocks(tmp_path):
+    import warnings
+
+    from mdm_lens.diffusion.arguments import ReferenceQuirkWarning
+    from tests.test_fastdllm_v2 import write_fastdllm_v2
+
+    folder, *_ = write_fastdllm_v2(tmp_path / "fd2")  # bd_size 4
+    model = HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
+    kw = dict(small_block_size=2, stop_token=5, pad_id=0)
+    with pytest.warns(ReferenceQuirkWarning, match="max_new_tokens=7 is not a multiple of block_size=4.*last 3"):
+        short = model.generate(PROMPT, max_new_tokens=7, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReferenceQuirkWarning)
+        whole = model.generate(PROMPT, max_new_tokens=4, **kw)
+    assert torch.equal(short.tokens, whole.tokens)  # 7 budgets the same block as 4: the reference's arithmetic

@@ -20,7 +20,7 @@ generated tokens, pads after the stop token, the next block's first token when t
 right-padded layout; `out.prompt_length` is the shortest prompt, `out.settings["prompt_lengths"]` each row's,
 `out.attention_mask` is 0 past a row's returned length.
 
-Quirks reproduced: a prompt of exactly `block_size` tokens is never read (no prefill, decoding starts at block 1;
+Quirks reproduced: `max_new_tokens` is floored to whole blocks (warned); a prompt of exactly `block_size` tokens is never read (no prefill, decoding starts at block 1;
 warned); a stop token emitted by the AR step does not stop the row; a batch whose longest prompt is one token past
 a block end loses that token to the AR prediction (warned); a longer prompt ending at a block end while shorter rows
 generate gets no AR token (its first position is denoised from its own logit). Refused (the reference fails or
@@ -192,6 +192,11 @@ class FastDLLMv2Sampler(CanvasSampler):
             warnings.warn(f"the shortest prompt has exactly block_size={bs} tokens: the reference never reads its "
                           "first block (no prefill for a prompt not longer than a block; decoding starts at block "
                           "1). Reproduced.", stacklevel=4)
+        if s.max_new_tokens % bs:
+            warnings.warn(f"max_new_tokens={s.max_new_tokens} is not a multiple of block_size={bs}: the reference "
+                          f"budgets max_new_tokens // block_size = {s.max_new_tokens // bs} block(s) past the prompt's, "
+                          f"so the last {s.max_new_tokens % bs} requested token(s) are never generated. Reproduced; "
+                          "pass a multiple of block_size.", arguments.ReferenceQuirkWarning, stacklevel=4)
         x = torch.full((ids.shape[0], width), model.cfg.mask_token_id, dtype=torch.long, device=ids.device)
         for r, n in enumerate(lengths):
             x[r, :n] = ids[r, ids.shape[1] - n:]
