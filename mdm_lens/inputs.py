@@ -71,10 +71,13 @@ def like_tokens(value: Tensor, tokens: Tensor, name: str, meaning: str) -> Tenso
     return value
 
 
-def attention_mask(mask: Any, tokens: Tensor, cfg: MDMConfig) -> Int[Tensor, "batch pos"] | None:
-    """The `[batch, pos]` padding mask as a long 0/1 tensor on the tokens' device; None = no padding."""
+def attention_mask(mask: Any, tokens: Tensor, cfg: MDMConfig, warn_pads: bool = True
+                   ) -> Int[Tensor, "batch pos"] | None:
+    """The `[batch, pos]` padding mask as a long 0/1 tensor on the tokens' device; None = no padding.
+    `warn_pads=False`: no left-pad warning (a sampler's window forward, whose first token is a generated one)."""
     if mask is None:
-        warn_leading_pads(tokens, cfg)
+        if warn_pads:
+            warn_leading_pads(tokens, cfg)
         return None
     if not isinstance(mask, Tensor):
         raise InputTypeError(f"attention_mask={validate.describe(mask)} is invalid: expected a tensor [batch, pos] of 0/1 "

@@ -276,7 +276,11 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
         validate.keywords(unknown, FORWARD_KEYWORDS, where="forward", notes=TL_FORWARD_ONLY)
         return_type = validate.choice(return_type, RETURN_TYPES, name="return_type", error=InputError)
         tokens = inputs.token_ids(tokens, self.cfg, self.input_device)
-        attention_mask = inputs.attention_mask(attention_mask, tokens, self.cfg)
+        # a sampler's forward of rows past position 0 (a block against its cache) starts at a generated token, which
+        # may be the pad id: the left-pad heuristic reads user input, not those windows
+        inner = self.state is not None and (self.state.rows.start > 0 or
+                                            int(self.state.extra.get("query_start", 0) or 0) > 0)
+        attention_mask = inputs.attention_mask(attention_mask, tokens, self.cfg, warn_pads=not inner)
         wanted = loss.request(return_type, self.cfg, tokens, attention_mask, targets, loss_per_token, weighting, p_mask)
         if position_ids is None:
             positions = self.positions(tokens, attention_mask)

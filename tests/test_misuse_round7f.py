@@ -58,3 +58,23 @@ def test_fastdllm_v2_warns_when_max_new_tokens_is_floored_to_whole_blocks(tmp_pa
         warnings.simplefilter("error", ReferenceQuirkWarning)
         whole = model.generate(PROMPT, max_new_tokens=4, **kw)
     assert torch.equal(short.tokens, whole.tokens)  # 7 budgets the same block as 4: the reference's arithmetic
+
+
+def test_sampler_window_forwards_do_not_run_the_left_pad_heuristic(tmp_path):
+    import warnings
+
+    from tests.test_fastdllm_v2 import write_fastdllm_v2
+
+    folder, *_ = write_fastdllm_v2(tmp_path / "fd2")  # bd_size 4
+    model = HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
+    prompt = torch.tensor([[5, 17, 33, 2, 61, 40, 9, 12, 44, 3]])
+    kw = dict(max_new_tokens=12, small_block_size=2, stop_token=5, pad_id=0)
+    first = model.generate(prompt, **kw)
+    model.cfg.pad_token_id = int(first.tokens[0, 12])  # a generated token at a block start: a window's first token
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        again = model.generate(prompt, **kw)
+    assert torch.equal(again.tokens, first.tokens)
+    assert not [w for w in seen if "start with the pad id" in str(w.message)]
+    with pytest.warns(UserWarning, match="start with the pad id"):  # the user's own forward still warns
+        model(torch.cat([torch.tensor([[model.cfg.pad_token_id]]), prompt], 1))
