@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from mdm_lens import tokenization
-from mdm_lens.errors import InputError
+from mdm_lens.errors import InputError, SamplerConfigError
 from mdm_lens.tokenization import unknown_token_ids  # noqa: F401  (re-exported)
 from mdm_lens.sweep import templates as TM
 from mdm_lens.sweep.items import SweepItem
@@ -146,8 +146,18 @@ def select(model: Any, screened: Selection, probes: Sequence[str], template: str
 def check_sampler(model: Any, gen_kwargs: dict[str, Any]) -> None:
     """The sampler settings the sweep will pass (``adapter._gen_kwargs``), checked before anything is written
     (e.g. a ``block_length`` that does not divide ``gen_length``), as ``generate`` checks them."""
+    from mdm_lens.diffusion import registry
     from mdm_lens.diffusion.generate import default_sampler, plan
 
-    if default_sampler(model) == "diffusion_gemma":     # transformers' own settings; checked by its first call
+    name = default_sampler(model)
+    if name == "diffusion_gemma":     # transformers' own settings; checked by its first call
         return
+    if "gen_length" not in registry.settings_names(registry.get(name)):
+        # the sweep's probes drive the sampler by gen_length / steps / block_length (knockout, retrieval, cache and
+        # lens re-run it so); a sampler under other names and without a steps grid is not one they can drive
+        raise SamplerConfigError(f"mdm-lens sweep runs its probes through gen_length / steps / block_length, and this "
+                                 f"model's sampler {name!r} has neither gen_length nor a steps grid "
+                                 "(Fast-dLLM v2: max_new_tokens, confidence-driven forwards): it is not supported by "
+                                 "the sweep. Run its probes from Python (generate, export_activations, lens, SAE).",
+                                 argument="model", value=name, allowed="a model whose sampler takes gen_length")
     plan(model, **gen_kwargs)  # the sampler plug-in's own resolution, exactly as generate runs it
