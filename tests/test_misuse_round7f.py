@@ -93,3 +93,22 @@ def test_the_sweep_refuses_a_sampler_without_gen_length_before_writing(tmp_path)
         sweep.run(str(folder), data, "absorption", tmp_path / "out", progress=False)
     assert err.value.argument == "model" and "fastdllm_v2" in str(err.value)
     assert not (tmp_path / "out" / "absorption.parquet").exists()
+
+
+def test_memory_plan_takes_generates_attention_mask_and_its_checks():
+    from mdm_lens.errors import ArgumentTypeError, InputError
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    p = torch.tensor([[0, 5, 7, 9], [1, 5, 7, 9]])
+    left = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    plan = model.memory_plan(p, attention_mask=left, gen_length=8, steps=8)
+    assert plan.rows["cpu"].activations > 0
+    model.generate(p, attention_mask=left, gen_length=8, steps=8)  # the run it plans
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    with pytest.raises(InputError) as plan_err:
+        model.memory_plan(p, attention_mask=right, gen_length=8, steps=8)
+    with pytest.raises(InputError) as gen_err:
+        model.generate(p, attention_mask=right, gen_length=8, steps=8)
+    assert str(plan_err.value) == str(gen_err.value)
+    with pytest.raises(ArgumentTypeError, match="pass prompt"):
+        model.memory_plan(prompt_length=4, attention_mask=left, gen_length=8, steps=8)

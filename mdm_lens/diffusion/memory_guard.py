@@ -18,21 +18,25 @@ from mdm_lens.loading.placement_checks import check_max_memory
 
 def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: int | None = None,
                 batch: int | None = None, record: Sequence[Any] = (), cache: Any = None,
-                max_memory: dict | None = None, **settings: Any) -> MemoryPlan:
+                max_memory: dict | None = None, attention_mask: Any = None, **settings: Any) -> MemoryPlan:
     """The plan of `model.generate(prompt, sampler=…, record=…, cache=…, **settings)`; nothing is run.
 
     `prompt` (token ids `[batch, pos]`) or `prompt_length` + `batch` (default 1) give the shapes; `settings` are
-    the sampler's own; `sampler` a registered name (`HookedMDM.memory_plan` resolves "auto"). Checked as `generate`
+    the sampler's own; `attention_mask` a padded prompt's mask, checked as `generate` checks it (e.g. Fast-dLLM v2
+    takes left padding only); `sampler` a registered name (`HookedMDM.memory_plan` resolves "auto"). Checked as `generate`
     checks them: a text prompt needs a tokenizer, `record` a list of reducers, prompt + gen_length within the
     sampler's length limit; `max_memory` keys must be devices of this machine, its values sizes accelerate parses
     (`mdm_lens.loading.placement_checks`)."""
     plugin = registry.get(sampler)
     resolved = plugin.settings(model, settings)
     check_observation((), record, cache, None, None)  # generate's own check: record='x' is refused here too
-    ids = None
+    ids, am = None, None
     if prompt is not None:  # as generate reads it: text needs a tokenizer (InputError), ids are checked
-        ids, _ = arguments.prompt_tokens(model, prompt, None)
+        ids, am = arguments.prompt_tokens(model, prompt, attention_mask)
         batch, prompt_length = ids.shape
+    elif attention_mask is not None:
+        raise ArgumentTypeError("attention_mask is the mask of a prompt: pass prompt (token ids) with it.",
+                                argument="attention_mask", value="given without prompt", allowed="prompt=ids too")
     elif prompt_length is None:
         raise ArgumentTypeError("memory_plan needs the run's shapes: pass prompt (token ids or text) or prompt_length "
                                 "(and batch, default 1).", argument="prompt", value=None,
@@ -40,7 +44,7 @@ def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: 
     prompt_length = validate.integer(prompt_length, name="prompt_length", min=1)
     batch = validate.integer(1 if batch is None else batch, name="batch", min=1)
     gen = plugin.answer_length(resolved)
-    _check_like_generate(model, plugin, ids, batch, prompt_length, resolved, record, cache)
+    _check_like_generate(model, plugin, ids, batch, prompt_length, resolved, record, cache, am)
     steps = getattr(resolved, "steps", None) or gen  # Fast-dLLM v2 has no step count: at most one per token
     # BD3LM takes kv_cache=False (a bool), the Fast-dLLM family None or a cache mode
     kv = getattr(resolved, "kv_cache", None) not in (None, False) or bool(getattr(resolved, "use_block_cache", False))
@@ -52,13 +56,14 @@ def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: 
 
 
 def _check_like_generate(model: Any, plugin: Any, ids: Any, batch: int, prompt_length: int, resolved: Any,
-                         record: Sequence[Any], cache: Any) -> None:
+                         record: Sequence[Any], cache: Any, am: Any = None) -> None:
     """The sampler's own `check_inputs`, as `generate` runs it before compute (the length limit, the layout, the
     batch it takes: BD3LM's kv_cache whole blocks, a block sampler's one unpadded row, ...), so that a plan exists
     only for a run `generate` accepts; with only `prompt_length` given, on placeholder ids that are not the mask id."""
     if ids is None:
         ids = torch.full((batch, prompt_length), 1 if model.cfg.mask_token_id == 0 else 0, dtype=torch.long)
-    plugin.check_inputs(model, ids, torch.ones_like(ids), resolved, Observation(record=list(record), cache=cache))
+    am = torch.ones_like(ids) if am is None else am
+    plugin.check_inputs(model, ids, am, resolved, Observation(record=list(record), cache=cache))
 
 
 def guard(model: Any, prompt: Any, sampler: str, settings: dict[str, Any], record: Sequence[Any], cache: Any) -> None:
