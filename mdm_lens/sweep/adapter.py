@@ -374,6 +374,13 @@ def _metric_notes(df: pd.DataFrame, notes: list[str]) -> None:
         if why is not None:
             at = df["metric"].isin(metrics) & df["value"].isna()
             df.loc[at, "note"] = why
+    # per-step values NaN by definition at that step (the grid's other steps have values)
+    per_step = df["value"].isna() & (df["note"] == "") & df["step"].notna()
+    df.loc[per_step & df["metric"].str.startswith("tf_"), "note"] = (
+        "no gold answer position is still masked at this step (all committed earlier): nothing to teacher-force")
+    df.loc[per_step & (df["metric"] == "step_metric"), "note"] = (
+        "this step committed no position (e.g. a prefill or KV-storing forward): the committed-position metric is "
+        "undefined")
 
 
 def _knockout_refusal(model: Any) -> str | None:
