@@ -112,3 +112,15 @@ def test_memory_plan_takes_generates_attention_mask_and_its_checks():
     assert str(plan_err.value) == str(gen_err.value)
     with pytest.raises(ArgumentTypeError, match="pass prompt"):
         model.memory_plan(prompt_length=4, attention_mask=left, gen_length=8, steps=8)
+
+
+def test_a_step_selector_whose_parts_never_meet_is_refused_before_compute():
+    from mdm_lens import steps
+    from mdm_lens.errors import SamplerConfigError
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    ids = model.to_tokens("The capital is")
+    with pytest.raises(SamplerConfigError, match=r"steps \[1\] are not on every=2's grid \[0, 2, 4, 6, 7\]"):
+        model.generate(ids, steps=8, gen_length=8, cache="blocks.0.hook_resid_post" @ steps(1, every=2))
+    out = model.generate(ids, steps=8, gen_length=8, cache="blocks.0.hook_resid_post" @ steps(2, 7, every=2))
+    assert out.cache.steps == [2, 7]  # on the grid (the last step always is)

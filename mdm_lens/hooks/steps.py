@@ -53,8 +53,18 @@ class Steps:
     def check(self, n_steps: int, n_blocks: int | None = None, phases: Sequence[str] | None = None, *,
               what: str = "steps") -> None:
         """Refuse, before any compute, a selection that can never fire in this run: a step out of range or named
-        twice, a block the run does not have, or only phases the sampler does not run (None: not known)."""
-        self.resolve(n_steps)
+        twice, a block the run does not have, or only phases the sampler does not run (None: not known); explicit
+        steps that `every=` would drop (the parts are intersected: such a step never fires)."""
+        chosen = self.resolve(n_steps)
+        if chosen is not None and self.every is not None:
+            grid = [k for k in range(n_steps) if k % self.every == 0 or k == n_steps - 1]
+            off = sorted(k for k in chosen if k not in grid)
+            if off:
+                shown = grid if len(grid) <= 12 else grid[:6] + ["…"] + grid[-3:]
+                raise SamplerConfigError(
+                    f"{what}: steps {off} are not on every={self.every}'s grid {shown} (indices and every= are "
+                    "intersected, so they would never fire); drop every= or name steps on its grid.",
+                    argument="every", value=self.every, allowed=f"steps on the grid {shown}, or no every=")
         if n_blocks is not None and self.blocks is not None:
             for j, b in enumerate(self.blocks):
                 if b >= n_blocks:
