@@ -124,3 +124,32 @@ def test_a_step_selector_whose_parts_never_meet_is_refused_before_compute():
         model.generate(ids, steps=8, gen_length=8, cache="blocks.0.hook_resid_post" @ steps(1, every=2))
     out = model.generate(ids, steps=8, gen_length=8, cache="blocks.0.hook_resid_post" @ steps(2, 7, every=2))
     assert out.cache.steps == [2, 7]  # on the grid (the last step always is)
+
+
+def test_loading_on_meta_is_refused():
+    from mdm_lens.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="'meta' model holds shapes but no weight values") as err:
+        HookedMDM.from_pretrained("mdm-lens/tiny-mdm", device="meta")
+    assert err.value.argument == "device"
+
+
+def test_no_processing_refuses_processing_flags():
+    from mdm_lens.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match=r"use from_pretrained\(\.\.\., fold_ln=True\)") as err:
+        HookedMDM.from_pretrained_no_processing("mdm-lens/tiny-mdm", fold_ln=True)
+    assert err.value.argument == "fold_ln"
+    plain = HookedMDM.from_pretrained_no_processing("mdm-lens/tiny-mdm", fold_ln=False)
+    assert plain.blocks[0].ln1.w is not None  # unprocessed: the norm weight is there
+
+
+def test_cache_effect_patch_must_be_a_bool():
+    from mdm_lens.errors import ArgumentTypeError
+    from mdm_lens.probes.cache_effect import cache_effect
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    out = model.generate(model.to_tokens("The capital is"), gen_length=4, steps=4, block_length=2, kv_cache="dual")
+    with pytest.raises(ArgumentTypeError) as err:
+        cache_effect(model, out, patch="no")
+    assert err.value.argument == "patch"

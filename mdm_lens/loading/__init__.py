@@ -207,6 +207,10 @@ def parse_device(device: Any) -> torch.device:
     except (RuntimeError, ValueError) as e:
         raise ArgumentError(f"device={device!r} is invalid: expected a torch device string such as 'cpu', 'cuda' "
                             f"or 'cuda:0' ({e}).", argument="device", value=device, allowed="a torch device") from e
+    if torch.device(device).type == "meta":  # a model with no weight values: every forward would fail inside torch
+        raise ArgumentError(f"device={device!r} is invalid: a 'meta' model holds shapes but no weight values, so no "
+                            "forward can run; load on 'cpu' or 'cuda' (device_map='auto' with offloading for models "
+                            "larger than memory).", argument="device", value=device, allowed="'cpu', 'cuda', 'cuda:N'")
     return validate.device(device, name="device")  # "cuda" without CUDA: a typed error, not torch's assertion
 
 

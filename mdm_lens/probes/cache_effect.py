@@ -116,6 +116,7 @@ def cache_effect(model: Any, out: Any, *, layers: Sequence[int] | None = None, s
     the steps (indices of the run), `fwd_hooks` are applied to every forward (e.g. the ones the run used)."""
     from mdm_lens.diffusion.fixed_length import require_fixed_length
 
+    patch = validate.boolean(patch, name="patch")  # a string such as "no" is not read by its truthiness
     require_fixed_length(out, "cache_effect", "a window's cached keys would belong to rows that moved since they "
                          "were cached")
     kv = out.settings.get("kv_cache") if hasattr(out, "settings") else None
