@@ -181,4 +181,9 @@ class TokenizerMethods:
         if len(ids) != 1:
             raise InputError(f"{string!r} is {len(ids)} tokens, not one.", argument="string", value=string,
                              allowed="a string that is exactly one token")
+        if unknown_ids_in(tok, ids) and decode(tok, ids).strip() != string.strip():
+            # a word the vocabulary cannot spell maps to <unk>: its logit / direction would be <unk>'s
+            raise InputError(f"{string!r} tokenizes to the unknown token (id {int(ids[0])}): this tokenizer cannot "
+                             "spell it, so its logit would be the <unk> token's. Pass a string it spells, or the id.",
+                             argument="string", value=string, allowed="a string the tokenizer spells as one token")
         return int(ids[0])

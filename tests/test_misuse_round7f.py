@@ -153,3 +153,15 @@ def test_cache_effect_patch_must_be_a_bool():
     with pytest.raises(ArgumentTypeError) as err:
         cache_effect(model, out, patch="no")
     assert err.value.argument == "patch"
+
+
+def test_a_word_the_tokenizer_cannot_spell_is_not_read_as_unk():
+    from mdm_lens.errors import InputError
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    unk = model.to_single_token("<unk>")  # the unknown token named as itself is fine
+    word = model.to_string([int(model.to_tokens("capital")[0, -1])]).strip()
+    assert model.to_single_token(word) != unk
+    for call in (lambda: model.to_single_token("qqqzzz"), lambda: model.tokens_to_residual_directions("qqqzzz")):
+        with pytest.raises(InputError, match="tokenizes to the unknown token"):
+            call()
