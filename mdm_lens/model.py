@@ -162,7 +162,7 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
         from mdm_lens.loading.options import PROCESSING_FLAGS, check_pretrained_kwargs
 
         check_pretrained_kwargs(kwargs, "from_pretrained_no_processing")
-        given = [f for f in PROCESSING_FLAGS if kwargs.get(f)]
+        given = [f for f in PROCESSING_FLAGS if kwargs.get(f) is True]  # other values: the type check below
         if given:  # TransformerLens forces them off here; taking them would return a processed model by this name
             raise ArgumentError(f"from_pretrained_no_processing loads without weight processing, so {given[0]}=True "
                                 "contradicts it; use from_pretrained(..., " + ", ".join(f"{f}=True" for f in given)
