@@ -26,7 +26,7 @@ from torch import Tensor
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
 from mdm_lens.precision import compute_dtype
-from mdm_lens.ddit.components import DDiTAttention, DDiTBlock, rotary_tables, rotate_half
+from mdm_lens.ddit.components import DDiTAttention, DDiTBlock, rotary_tables, rotate_half, softmax_keys
 from mdm_lens.ddit.model import FORWARD_KEYWORDS, HookedDDiT
 from mdm_lens.ddit.outputs import RETURN_TYPES, check_sigma, check_tokens, finish, refuse_keywords
 from mdm_lens.errors import InputError
@@ -118,7 +118,7 @@ class BD3Attention(DDiTAttention):
             scores = qh @ kh.transpose(-1, -2) / math.sqrt(d)
             if mask is not None:  # TL convention: hook_attn_scores sees the masked scores (−inf)
                 scores = scores.masked_fill(~mask, float("-inf"))
-            pattern = self.hook_pattern(torch.softmax(self.hook_attn_scores(scores), dim=-1))
+            pattern = self.hook_pattern(softmax_keys(self.hook_attn_scores(scores)))
             z = pattern @ vh
         else:
             z = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)

@@ -170,7 +170,8 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
         `ln_final` may compute on different devices; the modulation moves to the normalised residual's."""
         m = self.final_adaLN(c)
         x = self.ln_final(resid)
-        return modulate(x, m["shift"].to(x.device), m["scale"].to(x.device))
+        # fp32 like the blocks' modulation, then the unembedding's dtype (a bf16 / fp16 model's readout)
+        return modulate(x, m["shift"].to(x.device), m["scale"].to(x.device)).to(self.unembed.weight.dtype)
 
     def set_autocast(self, enabled: bool = True) -> "HookedDDiT":
         """The autocast-faithful path: the blocks and the final layer run under `torch.autocast(bfloat16)` as the
