@@ -49,3 +49,98 @@ def test_a_half_precision_ddit_model_runs_in_its_dtype_close_to_fp32(folders, fa
     assert out.tokens.shape == (1, 1 + gen)
     if family == "bd3lm":
         assert half.generate(torch.full((1, 1), 7), gen_length=15, steps=4, kv_cache=True).tokens.shape == (1, 16)
+
+
+# --- 2. TL weight processing and weight-analysis attributes: refused with the adaLN reason -------------------------
+@pytest.mark.parametrize("flag", ["fold_ln", "center_unembed", "fold_value_biases"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_processing_flag_is_refused_before_loading_a_ddit_checkpoint(folders, family, flag, monkeypatch):
+    from mdm_lens.ddit.model import HookedDDiT
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.loading import readers
+
+    def no_read(*a, **k):  # the refusal comes before any weight is read
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(readers.CheckpointReader, "get", no_read)
+    for load in (HookedMDM.from_pretrained, HookedDDiT.from_pretrained):
+        with pytest.raises(ArgumentError, match="adaLN modulation") as err:
+            load(str(folders[family]), load_tokenizer=False, **{flag: True})
+        assert err.value.argument == flag and f"{family} checkpoint" in str(err.value)
+    with pytest.raises(ArgumentError, match="adaLN modulation") as err:  # TL's name, on the DDiT loader
+        HookedDDiT.from_pretrained(str(folders[family]), load_tokenizer=False, center_writing_weights=True)
+    assert err.value.argument == "center_writing_weights"
+
+
+def test_processing_flags_set_to_false_still_load(folders):
+    from mdm_lens.ddit.model import HookedDDiT
+
+    m = HookedMDM.from_pretrained(str(folders["mdlm"]), load_tokenizer=False, fold_ln=False, center_unembed=False)
+    assert type(m).__name__ == "HookedDDiT"
+    assert type(HookedDDiT.from_pretrained(str(folders["gidd"]), load_tokenizer=False, fold_ln=False)).__name__ == \
+        "HookedGIDD"
+    assert type(HookedDDiT.from_pretrained_no_processing(str(folders["duo"]), load_tokenizer=False)).__name__ == \
+        "HookedDDiT"
+
+
+@pytest.mark.parametrize("name, fragment", [("process_weights_", "adaLN modulation"), ("OV", "adaLN gate"),
+                                            ("QK", "adaLN gate"), ("W_Q", "attn.qkv.weight"),
+                                            ("W_O", "adaLN gate"), ("all_composition_scores", "adaLN gate"),
+                                            ("W_in", "mlp.fc_in"), ("W_gate", "no gate"),
+                                            ("tokens_to_residual_directions", "model.readout"),
+                                            ("accumulated_bias", "adaLN gate"), ("untie_embeddings_", "never tied"),
+                                            ("set_use_attn_result", "hook_attn_out")])
+def test_tl_weight_analysis_attributes_are_refused_with_the_reason(folders, name, fragment):
+    from mdm_lens.ddit.unsupported import UnsupportedAttributeError
+    from mdm_lens.errors import ArgumentError
+
+    for family in ("mdlm", "bd3lm"):
+        model = _load(folders[family])
+        with pytest.raises(UnsupportedAttributeError, match=fragment) as err:
+            getattr(model, name)
+        assert isinstance(err.value, ArgumentError) and isinstance(err.value, AttributeError)
+        assert err.value.argument == name and type(model).__name__ in str(err.value)
+        assert not hasattr(model, name) and getattr(model, name, None) is None  # still an AttributeError
+    with pytest.raises(AttributeError, match="no attribute 'W_nonsense'"):  # other names: Python's own error
+        model.W_nonsense
+
+
+def test_every_tl_name_hookedmdm_has_is_defined_or_refused_on_ddit(folders):
+    from mdm_lens.ddit.unsupported import UNSUPPORTED_ATTRIBUTES
+
+    model = _load(folders["gidd"])
+    missing = {n for n in dir(HookedMDM) if not n.startswith("_")} - set(dir(type(model)))
+    assert missing <= set(UNSUPPORTED_ATTRIBUTES), sorted(missing - set(UNSUPPORTED_ATTRIBUTES))
+
+
+# --- 3. HookedDDiT.from_pretrained loads BD3LM / GIDD folders (autocast included) ---------------------------------
+@pytest.mark.parametrize("family, cls_name", [("bd3lm", "HookedBD3LM"), ("gidd", "HookedGIDD")])
+def test_hookedddit_from_pretrained_loads_bd3lm_and_gidd_with_autocast(folders, family, cls_name):
+    from mdm_lens.ddit.bd3lm import HookedBD3LM
+    from mdm_lens.ddit.gidd import HookedGIDD
+    from mdm_lens.ddit.model import HookedDDiT
+
+    own = {"bd3lm": HookedBD3LM, "gidd": HookedGIDD}[family]
+    fp32 = HookedDDiT.from_pretrained(str(folders[family]), load_tokenizer=False)
+    bf16 = HookedDDiT.from_pretrained(str(folders[family]), load_tokenizer=False, autocast=True)
+    assert type(fp32).__name__ == type(bf16).__name__ == cls_name and bf16.autocast and not fp32.autocast
+    assert type(own.from_pretrained(str(folders[family]), load_tokenizer=False)).__name__ == cls_name
+    x = torch.randint(0, fp32.cfg.d_vocab - 1, (2, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a, b = fp32(x, sigma=0.4), bf16(x, sigma=0.4)
+    assert a.dtype == torch.float32 and b.dtype == torch.bfloat16  # the autocast path really ran (BD3LM too)
+    assert float((a - b.float()).abs().mean() / a.abs().mean()) < 0.08
+    other = HookedGIDD if family == "bd3lm" else HookedBD3LM
+    from mdm_lens.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"{cls_name}.from_pretrained"):
+        other.from_pretrained(str(folders[family]), load_tokenizer=False)
+    with pytest.raises(ConfigError, match="loads into HookedDDiT"):
+        own.from_pretrained(str(folders["mdlm"]), load_tokenizer=False)
+
+
+def test_hookedmdm_from_pretrained_autocast_names_where_it_is_taken(folders):
+    from mdm_lens.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match=r"HookedDDiT.from_pretrained\(folder, autocast=True\)"):
+        HookedMDM.from_pretrained(str(folders["mdlm"]), load_tokenizer=False, autocast=True)
