@@ -91,7 +91,7 @@ def test_processing_flags_set_to_false_still_load(folders):
                                             ("accumulated_bias", "adaLN gate"), ("untie_embeddings_", "never tied"),
                                             ("set_use_attn_result", "hook_attn_out")])
 def test_tl_weight_analysis_attributes_are_refused_with_the_reason(folders, name, fragment):
-    from mdm_lens.ddit.unsupported import UnsupportedAttributeError
+    from mdm_lens.errors import UnsupportedAttributeError
     from mdm_lens.errors import ArgumentError
 
     for family in ("mdlm", "bd3lm"):

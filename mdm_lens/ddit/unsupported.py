@@ -10,7 +10,7 @@ still answers False), as `HookedDDiT.unsupported_cache_helpers` does for TL's ca
 
 from __future__ import annotations
 
-from mdm_lens.errors import ArgumentError
+from mdm_lens.errors import ArgumentError, UnsupportedAttributeError
 
 _FOLD = ("the final norm and each block's norms are followed by the σ-dependent adaLN modulation "
          "(x·(1 + scale(σ)) + shift(σ), per batch row) and each branch is scaled by its adaLN gate(σ), so no fold "
@@ -45,11 +45,6 @@ UNSUPPORTED_ATTRIBUTES: dict[str, str] = {
 #: from_pretrained keywords that ask for TL weight processing (ours and TL's)
 PROCESSING_KEYWORDS = ("fold_ln", "center_unembed", "fold_value_biases", "center_writing_weights",
                        "refactor_factored_attn_matrices")
-
-
-class UnsupportedAttributeError(ArgumentError, AttributeError):
-    """A TransformerLens attribute or method this model class does not define, and why (an `AttributeError` too, so
-    `hasattr` / `getattr(model, name, default)` behave as for any missing attribute)."""
 
 
 def refused_attribute(model_class: str, name: str) -> UnsupportedAttributeError:
