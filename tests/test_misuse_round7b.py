@@ -144,3 +144,16 @@ def test_hookedmdm_from_pretrained_autocast_names_where_it_is_taken(folders):
 
     with pytest.raises(ArgumentError, match=r"HookedDDiT.from_pretrained\(folder, autocast=True\)"):
         HookedMDM.from_pretrained(str(folders["mdlm"]), load_tokenizer=False, autocast=True)
+
+
+# --- 4. save_pretrained refuses a DDiT model up front ---------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_pretrained_refuses_a_ddit_model_before_writing(folders, family, tmp_path):
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.loading import save_pretrained
+
+    model = _load(folders[family])
+    with pytest.raises(ArgumentError, match="copy that folder") as err:
+        save_pretrained(model, tmp_path / "out")
+    assert err.value.argument == "model" and type(model).__name__ in str(err.value)
+    assert not (tmp_path / "out").exists()  # nothing half-written

@@ -61,6 +61,11 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
 
     hook_name_hint = "names follow TransformerLens, e.g. 'blocks.0.attn.hook_pattern', 'hook_cond'."
     families: tuple[str, ...] = ("mdlm", "duo")  # the research families from_pretrained loads into this class
+    # `loading.save_pretrained` writes HookedMDM's config (RMSNorm, no σ conditioning): refused, saying what to do
+    native_format_refusal = ("that format describes HookedMDM's blocks (RMSNorm, no adaLN, no σ conditioning) and the "
+                             "folder would not load; this model is never processed, so the checkpoint folder it was "
+                             "loaded from already holds exactly its weights: copy that folder (or torch.save "
+                             "model.state_dict())")
 
     def __init__(self, cfg: MDMConfig, tokenizer: Any = None):
         super().__init__()

@@ -321,7 +321,13 @@ def save_pretrained(model: Any, folder: str | os.PathLike) -> Path:
 
     Unprocessed models only: a processed one (`process_weights_`) has no norm weights and may have output biases
     the format does not describe, so it is refused here rather than saved in a layout that cannot be reloaded.
-    Save the unprocessed model and pass `fold_ln=…` to `from_pretrained` when loading it."""
+    Save the unprocessed model and pass `fold_ln=…` to `from_pretrained` when loading it. The DDiT research models
+    (MDLM, Duo, BD3LM, GIDD) are refused too: the format has no adaLN / σ conditioning, so the folder would not load."""
+    unsaved = getattr(type(model), "native_format_refusal", "")
+    if unsaved:  # a model class whose config the native format does not describe (the DDiT research models)
+        raise ArgumentError(f"save_pretrained: a {type(model).__name__} ({model.cfg.family}) model cannot be written in "
+                            f"mdm_lens' format: {unsaved}.", argument="model", value=type(model).__name__,
+                            allowed="a HookedMDM model")
     done = [k for k, v in (getattr(model, "weight_processing", None) or {}).items() if v]
     if done:
         raise ArgumentError(f"save_pretrained: this model was processed ({', '.join(done)}); mdm_lens saves "
