@@ -157,3 +157,23 @@ def test_save_pretrained_refuses_a_ddit_model_before_writing(folders, family, tm
         save_pretrained(model, tmp_path / "out")
     assert err.value.argument == "model" and type(model).__name__ in str(err.value)
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+# --- 5. BD3LM's block comes from config.json: refusals say so -------------------------------------------------------
+def test_block_length_refusals_name_config_block_size_for_bd3lm_and_no_blocks_for_whole_canvas_samplers(folders,
+                                                                                                       tmp_path):
+    from mdm_lens.errors import SamplerConfigError
+    from mdm_lens.sae.export import export_activations
+
+    bd3 = _load(folders["bd3lm"])
+    with pytest.raises(SamplerConfigError, match=r"config.json block_size") as err:
+        export_activations(bd3, [[7, 8]], "blocks.0.hook_resid_post", out=tmp_path / "e", gen_length=14, n_steps=4,
+                           block_length=8)
+    assert err.value.argument == "block_length" and "number of forwards" not in str(err.value)
+    with pytest.raises(SamplerConfigError, match=r"config.json block_size"):
+        bd3.generate(torch.full((1, 2), 7), gen_length=14, steps=4, block_length=8)
+    mdlm = _load(folders["mdlm"])
+    with pytest.raises(SamplerConfigError, match="whole canvas") as err:
+        export_activations(mdlm, [[7, 8]], "blocks.0.hook_resid_post", out=tmp_path / "m", gen_length=8, n_steps=4,
+                           block_length=8)
+    assert "number of forwards" not in str(err.value)

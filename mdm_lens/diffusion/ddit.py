@@ -52,6 +52,8 @@ class DDiTSettings(CanvasSettings):
 
 class DDiTSampler(CanvasSampler):
     family: str
+    # MDLM, Duo and GIDD denoise the whole canvas at every step (MDLM's semi-AR mode is not implemented)
+    absent = dict(block_length="it denoises the whole canvas at every step: it has no blocks")
 
     def check_model(self, model: Any) -> None:
         if model.cfg.family != self.family:
