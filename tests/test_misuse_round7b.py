@@ -177,3 +177,19 @@ def test_block_length_refusals_name_config_block_size_for_bd3lm_and_no_blocks_fo
         export_activations(mdlm, [[7, 8]], "blocks.0.hook_resid_post", out=tmp_path / "m", gen_length=8, n_steps=4,
                            block_length=8)
     assert "number of forwards" not in str(err.value)
+
+
+# --- 6. cache_effect on a BD3LM cached run: says which caches it covers ---------------------------------------------
+def test_cache_effect_on_a_bd3lm_kv_run_says_it_covers_fastdllm_caches_only(folders):
+    from mdm_lens.errors import InputError
+    from mdm_lens.probes import cache_effect
+
+    bd3 = _load(folders["bd3lm"])
+    out = bd3.generate(torch.full((1, 1), 7), gen_length=15, steps=4, kv_cache=True)
+    with pytest.raises(InputError, match=r"Fast-dLLM prefix / dual caches of LLaDA and Dream runs only") as err:
+        cache_effect(bd3, out)
+    assert "'bd3lm' run's cache (kv_cache=True) is another one" in str(err.value)
+    assert "this run has kv_cache=True" not in str(err.value)
+    plain = bd3.generate(torch.full((1, 1), 7), gen_length=15, steps=4)
+    with pytest.raises(InputError, match=r"has no KV cache \(kv_cache=False\)"):
+        cache_effect(bd3, plain)
