@@ -193,3 +193,41 @@ def test_cache_effect_on_a_bd3lm_kv_run_says_it_covers_fastdllm_caches_only(fold
     plain = bd3.generate(torch.full((1, 1), 7), gen_length=15, steps=4)
     with pytest.raises(InputError, match=r"has no KV cache \(kv_cache=False\)"):
         cache_effect(bd3, plain)
+
+
+# --- 7. the report prose never prints a raw nan ----------------------------------------------------------------------
+class _LensSweep:
+    def __init__(self, table):
+        self.label, self._t = "planted", table
+
+    def table(self, name):
+        return self._t if name == "lens" else None
+
+
+def test_report_lens_finding_says_undefined_when_no_token_emerged(tmp_path):
+    import pandas as pd
+
+    from mdm_lens.views.fig_lens import lens_section
+
+    base = dict(item_id="a", answer_position=pd.NA, answer=pd.NA, note=None)
+    rows = [dict(base, step=s, layer=0, metric="acc_masked", value=0.5) for s in (0, 1)]
+    for p in range(3):  # three answer tokens, none of which ever emerged: emergence and lead NaN
+        pos = dict(base, step=pd.NA, layer=0, answer_position=p, answer=True)
+        rows += [dict(pos, metric="emergence_step", value=None), dict(pos, metric="lead", value=None)]
+    t = pd.DataFrame(rows)
+    t["value"] = t["value"].astype(float)
+    for col in ("step", "layer", "answer_position"):
+        t[col] = t[col].astype("Int64")
+    t["answer"] = t["answer"].astype("boolean")
+    sec = lens_section([_LensSweep(t)], tmp_path)
+    assert "mean lead undefined (no token emerged)" in sec.finding
+    assert "nan" not in sec.finding.lower() and "0% of answer tokens" in sec.finding
+
+
+def test_figure_labels_never_print_nan():
+    import math
+
+    from mdm_lens.views.figstyle import finite_mean, shown
+
+    assert shown(math.nan, ".2f") == "n/a" and shown(1.234, ".2f") == "1.23" and shown(None, ".1f", "x") == "x"
+    assert math.isnan(finite_mean([math.nan, math.nan])) and finite_mean([1.0, math.nan, 3.0]) == 2.0
