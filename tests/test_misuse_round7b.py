@@ -231,3 +231,36 @@ def test_figure_labels_never_print_nan():
 
     assert shown(math.nan, ".2f") == "n/a" and shown(1.234, ".2f") == "1.23" and shown(None, ".1f", "x") == "x"
     assert math.isnan(finite_mean([math.nan, math.nan])) and finite_mean([1.0, math.nan, 3.0]) == 2.0
+
+
+# --- 8. a reducer scheduled only on steps that reused MDLM's cache: an empty record, and readers say why ------------
+def test_a_reducer_on_reuse_steps_only_keeps_an_empty_record_and_readers_say_the_cache_was_reused(folders):
+    import mdm_lens
+    from mdm_lens.errors import InputError
+    from mdm_lens.probes import anchors_over_steps
+
+    model = _load(folders["mdlm"])
+    probe = model.generate(torch.full((1, 2), 7), gen_length=8, steps=8, predictor="ddpm_cache",
+                           record=[mdm_lens.ReceivedAttention()])
+    ran = probe.record_meta["received_attention"]["steps"]
+    reused = [s for s in range(probe.n_steps) if s not in ran]
+    assert reused, "the planted run must reuse the cache at some step"  # seed 0 of this checkpoint does (step 5)
+    assert probe.record_meta["received_attention"]["no_forward"] == reused
+    out = model.generate(torch.full((1, 2), 7), gen_length=8, steps=8, predictor="ddpm_cache",
+                         record=[mdm_lens.ReceivedAttention(when=mdm_lens.steps(reused[0])),
+                                 mdm_lens.TopKKeys(k=2, when=mdm_lens.steps(reused[0]))])
+    assert tuple(out.records["received_attention"].shape) == (0, 1, model.cfg.n_layers, model.cfg.n_heads, 10)
+    assert tuple(out.records["topk_keys"].shape) == (0, 1, model.cfg.n_layers, model.cfg.n_heads, 10, 2)
+    meta = out.record_meta["received_attention"]
+    assert meta["steps"] == [] and meta["no_forward"] == [reused[0]]
+    with pytest.raises(InputError, match=rf"scheduled step\(s\) \[{reused[0]}\] reused the cache \(no forward") as err:
+        anchors_over_steps(out)
+    assert "record=[ReceivedAttention()]" not in str(err.value)  # not the advice to pass what was passed
+    notes = out.explore(model).data[0]["notes"]
+    assert any("reused the cache" in n for n in notes) and not any("generate with record=" in n for n in notes)
+    # a schedule mixing a forward step and a reuse step keeps the forward's row and names the other
+    mixed = model.generate(torch.full((1, 2), 7), gen_length=8, steps=8, predictor="ddpm_cache",
+                           record=[mdm_lens.ReceivedAttention(when=mdm_lens.steps(ran[0], reused[0]))])
+    assert mixed.record_meta["received_attention"]["steps"] == [ran[0]]
+    assert mixed.record_meta["received_attention"]["no_forward"] == [reused[0]]
+    assert anchors_over_steps(mixed).steps == [ran[0]]

@@ -131,6 +131,8 @@ def commit(runner: Any, recorder: TrajectoryRecorder, step: int, x: Tensor, x_ne
     if state is not None and state.step == step:
         state.committed = x_new != x
         runner.end_step(state)
+    elif hasattr(runner, "no_forward"):  # a reuse step: reducers scheduled here say so in their meta
+        runner.no_forward(step, block)
 
 
 def warn_masked_answer(x: Tensor, prompt_length: int, model: Any, sampler: str) -> None:
