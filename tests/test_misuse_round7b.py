@@ -264,3 +264,17 @@ def test_a_reducer_on_reuse_steps_only_keeps_an_empty_record_and_readers_say_the
     assert mixed.record_meta["received_attention"]["steps"] == [ran[0]]
     assert mixed.record_meta["received_attention"]["no_forward"] == [reused[0]]
     assert anchors_over_steps(mixed).steps == [ran[0]]
+
+
+def test_a_processing_flag_is_refused_before_loading_a_bridge_checkpoint(tmp_path):
+    # the same mistake on the other class without weight processing (the transformers-native bridge): refused at
+    # load, not after loading the whole model
+    pytest.importorskip("transformers")
+    from mdm_lens.bridge.tiny import tiny_diffusion_gemma
+    from mdm_lens.errors import ArgumentError
+
+    folder = tmp_path / "dg"
+    tiny_diffusion_gemma(seed=2).save_pretrained(str(folder))
+    with pytest.raises(ArgumentError, match="transformers-native checkpoint") as err:
+        HookedMDM.from_pretrained(str(folder), fold_ln=True)
+    assert err.value.argument == "fold_ln"
