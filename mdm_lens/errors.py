@@ -90,3 +90,9 @@ class OffloadedWeightsError(ArgumentError, RuntimeError):
     """A weight view, weight processing or save on a model whose device_map offloaded some modules (to disk, or
     to CPU memory behind an accelerator): their weights sit on the `meta` device outside a forward, so a read
     would fail inside torch and a write (or a fold) would be lost. Names the offloaded modules."""
+
+
+class UnsupportedAttributeError(ArgumentError, AttributeError):
+    """A TransformerLens attribute or method this model class does not define, and why (the DDiT models' adaLN gate
+    and σ-modulated readout: `mdm_lens.ddit.unsupported`). An `AttributeError` too, so `hasattr` and
+    `getattr(model, name, default)` behave as for any missing attribute."""

@@ -150,7 +150,7 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
 
         check_pretrained_kwargs(kwargs, "from_pretrained")
         flags = processing_flags(fold_ln, center_unembed, fold_value_biases)  # before loading: fail fast
-        model = load_pretrained(cls, name_or_path, dtype=dtype, device=device, **kwargs)
+        model = load_pretrained(cls, name_or_path, dtype=dtype, device=device, processing=flags, **kwargs)
         if any(flags.values()):
             model.process_weights_(**flags)
         return model

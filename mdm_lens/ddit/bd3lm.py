@@ -26,7 +26,7 @@ from torch import Tensor
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
 from mdm_lens.precision import compute_dtype
-from mdm_lens.ddit.components import DDiTAttention, DDiTBlock, rotary_tables, rotate_half
+from mdm_lens.ddit.components import DDiTAttention, DDiTBlock, rotary_tables, rotate_half, softmax_keys
 from mdm_lens.ddit.model import FORWARD_KEYWORDS, HookedDDiT
 from mdm_lens.ddit.outputs import RETURN_TYPES, check_sigma, check_tokens, finish, refuse_keywords
 from mdm_lens.errors import InputError
@@ -118,7 +118,7 @@ class BD3Attention(DDiTAttention):
             scores = qh @ kh.transpose(-1, -2) / math.sqrt(d)
             if mask is not None:  # TL convention: hook_attn_scores sees the masked scores (−inf)
                 scores = scores.masked_fill(~mask, float("-inf"))
-            pattern = self.hook_pattern(torch.softmax(self.hook_attn_scores(scores), dim=-1))
+            pattern = self.hook_pattern(softmax_keys(self.hook_attn_scores(scores)))
             z = pattern @ vh
         else:
             z = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
@@ -130,6 +130,15 @@ class HookedBD3LM(HookedDDiT):
     """BD3LM with TL hook points (the `HookedDDiT` surface; attention hooks as in `BD3Attention`).
 
     `cfg.extra`: block_size, cross_attn, attn_backend, var_min, sampling_eps_min / sampling_eps_max."""
+
+    families = ("bd3lm",)
+
+    @classmethod
+    def load_family(cls, folder: Any, family: str, name: str, **kwargs: Any) -> "HookedBD3LM":
+        """A BD3LM hub folder into this class (`mdm_lens.ddit.hub.load_hub`)."""
+        from mdm_lens.ddit.hub import load_hub
+
+        return load_hub(cls, folder, family, name, **kwargs)
 
     def __init__(self, cfg: MDMConfig, tokenizer: Any = None):
         super().__init__(cfg, tokenizer)
@@ -175,14 +184,17 @@ class HookedBD3LM(HookedDDiT):
         full, mask, cos, sin, rows = self._layout(tokens, x0, kv_cache, store_kv)
         c = self.conditioning(sigma)
         resid = self.hook_embed(self.embed(full))
-        with self._attention_context(mask=mask, cache=kv_cache):
-            for block in self.blocks:
-                resid = block(resid, c, cos, sin)
-        if kv_cache is not None and store_kv:
-            kv_cache.store()
-        if return_type is None:
-            return None
-        raw = self.unembed(self.hook_final_modulated(self.final_modulate(resid, c)))[:, :rows]
+        # `set_autocast(True)`: the research models/dit.py's bf16 autocast around the blocks and the final layer
+        # (the hub model runs fp32), as HookedDDiT.forward
+        with torch.autocast(device_type=full.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            with self._attention_context(mask=mask, cache=kv_cache):
+                for block in self.blocks:
+                    resid = block(resid, c, cos, sin)
+            if kv_cache is not None and store_kv:
+                kv_cache.store()
+            if return_type is None:
+                return None
+            raw = self.unembed(self.hook_final_modulated(self.final_modulate(resid, c)))[:, :rows]
         return finish(raw, tokens.to(raw.device), return_type, self.cfg)
 
     def _layout(self, tokens: Tensor, x0: Any, cache: BD3KVCache | None, store_kv: bool

@@ -96,6 +96,12 @@ class AdaLN(nn.Module):
         return {n: getattr(self, f"hook_{n}")(p) for n, p in zip(self.names, parts)}
 
 
+def softmax_keys(scores: Tensor) -> Tensor:
+    """The explicit path's softmax over keys in fp32 (float64 stays float64), returned in the scores' dtype: a bf16
+    model's pattern is not a bf16 softmax (the references' autocast runs softmax in fp32; SDPA accumulates in fp32)."""
+    return torch.softmax(scores, dim=-1, dtype=compute_dtype(scores.dtype)).to(scores.dtype)
+
+
 def rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -140,7 +146,7 @@ class DDiTAttention(nn.Module):
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [batch, head, pos, d_head]
         if self._needs_pattern():
             scores = self.hook_attn_scores(qh @ kh.transpose(-1, -2) / math.sqrt(d))
-            pattern = self.hook_pattern(torch.softmax(scores, dim=-1))
+            pattern = self.hook_pattern(softmax_keys(scores))
             z = pattern @ vh
         else:  # nothing observes the pattern: the fused kernel (same math)
             z = F.scaled_dot_product_attention(qh, kh, vh)
@@ -182,10 +188,12 @@ class DDiTBlock(nn.Module):
     def forward(self, resid: Tensor, c: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         resid = self.hook_resid_pre(resid)
         m = self.adaLN(c)
-        u = self.hook_modulated(modulate(self.ln1(resid), m["shift_msa"], m["scale_msa"]))
-        attn = self.hook_attn_out(m["gate_msa"][:, None] * self.attn(u, cos, sin))
+        # the norm and the modulation compute in fp32; the branch input takes the weights' dtype (what the
+        # references' bf16 autocast does at the linear), so a bf16 / fp16 model runs in its own dtype
+        u = modulate(self.ln1(resid), m["shift_msa"], m["scale_msa"]).to(self.attn.qkv.weight.dtype)
+        attn = self.hook_attn_out(m["gate_msa"][:, None] * self.attn(self.hook_modulated(u), cos, sin))
         resid = self.hook_resid_mid(resid + attn)
-        u = self.hook_modulated_mlp(modulate(self.ln2(resid), m["shift_mlp"], m["scale_mlp"]))
-        mlp = self.hook_mlp_out(m["gate_mlp"][:, None] * self.mlp(u))
+        u = modulate(self.ln2(resid), m["shift_mlp"], m["scale_mlp"]).to(self.mlp.fc_in.weight.dtype)
+        mlp = self.hook_mlp_out(m["gate_mlp"][:, None] * self.mlp(self.hook_modulated_mlp(u)))
         return self.hook_resid_post(resid + mlp)
 

@@ -61,6 +61,15 @@ class HybridNoise:
 class HookedGIDD(HookedDDiT):
     """GIDD-DiT with TL hook points (the `HookedDDiT` surface). `cfg.extra`: p_uniform, t_eps. `hook_sigma` sees t."""
 
+    families = ("gidd",)
+
+    @classmethod
+    def load_family(cls, folder: Any, family: str, name: str, **kwargs: Any) -> "HookedGIDD":
+        """A GIDD-DiT hub folder into this class (`mdm_lens.ddit.hub.load_hub`)."""
+        from mdm_lens.ddit.hub import load_hub
+
+        return load_hub(cls, folder, family, name, **kwargs)
+
     def noise(self) -> HybridNoise:
         return HybridNoise(self.cfg.d_vocab, self.cfg.mask_token_id, self.cfg.extra["p_uniform"])
 

@@ -142,25 +142,25 @@ def _gidd_rotary(reader: Any, cfg: MDMConfig) -> None:
                                   "of base 10000; config.json disagrees with the weights.")
 
 
-def load_hub(folder: Path, family: str, name: str, *, dtype: Any = torch.float32, device: Any = "cpu",
-             load_tokenizer: bool = True, device_map: Any = None, max_memory: Any = None, n_devices: Any = None,
-             offload_folder: Any = None, **options: Any) -> Any:
-    from mdm_lens.ddit.bd3lm import HookedBD3LM
-    from mdm_lens.ddit.gidd import HookedGIDD
+def load_hub(cls: type, folder: Path, family: str, name: str, *, dtype: Any = torch.float32, device: Any = "cpu",
+             load_tokenizer: bool = True, autocast: bool = False, device_map: Any = None, max_memory: Any = None,
+             n_devices: Any = None, offload_folder: Any = None, **options: Any) -> Any:
     from mdm_lens.loading.readers import CheckpointReader
     from mdm_lens.loading.resolve import load_tokenizer as read_tokenizer
 
+    from mdm_lens.ddit.unsupported import refuse_processing
+
+    refuse_processing(options, family)  # weight processing: refused with its reason, before any weight is read
+    accepted = f"dtype, device, allow_download, load_tokenizer, autocast, {', '.join(PLACEMENT)}"
     if options:
-        raise ArgumentTypeError(f"from_pretrained got {sorted(options)}: {family} checkpoints take dtype, device, "
-                                f"allow_download, load_tokenizer, {', '.join(PLACEMENT)}.",
-                                argument=sorted(options)[0], value=options,
-                                allowed=f"dtype, device, allow_download, load_tokenizer, {', '.join(PLACEMENT)}")
+        raise ArgumentTypeError(f"from_pretrained got {sorted(options)}: {family} checkpoints take {accepted}.",
+                                argument=sorted(options)[0], value=options, allowed=accepted)
+    autocast = validate.boolean(autocast, name="autocast")
     dtype, device = _dtype(dtype), validate.device(device, name="device")
     path = Path(folder) / "config.json"
     raw = json.loads(path.read_text())
     cfg = (bd3lm_config if family == "bd3lm" else gidd_config)(raw, name, path)
     cfg.dtype, cfg.device = dtype, device
-    cls = HookedBD3LM if family == "bd3lm" else HookedGIDD
     with torch.device("meta"):
         model = cls(cfg)
     reader = CheckpointReader(folder)
@@ -180,4 +180,4 @@ def load_hub(folder: Path, family: str, name: str, *, dtype: Any = torch.float32
         mask = getattr(model.tokenizer, "mask_token_id", None)
         if family == "gidd" and mask is not None:
             cfg.mask_token_id = int(mask)
-    return model.eval()
+    return model.set_autocast(autocast).eval()

@@ -97,27 +97,38 @@ def ddit_plan(cfg: MDMConfig) -> dict[str, str]:
 def load_ddit(cls: type, name_or_path: str | os.PathLike, *, dtype: Any = torch.float32, device: Any = "cpu",
               allow_download: bool = False, load_tokenizer: bool = True, autocast: bool = False, device_map: Any = None,
               max_memory: Any = None, n_devices: Any = None, offload_folder: Any = None, **options: Any) -> Any:
-    """`HookedDDiT.from_pretrained`; `autocast=True` turns on the bf16 autocast-faithful path (`set_autocast`).
+    """`HookedDDiT.from_pretrained` (and its subclasses'): MDLM / Duo into `HookedDDiT`, a BD3LM or GIDD folder into
+    `HookedBD3LM` / `HookedGIDD` (`mdm_lens.ddit.hub`; `HookedDDiT.from_pretrained` picks the class, a subclass
+    loads its own family only); `autocast=True` turns on the bf16 autocast-faithful path (`set_autocast`).
     `device_map` / `max_memory` / `n_devices` / `offload_folder` place the model as `HookedMDM.from_pretrained`
-    does (`load_weights`)."""
+    does (`load_weights`). Weight processing (`fold_ln`, …) is refused before any weight is read."""
+    from mdm_lens.ddit.unsupported import PROCESSING_KEYWORDS, refuse_processing
     from mdm_lens.loading.readers import CheckpointReader
     from mdm_lens.loading.resolve import load_tokenizer as read_tokenizer
     from mdm_lens.loading.resolve import resolve
 
-    if options:
-        raise ArgumentTypeError(f"from_pretrained got {sorted(options)}: DDiT checkpoints take dtype, device, "
-                                f"allow_download, load_tokenizer, autocast, {', '.join(PLACEMENT)}.",
-                                argument=sorted(options)[0], value=options,
-                                allowed=f"dtype, device, allow_download, load_tokenizer, autocast, {', '.join(PLACEMENT)}")
+    accepted = f"dtype, device, allow_download, load_tokenizer, autocast, {', '.join(PLACEMENT)}"
+    unknown = sorted(k for k in options if k not in PROCESSING_KEYWORDS)
+    if unknown:
+        raise ArgumentTypeError(f"from_pretrained got {unknown}: DDiT checkpoints take {accepted}.",
+                                argument=unknown[0], value=options, allowed=accepted)
     autocast = validate.boolean(autocast, name="autocast")
     dtype, device = _dtype(dtype), validate.device(device, name="device")
     folder, known = resolve(name_or_path, allow_download=validate.boolean(allow_download, name="allow_download"))
     path = folder / "config.json"
     raw = json.loads(path.read_text())
-    family = ddit_family(raw, path)
-    if family is None:
-        raise ConfigError(f"{path}: model_type={raw.get('model_type')!r} is not a DDiT family (mdlm, duo).")
-    cfg = config_from_ddit(raw, family, known.name if known else str(name_or_path), path)
+    family = research_family(raw, path)
+    if family is not None:
+        refuse_processing(options, family)  # before any weight is read
+    target = family_class(cls, family)
+    if target is None or not issubclass(target, cls):
+        raise ConfigError(_wrong_class(path, raw, family, cls, target))
+    name = known.name if known else str(name_or_path)
+    if family not in DDIT_FAMILIES:  # BD3LM / GIDD: their class's own loader (hub layouts, `mdm_lens.ddit.hub`)
+        return target.load_family(folder, family, name, dtype=dtype, device=device, load_tokenizer=load_tokenizer,
+                                  autocast=autocast, device_map=device_map, max_memory=max_memory,
+                                  n_devices=n_devices, offload_folder=offload_folder)
+    cfg = config_from_ddit(raw, family, name, path)
     cfg.dtype, cfg.device = dtype, device
     with torch.device("meta"):
         model = cls(cfg)
@@ -126,6 +137,34 @@ def load_ddit(cls: type, name_or_path: str | os.PathLike, *, dtype: Any = torch.
     if validate.boolean(load_tokenizer, name="load_tokenizer"):
         model.tokenizer = read_tokenizer(folder)
     return model.set_autocast(autocast).eval()
+
+
+def family_class(cls: type, family: str | None) -> type | None:
+    """The class a research family loads into: `cls` itself when it (or a base) lists the family in `families`, else
+    the subclass of `cls` that does (HookedDDiT → HookedBD3LM / HookedGIDD, which `mdm_lens.ddit` imports with the
+    package), else the one anywhere under the DDiT root (for the error naming it); None: not a DDiT family. Found
+    through the class tree, so this module imports none of the model classes."""
+    if family is None:
+        return None
+    if family in getattr(cls, "families", ()):
+        return cls
+    roots = [c for c in cls.__mro__ if "families" in vars(c)]
+    for stack in (list(cls.__subclasses__()), roots[-1:]):
+        while stack:
+            c = stack.pop(0)
+            if family in vars(c).get("families", ()):
+                return c
+            stack.extend(c.__subclasses__())
+    return None
+
+
+def _wrong_class(path: Path, raw: dict[str, Any], family: str | None, cls: type, target: type | None) -> str:
+    if target is None:
+        return (f"{path}: model_type={raw.get('model_type')!r} is not a DDiT family (mdlm, duo, bd3lm, gidd); "
+                "HookedMDM.from_pretrained(folder) loads every supported family into its class.")
+    return (f"{path} holds a {family} checkpoint, which loads into {target.__name__}, not {cls.__name__}: use "
+            f"{target.__name__}.from_pretrained(folder) or HookedMDM.from_pretrained(folder) (which picks the class); "
+            "autocast=True is accepted there (or call model.set_autocast(True) after loading).")
 
 
 def _dtype(dtype: Any) -> torch.dtype:

@@ -20,6 +20,7 @@ from mdm_lens.ddit.components import (AdaLN, DDiTBlock, DDiTEmbed, TimestepEmbed
                                       rotary_tables)
 from mdm_lens.tokenization import TokenizerMethods
 from mdm_lens.ddit.outputs import RETURN_TYPES, check_sigma, check_tokens, finish, refuse_keywords
+from mdm_lens.ddit.unsupported import UNSUPPORTED_ATTRIBUTES, refused_attribute
 
 FORWARD_KEYWORDS = ("tokens", "sigma", "return_type", "attention_mask")
 from mdm_lens.errors import InputError
@@ -59,6 +60,12 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
     }
 
     hook_name_hint = "names follow TransformerLens, e.g. 'blocks.0.attn.hook_pattern', 'hook_cond'."
+    families: tuple[str, ...] = ("mdlm", "duo")  # the research families from_pretrained loads into this class
+    # `loading.save_pretrained` writes HookedMDM's config (RMSNorm, no σ conditioning): refused, saying what to do
+    native_format_refusal = ("that format describes HookedMDM's blocks (RMSNorm, no adaLN, no σ conditioning) and the "
+                             "folder would not load; this model is never processed, so the checkpoint folder it was "
+                             "loaded from already holds exactly its weights: copy that folder (or torch.save "
+                             "model.state_dict())")
 
     def __init__(self, cfg: MDMConfig, tokenizer: Any = None):
         super().__init__()
@@ -104,6 +111,22 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
         from mdm_lens.ddit.loading import load_ddit
 
         return load_ddit(cls, name_or_path, **kwargs)
+
+    @classmethod
+    def from_pretrained_no_processing(cls, name_or_path: str, **kwargs: Any) -> "HookedDDiT":
+        """TL's name for loading without weight processing: the same as `from_pretrained` (a DDiT model is never
+        processed, `mdm_lens.ddit.unsupported`)."""
+        return cls.from_pretrained(name_or_path, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        # nn.Module resolves parameters and submodules here; a TL name HookedMDM has and a DDiT model cannot honour
+        # (process_weights_, OV, W_Q, …) is refused with the reason instead of a bare AttributeError
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name not in UNSUPPORTED_ATTRIBUTES:
+                raise
+        raise refused_attribute(type(self).__name__, name)
 
     # --- TL views ------------------------------------------------------------------------------------
     @property
@@ -170,7 +193,8 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
         `ln_final` may compute on different devices; the modulation moves to the normalised residual's."""
         m = self.final_adaLN(c)
         x = self.ln_final(resid)
-        return modulate(x, m["shift"].to(x.device), m["scale"].to(x.device))
+        # fp32 like the blocks' modulation, then the unembedding's dtype (a bf16 / fp16 model's readout)
+        return modulate(x, m["shift"].to(x.device), m["scale"].to(x.device)).to(self.unembed.weight.dtype)
 
     def set_autocast(self, enabled: bool = True) -> "HookedDDiT":
         """The autocast-faithful path: the blocks and the final layer run under `torch.autocast(bfloat16)` as the

@@ -112,6 +112,9 @@ class Streams:
 class BD3LMSampler(DDiTSampler):
     name, Settings, family = "bd3lm", BD3LMSettings, "bd3lm"
     neutral = dict(nucleus_p=1.0, kv_cache=False)
+    absent = dict(block_length="its block is the checkpoint's: config.json block_size, read into "
+                               "model.cfg.extra['block_size'] and shown on out.settings; a model trained with another "
+                               "block size is another checkpoint")
 
     def plan(self, s: Any, prompt_length: int | None = None) -> Plan:
         """The most forwards: `steps` per block (+1 storing it with `kv_cache`). With the prompt length unknown

@@ -52,6 +52,8 @@ class DDiTSettings(CanvasSettings):
 
 class DDiTSampler(CanvasSampler):
     family: str
+    # MDLM, Duo and GIDD denoise the whole canvas at every step (MDLM's semi-AR mode is not implemented)
+    absent = dict(block_length="it denoises the whole canvas at every step: it has no blocks")
 
     def check_model(self, model: Any) -> None:
         if model.cfg.family != self.family:
@@ -129,6 +131,8 @@ def commit(runner: Any, recorder: TrajectoryRecorder, step: int, x: Tensor, x_ne
     if state is not None and state.step == step:
         state.committed = x_new != x
         runner.end_step(state)
+    elif hasattr(runner, "no_forward"):  # a reuse step: reducers scheduled here say so in their meta
+        runner.no_forward(step, block)
 
 
 def warn_masked_answer(x: Tensor, prompt_length: int, model: Any, sampler: str) -> None:

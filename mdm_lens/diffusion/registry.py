@@ -81,12 +81,15 @@ class Sampler:
 
     `neutral` maps this sampler's own options to the value under which they do nothing: another sampler accepts
     that value (callers may pass one set of keywords to every sampler) and refuses any other, which it would
-    otherwise silently ignore. `renamed` hints at this sampler's name for another sampler's setting."""
+    otherwise silently ignore. `renamed` hints at this sampler's name for another sampler's setting; `absent` says why
+    this sampler has no such setting (BD3LM's block is config.json's block_size), for the refusal of another
+    sampler's setting."""
 
     name: ClassVar[str]
     Settings: ClassVar[type[SamplerSettings]]
     neutral: ClassVar[dict[str, Any]] = {}
     renamed: ClassVar[dict[str, str]] = {}
+    absent: ClassVar[dict[str, str]] = {}
     # why `out.replay` / `state_at` cannot rebuild this sampler's forwards ("" = they can): refused with it, rather
     # than replaying a different forward
     no_replay: ClassVar[str] = ""
@@ -176,6 +179,8 @@ def _equal(a: Any, b: Any) -> bool:
 def _foreign(sampler: Sampler, option: str, value: Any, owners: list[Sampler]) -> SamplerConfigError:
     allowed = sorted(settings_names(sampler))
     hint = f" ({option} → {sampler.renamed[option]})" if option in sampler.renamed else ""
+    if option in sampler.absent:
+        hint = f" ({sampler.absent[option]})"
     where = ""
     if owners:
         which = " / ".join(repr(s.name) for s in owners)

@@ -52,15 +52,18 @@ class Reducer:
                 "from the conditional forward; drop the other phases (cache=name @ steps(phases=...) records them).",
                 argument="when", value=self.when.phases, allowed="phases=('cond',)")
         self.steps_seen: list[int] = []
+        self.no_forward: list[int] = []
 
     def begin(self, model: Any, batch: int, max_pos: int, n_steps: int) -> None:
         n = model.cfg.n_layers
         self.layers = validate.indices(self.layers_arg, n, name="layers", what=f"layer of {n}")
         self.batch, self.max_pos, self.n_steps = batch, max_pos, n_steps
+        self.n_heads, self.n_kv_heads = model.cfg.n_heads, model.cfg.n_kv_heads or model.cfg.n_heads
         self._rows: list[dict[str, Tensor]] = []
         # each run's record lists its own steps: a reducer reused across generate calls (a loop over prompts)
         # would otherwise carry the previous run's steps into this run's meta, misaligned with its rows
         self.steps_seen = []
+        self.no_forward: list[int] = []  # scheduled steps that ran no forward (`StepRunner.no_forward`)
 
     def active(self, state: DenoisingState) -> bool:
         return self.when.matches(state.step, state.n_steps, state.block, state.phase)
@@ -72,12 +75,21 @@ class Reducer:
         raise NotImplementedError
 
     def results(self) -> dict[str, Tensor]:
-        keys = self._rows[0].keys() if self._rows else []
-        return {k: torch.stack([r[k] for r in self._rows]) for k in keys}
+        if not self._rows:  # no scheduled step ran a forward: the record is kept, with no step row (readers say why)
+            return self.empty_results()
+        return {k: torch.stack([r[k] for r in self._rows]) for k in self._rows[0].keys()}
+
+    def empty_results(self) -> dict[str, Tensor]:
+        """The record of a run in which none of this reducer's steps ran a forward: each tensor with 0 step rows
+        (a reducer that does not say its shapes records nothing)."""
+        return {}
 
     @property
     def meta(self) -> dict[str, Any]:
-        return {"layers": self.layers, "steps": list(self.steps_seen)}
+        meta: dict[str, Any] = {"layers": self.layers, "steps": list(self.steps_seen)}
+        if self.no_forward:  # why some (or all) scheduled steps have no row
+            meta["no_forward"] = list(self.no_forward)
+        return meta
 
     def _pad(self, t: Tensor, dim: int, value: float | int = 0) -> Tensor:
         """Right-pad a position axis to the final sequence length (ARM prefixes are shorter)."""
@@ -212,6 +224,9 @@ class ReceivedAttention(Reducer):
         self._rows.append({self.name: self._pad(stacked, dim=-1).cpu()})
         self.steps_seen.append(state.step)
 
+    def empty_results(self) -> dict[str, Tensor]:
+        return {self.name: torch.zeros(0, self.batch, len(self.layers), self.n_heads, self.max_pos)}
+
     @property
     def meta(self) -> dict[str, Any]:
         return {**super().meta, "query": self.query, "kind": self.kind,
@@ -273,6 +288,10 @@ class KeyValueNorms(Reducer):
             row["kv_age"] = self._pad(self._age.detach().clone(), dim=-1, value=-1).cpu()
         self._rows.append(row)
         self.steps_seen.append(state.step)
+
+    def empty_results(self) -> dict[str, Tensor]:
+        shape = (0, self.batch, len(self.layers), self.n_kv_heads, self.max_pos)
+        return {"key_norms": torch.zeros(shape), "value_norms": torch.zeros(shape)}
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -352,6 +371,10 @@ class TopKKeys(Reducer):
         vals, idx = self._pad(vals, dim=-2, value=float("nan")), self._pad(idx, dim=-2, value=ABSENT_KEY)
         self._rows.append({"topk_attention": vals.cpu(), "topk_keys": idx.cpu()})
         self.steps_seen.append(state.step)
+
+    def empty_results(self) -> dict[str, Tensor]:
+        shape = (0, self.batch, len(self.layers), self.n_heads, self.max_pos, self.k)
+        return {"topk_attention": torch.zeros(shape), "topk_keys": torch.zeros(shape, dtype=torch.long)}
 
     @property
     def meta(self) -> dict[str, Any]:

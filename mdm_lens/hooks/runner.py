@@ -55,6 +55,7 @@ class StepRunner:
         an empty record."""
         # hooks are checked as records and caches are: a hook bound only to phases the run never has would
         # silently never fire (one listing several phases passes when one of them runs)
+        self.n_steps = n_steps
         self.default_steps.check(n_steps, n_blocks, phases, what="hook_steps")
         if self._hook_steps[1] is not None:
             _check_hook_steps(*self._hook_steps)
@@ -133,6 +134,14 @@ class StepRunner:
         for r in self.reducers:
             if r.active(state):
                 r.end_step(state)
+
+    def no_forward(self, step: int, block: int = 0) -> None:
+        """Step `step` ran no forward (an MDLM `ddpm_cache` / BD3LM step that sampled again from an earlier step's
+        p(x0), the canvas unchanged): a reducer scheduled there records no row, and its meta lists the step under
+        "no_forward" so that readers say why the row is missing rather than that the reducer was not passed."""
+        for r in self.reducers:
+            if r.when.matches(step, getattr(self, "n_steps", step + 1), block, "cond"):
+                r.no_forward.append(step)
 
     def records(self) -> tuple[dict[str, Tensor], dict[str, dict]]:
         records, meta = {}, {}

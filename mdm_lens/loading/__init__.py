@@ -222,7 +222,10 @@ def _is_unembed(key: str) -> bool:
 def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32,
                     device: str | torch.device | None = None, allow_download: bool = False,
                     load_tokenizer: bool = True, device_map: Any = None, max_memory: Any = None,
-                    n_devices: Any = None, offload_folder: Any = None) -> Any:
+                    n_devices: Any = None, offload_folder: Any = None, processing: dict[str, bool] | None = None) -> Any:
+    """The model of a checkpoint, in the class its family loads into. `processing` (the weight-processing flags the
+    caller will apply after loading) is refused here, before any weight is read, for the classes that have no
+    weight processing (the DDiT research models, the transformers-native bridge)."""
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise ArgumentTypeError(f"name_or_path={validate.describe(name_or_path)} is invalid: expected a str or a "
                                 "path (a checkpoint folder, a hub id or a zoo name).", argument="name_or_path",
@@ -239,7 +242,19 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
     load_tokenizer = validate.boolean(load_tokenizer, name="load_tokenizer")
     folder, known = resolve(name_or_path, allow_download=allow_download)
     from mdm_lens.bridge.loading import bridged_architecture, load_bridge
+    from mdm_lens.ddit.hub import hub_family
+    from mdm_lens.ddit.loading import folder_family
 
+    asked = {k: v for k, v in (processing or {}).items() if v}
+    if asked and (hub_family(folder) or folder_family(folder)):
+        from mdm_lens.ddit.unsupported import refuse_processing
+
+        refuse_processing(asked, hub_family(folder) or folder_family(folder))
+    if asked and bridged_architecture(folder):
+        flag = next(iter(asked))
+        raise ArgumentError(f"from_pretrained(..., {flag}=True) on a transformers-native checkpoint: the bridge runs "
+                            "transformers' own norms and heads, so TL's weight processing is not implemented for it. "
+                            "Load without it.", argument=flag, value=True, allowed="False (or leave it out)")
     if bridged_architecture(folder):  # transformers-native families (DiffusionGemma) load into the bridge
         from mdm_lens.bridge import TransformersBridge
 
@@ -247,16 +262,16 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
 
         return load_bridge(TransformersBridge, str(folder), dtype=dtype, device=device, device_map=device_map,
                            load_tokenizer=load_tokenizer)
-    from mdm_lens.ddit.hub import hub_family
-    from mdm_lens.ddit.loading import folder_family
-
     # the DDiT research models are placed by the same planner (ddit.loading.load_weights → placement)
     placing = dict(device_map=device_map, max_memory=max_memory, n_devices=n_devices, offload_folder=offload_folder)
     if hub_family(folder) is not None:  # BD3LM / GIDD-DiT (mdm_lens.ddit.hub)
         from mdm_lens.ddit.hub import load_hub
+        from mdm_lens.ddit.loading import family_class
+        from mdm_lens.ddit.model import HookedDDiT
 
-        return load_hub(folder, hub_family(folder), known.name if known else str(name_or_path), dtype=dtype,
-                        device=device, load_tokenizer=load_tokenizer, **placing)
+        family = hub_family(folder)
+        return load_hub(family_class(HookedDDiT, family), folder, family, known.name if known else str(name_or_path),
+                        dtype=dtype, device=device, load_tokenizer=load_tokenizer, **placing)
     if folder_family(folder) is not None:  # MDLM / Duo load into HookedDDiT (mdm_lens.ddit)
         from mdm_lens.ddit.loading import load_ddit
         from mdm_lens.ddit.model import HookedDDiT
@@ -310,7 +325,13 @@ def save_pretrained(model: Any, folder: str | os.PathLike) -> Path:
 
     Unprocessed models only: a processed one (`process_weights_`) has no norm weights and may have output biases
     the format does not describe, so it is refused here rather than saved in a layout that cannot be reloaded.
-    Save the unprocessed model and pass `fold_ln=…` to `from_pretrained` when loading it."""
+    Save the unprocessed model and pass `fold_ln=…` to `from_pretrained` when loading it. The DDiT research models
+    (MDLM, Duo, BD3LM, GIDD) are refused too: the format has no adaLN / σ conditioning, so the folder would not load."""
+    unsaved = getattr(type(model), "native_format_refusal", "")
+    if unsaved:  # a model class whose config the native format does not describe (the DDiT research models)
+        raise ArgumentError(f"save_pretrained: a {type(model).__name__} ({model.cfg.family}) model cannot be written in "
+                            f"mdm_lens' format: {unsaved}.", argument="model", value=type(model).__name__,
+                            allowed="a HookedMDM model")
     done = [k for k, v in (getattr(model, "weight_processing", None) or {}).items() if v]
     if done:
         raise ArgumentError(f"save_pretrained: this model was processed ({', '.join(done)}); mdm_lens saves "

@@ -26,6 +26,10 @@ def check_pretrained_kwargs(kwargs: dict[str, Any], where: str, accepted: tuple[
     """Refuse keywords `where` does not take (`accepted`), naming the nearest accepted one."""
     tl = {k: "It is a TransformerLens option mdm_lens does not implement (its processing is fold_ln, "
              "center_unembed, fold_value_biases; see mdm_lens.processing)." for k in TL_UNSUPPORTED}
+    # the DDiT models' loader option: say where it is taken rather than only that it is unknown here
+    tl["autocast"] = ("It is the DDiT models' bf16 autocast path: HookedDDiT.from_pretrained(folder, autocast=True) "
+                      "loads any MDLM / Duo / BD3LM / GIDD folder with it, or call model.set_autocast(True) after "
+                      "loading.")
     validate.keywords(kwargs, accepted, where=where, notes=tl)
 
 

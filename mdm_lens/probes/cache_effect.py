@@ -110,6 +110,18 @@ def _jaccard(a: Tensor, b: Tensor) -> tuple[float, str]:
     return int((a & b).sum()) / union, ""
 
 
+def _not_covered(out: Any, kv: Any) -> str:
+    """Why `out` is not a run cache_effect measures: no cache at all, or another sampler's cache (BD3LM's block
+    cache, Fast-dLLM v2's block cache), which it does not cover."""
+    sampler = getattr(out, "sampler", None)
+    covers = ("cache_effect covers the Fast-dLLM prefix / dual caches of LLaDA and Dream runs only (sampler 'llada' "
+              "or 'dream' with generate(..., kv_cache='prefix'|'dual'))")
+    if kv in (None, False):
+        return f"{covers}; this {sampler!r} run has no KV cache (kv_cache={kv!r})."
+    return (f"{covers}; this {sampler!r} run's cache (kv_cache={kv!r}) is another one, which it does not measure: "
+            f"compare the run with a kv_cache=False run of the same seed instead.")
+
+
 def cache_effect(model: Any, out: Any, *, layers: Sequence[int] | None = None, steps: Sequence[int] | None = None,
                  patch: bool = True, fwd_hooks: Sequence[Any] = ()) -> CacheEffect:
     """The cache's effect at each window step of the cached run `out` (see the module docstring); `steps` limits
@@ -121,8 +133,8 @@ def cache_effect(model: Any, out: Any, *, layers: Sequence[int] | None = None, s
                          "were cached")
     kv = out.settings.get("kv_cache") if hasattr(out, "settings") else None
     if kv not in MODES:
-        raise InputError(f"cache_effect needs a KV-cached run (generate(..., kv_cache='prefix'|'dual')); this run "
-                         f"has kv_cache={kv!r}.", argument="out", value=kv, allowed=f"a run with kv_cache in {MODES}")
+        raise InputError(_not_covered(out, kv), argument="out", value=kv,
+                         allowed=f"a 'llada' / 'dream' run with kv_cache in {MODES}")
     out.check_model(model)
     n = model.cfg.n_layers
     layers = validate.indices(list(range(n)) if layers is None else layers, n, name="layers", what=f"layer of {n}")

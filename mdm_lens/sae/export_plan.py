@@ -205,9 +205,12 @@ def _lengths(plugin: Any, **lengths: Any) -> dict[str, Any]:
         key = "steps" if name == "n_steps" else name
         key = plugin.renamed.get(key, key)
         if key not in own:
-            raise SamplerConfigError(f"{name}={value!r}: sampler {plugin.name!r} has no such setting (it decides its "
-                                     "number of forwards itself); leave it unset.", argument=name, value=value,
-                                     allowed=f"None for sampler {plugin.name!r}")
+            # why it has none: the sampler's own word (BD3LM: the block is config.json's block_size), else, for the
+            # step count, that the sampler decides it
+            why = plugin.absent.get(key) or plugin.absent.get(name) or (
+                "it decides its number of forwards itself" if name == "n_steps" else "it takes no such setting")
+            raise SamplerConfigError(f"{name}={value!r}: sampler {plugin.name!r} has no such setting ({why}); leave "
+                                     "it unset.", argument=name, value=value, allowed=f"None for sampler {plugin.name!r}")
         out[key] = value
     return out
 

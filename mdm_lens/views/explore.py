@@ -41,7 +41,7 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.errors import InputError
-from mdm_lens.hooks.record_steps import record_steps
+from mdm_lens.hooks.record_steps import empty_reason, record_steps
 
 __all__ = ["explore", "Explorer", "step_mapping"]
 
@@ -96,6 +96,9 @@ def _received(out: Any, item: int, steps: list[int], max_heads: int, notes: list
     """Per shown step, per recorded layer: [head..., mean] received attention of `item`."""
     rec = out.records.get(RECORD)
     if rec is None:
+        return None
+    if rec.shape[0] == 0:  # kept but empty (its steps reused MDLM's cache): the view says why there is no panel
+        notes.append(empty_reason(out, RECORD))
         return None
     meta = out.record_meta.get(RECORD, {})
     layers = list(meta.get("layers", range(rec.shape[2])))
@@ -204,7 +207,7 @@ def _run_data(out: Any, model: Any, item: int, *, max_steps: int, max_heads: int
     traj = out.trajectory
     visible = out.attention_mask[item].bool()
     received = _received(out, item, steps, max_heads, notes)
-    if received is None:
+    if received is None and RECORD not in out.records:  # (an empty record's note says why it is empty)
         notes.append("no received-attention record: generate with record=[ReceivedAttention()] to see it")
     kv_age = _kv_age(out, item, steps)
     data = dict(

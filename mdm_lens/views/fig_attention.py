@@ -18,7 +18,7 @@ from mdm_lens import validate
 from mdm_lens.errors import InputError
 from mdm_lens.views.figstyle import (
     ANCHOR_COLOR, NORM_COLOR, ANGLE_COLOR, series_styles, _np, save, _styled, _new, _tick_step,
-    _set_token_xticks, _short)
+    _set_token_xticks, _short, finite_mean, shown)
 
 
 # --- §1.b absorption -------------------------------------------------------------------------------
@@ -50,7 +50,7 @@ def absorption_by_layer(curves: Mapping[str, tuple[Any, Any]], nulls: Mapping[st
         m = _np(mean).ravel()
         s = np.zeros_like(m) if std is None else _np(std).ravel()
         x = np.arange(len(m))
-        label = f"{name} (layer mean {np.nanmean(m):.1f})"
+        label = f"{name} (layer mean {shown(finite_mean(m), '.1f')})"
         ax.plot(x, m, color=st["color"], linestyle=st["linestyle"], marker=st["marker"], markersize=3.2,
                 markerfacecolor=st["markerfacecolor"], label=label, zorder=3)
         if std is not None:

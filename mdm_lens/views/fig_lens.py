@@ -17,7 +17,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from mdm_lens.errors import InputError
-from mdm_lens.views.figstyle import _new, _np, _styled, _tick_step, layer_step_axes, save
+from mdm_lens.views.figstyle import _new, _np, _styled, _tick_step, layer_step_axes, save, shown
 
 __all__ = ["lens_heatmap", "emergence_map", "lens_grid", "lens_section"]
 
@@ -128,9 +128,12 @@ def lens_section(sweeps: Sequence[Any], img: Path) -> Any:
                          "known ≥1 step early": float((ld >= 1).sum() / len(g)) if len(g) else float("nan")})
         if last is not None:
             final = [r for r in rows if r["model"] == s.label and r["layer"] == last][0]
-            finds.append(f"{s.label}: at the last layer {final['known ≥1 step early']:.0%} of answer tokens are the "
-                         f"top-1 at least one step before they are decoded (mean lead {final['mean lead (steps)']:.2f} "
-                         "steps)")
+            # no answer token emerged at that layer: the lead is undefined (NaN in the table), said in words here
+            early = shown(final["known ≥1 step early"], ".0%", "an undefined share")
+            lead_text = shown(final["mean lead (steps)"], ".2f", "")
+            lead_text = f"{lead_text} steps" if lead_text else "undefined (no token emerged)"
+            finds.append(f"{s.label}: at the last layer {early} of answer tokens are the top-1 at least one step "
+                         f"before they are decoded (mean lead {lead_text})")
     text = ("The logit lens (final norm + unembedding, Dream's shift respected) at every layer and denoising step of "
             "each item's run. Heatmap: the share of canvas positions still masked at that step whose lens top-1 is "
             "the token the run finally output. Table: answer tokens (before the first stop token) per layer — the "

@@ -14,7 +14,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from mdm_lens.errors import ArgumentTypeError, InputError
 from mdm_lens.views.figstyle import (
-    KNOCK_COLOR, RANDOM_COLOR, series_styles, _np, save, _styled, _new, _tick_step, _short)
+    KNOCK_COLOR, RANDOM_COLOR, series_styles, _np, save, _styled, _new, _tick_step, _short, finite_mean, shown)
 
 
 # --- §1.d retrieval heads ----------------------------------------------------------------------------
@@ -63,7 +63,7 @@ def retrieval_heatmap(scores: Any, title: str = "Retrieval score per head", thre
     cb.set_label("retrieval score")
     cb.ax.axhline(threshold, color="white", linewidth=1.2)
     n = np.isfinite(s).sum()
-    stats = (f"mean {np.nanmean(s):.2f} · {above.sum() / max(n, 1):.0%} > {threshold:g} · "
+    stats = (f"mean {shown(finite_mean(s), '.2f')} · {above.sum() / max(n, 1):.0%} > {threshold:g} · "
              f"{(np.nan_to_num(s) > 0.5).sum() / max(n, 1):.0%} > 0.5")
     ax.set_title(f"{title}\n{stats}" + ("  (□ > thr)" if outline else ""), loc="left")
     return save(fig, path)

@@ -132,6 +132,23 @@ def _new(figsize: tuple[float, float], **kwargs: Any) -> Figure:
     return LensFigure(figsize=figsize, layout="constrained", **kwargs)
 
 
+def shown(x: Any, spec: str, undefined: str = "n/a") -> str:
+    """`format(x, spec)` for a finite number, else `undefined` (a word saying why): report prose and figure labels
+    never print a raw 'nan'."""
+    try:
+        value = float(x)
+    except (TypeError, ValueError):
+        return undefined
+    return format(value, spec) if math.isfinite(value) else undefined
+
+
+def finite_mean(values: Any) -> float:
+    """The mean of the finite entries, NaN when there is none (without numpy's all-NaN RuntimeWarning)."""
+    a = np.asarray(values, dtype=float).ravel()
+    a = a[np.isfinite(a)]
+    return float(a.mean()) if a.size else math.nan
+
+
 def _tick_step(n: int, max_labels: int) -> int:
     return max(1, math.ceil(n / max_labels))
 
