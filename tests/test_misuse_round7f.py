@@ -165,3 +165,16 @@ def test_a_word_the_tokenizer_cannot_spell_is_not_read_as_unk():
     for call in (lambda: model.to_single_token("qqqzzz"), lambda: model.tokens_to_residual_directions("qqqzzz")):
         with pytest.raises(InputError, match="tokenizes to the unknown token"):
             call()
+
+
+def test_memory_plan_refuses_shape_arguments_that_disagree_with_the_prompt():
+    from mdm_lens.errors import ArgumentError
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    p = torch.tensor([[6, 5, 7, 9]])
+    for kw in (dict(prompt_length=10), dict(batch=8)):
+        with pytest.raises(ArgumentError, match="disagrees with the prompt's") as err:
+            model.memory_plan(p, gen_length=8, steps=8, **kw)
+        assert err.value.argument == next(iter(kw))
+    same = model.memory_plan(p, prompt_length=4, batch=1, gen_length=8, steps=8)
+    assert same.rows["cpu"].activations == model.memory_plan(p, gen_length=8, steps=8).rows["cpu"].activations

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import torch
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentTypeError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError
 from mdm_lens.diffusion import arguments, registry
 from mdm_lens.diffusion.observation_checks import check_observation
 from mdm_lens.diffusion.registry import Observation
@@ -33,6 +33,11 @@ def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: 
     ids, am = None, None
     if prompt is not None:  # as generate reads it: text needs a tokenizer (InputError), ids are checked
         ids, am = arguments.prompt_tokens(model, prompt, attention_mask)
+        for name, value, real in (("prompt_length", prompt_length, ids.shape[1]), ("batch", batch, ids.shape[0])):
+            if value is not None and value != real:  # the prompt's shape is the plan's: a different one is ignored
+                raise ArgumentError(f"{name}={value!r} disagrees with the prompt's {name} {real}: the plan uses the "
+                                    f"prompt's shape; pass prompt or {name}, not both.", argument=name, value=value,
+                                    allowed=f"{real} (the prompt's) or leave it out")
         batch, prompt_length = ids.shape
     elif attention_mask is not None:
         raise ArgumentTypeError("attention_mask is the mask of a prompt: pass prompt (token ids) with it.",
