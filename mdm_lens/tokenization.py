@@ -105,6 +105,20 @@ def to_tokens(model: Any, text: Any, prepend_bos: bool | None, padding_side: str
     return (ids.to(device), am.to(device)) if return_attention_mask else ids.to(device)
 
 
+def _vocab_ids(model: Any, tokens: Any) -> Tensor:
+    """Token ids checked against the model's vocabulary (the forward's range): an id past it decodes to '' or a
+    placeholder, a negative one overflows inside the tokenizer."""
+    t = _id_tensor(tokens)
+    n = model.cfg.d_vocab
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= n):
+        bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
+        from mdm_lens.errors import OutOfRangeError
+
+        raise OutOfRangeError(f"tokens holds id {bad}: token ids must lie in [0, {n}) (the vocabulary).",
+                              argument="tokens", value=bad, allowed=f"ids in [0, {n})")
+    return t
+
+
 def _id_tensor(tokens: Any) -> Tensor:
     if isinstance(tokens, str):
         raise InputTypeError("expected token ids, got a str; decode ids, or use to_tokens for text.",
@@ -123,7 +137,7 @@ def _id_tensor(tokens: Any) -> Tensor:
 def to_string(model: Any, tokens: Any) -> str | list[str]:
     """TL's rule: a 2-d input gives one string per row; a 1-d or 0-d one (or an int) gives one string."""
     tok = require(model.tokenizer)
-    t = _id_tensor(tokens)
+    t = _vocab_ids(model, tokens)
     if t.ndim == 2:
         return [decode(tok, row.tolist()) for row in t]
     if t.ndim > 2:
@@ -136,7 +150,7 @@ def to_str_tokens(model: Any, tokens: Any) -> list[str]:
     tok = require(model.tokenizer)
     if isinstance(tokens, str):
         tokens = model.to_tokens(tokens)[0]
-    t = _id_tensor(tokens)
+    t = _vocab_ids(model, tokens)
     if t.ndim == 2:
         if t.shape[0] != 1:
             raise InputError("to_str_tokens takes one sequence; index the batch first.", argument="tokens",

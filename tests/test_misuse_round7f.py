@@ -178,3 +178,12 @@ def test_memory_plan_refuses_shape_arguments_that_disagree_with_the_prompt():
         assert err.value.argument == next(iter(kw))
     same = model.memory_plan(p, prompt_length=4, batch=1, gen_length=8, steps=8)
     assert same.rows["cpu"].activations == model.memory_plan(p, gen_length=8, steps=8).rows["cpu"].activations
+
+
+@pytest.mark.parametrize("ids", [[999], [-1], [5, 999]])
+def test_decoding_ids_outside_the_vocabulary_is_refused(ids):
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    for call in (model.to_string, model.to_str_tokens):
+        with pytest.raises(OutOfRangeError, match=f"token ids must lie in \\[0, {model.cfg.d_vocab}\\)"):
+            call(torch.tensor(ids))
+    assert model.to_string(torch.tensor([5])) == model.to_string([5])  # in range: decoded
