@@ -62,8 +62,28 @@ class ReadOnlyView(Tensor):
             raise ReadOnlyViewError(f"in-place {getattr(func, '__name__', func)} on a read-only weight view: "
                                     f"{written.reason}")
         with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except (IndexError, TypeError) as e:
+                if func is not Tensor.__getitem__:
+                    raise
+                raise _index_error(args, e) from None
         return _rewrap(out, mine)
+
+
+def _index_error(args: tuple, err: Exception) -> Exception:
+    """Indexing a weight view (`model.W_Q[9]`, `model.OV[0, 9]`) past its axes, or with a non-index: a typed error
+    naming the index and the view's shape (its axes follow TL's order, e.g. [layer, head, ...])."""
+    from mdm_lens.errors import InputTypeError, OutOfRangeError
+
+    view, index = args[0], args[1] if len(args) > 1 else None
+    shape = tuple(view.shape)
+    if isinstance(err, IndexError):
+        return OutOfRangeError(f"index {index!r} is out of range for a weight view of shape {shape} (axes in "
+                               f"TransformerLens order, e.g. [layer, head, ...]; negative values count from the end): "
+                               f"{err}", argument="index", value=index, allowed=f"indices within {shape}")
+    return InputTypeError(f"index {index!r} is not a tensor index (ints, slices, lists or index tensors) for a weight "
+                          f"view of shape {shape}.", argument="index", value=index, allowed="ints, slices, tensors")
 
 
 def _storage(t: Tensor) -> int | None:

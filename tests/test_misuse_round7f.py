@@ -187,3 +187,17 @@ def test_decoding_ids_outside_the_vocabulary_is_refused(ids):
         with pytest.raises(OutOfRangeError, match=f"token ids must lie in \\[0, {model.cfg.d_vocab}\\)"):
             call(torch.tensor(ids))
     assert model.to_string(torch.tensor([5])) == model.to_string([5])  # in range: decoded
+
+
+def test_indexing_weight_views_past_their_axes_is_typed():
+    from mdm_lens.errors import InputTypeError
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    n = model.cfg.n_layers
+    for call in (lambda: model.OV[n], lambda: model.OV[0, model.cfg.n_heads], lambda: model.W_Q[n],
+                 lambda: model.QK[-n - 1]):
+        with pytest.raises(OutOfRangeError, match="out of range for a weight view"):
+            call()
+    with pytest.raises(InputTypeError, match="not a tensor index"):
+        model.OV["a"]
+    assert torch.equal(model.OV[n - 1, 0].AB, model.OV[-1, 0].AB)  # in range: unchanged
