@@ -201,3 +201,55 @@ def test_indexing_weight_views_past_their_axes_is_typed():
     with pytest.raises(InputTypeError, match="not a tensor index"):
         model.OV["a"]
     assert torch.equal(model.OV[n - 1, 0].AB, model.OV[-1, 0].AB)  # in range: unchanged
+
+
+def test_probe_and_lens_argument_types_are_checked_up_front(tmp_path):
+    from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputTypeError, SamplerConfigError
+    from mdm_lens.probes.retrieval import retrieval_scores
+    from mdm_lens.sae.canvas import MaskedCanvas
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    ids = model.to_tokens("The capital is")
+    with pytest.raises(ArgumentTypeError, match="decode=5 must be a callable"):
+        knockout(model, ids, steps=[0], decode=5, gen_length=4, n_steps=4)
+    with pytest.raises(ArgumentTypeError, match="decode"):
+        retrieval_scores(model, [object()], decode=5)
+    with pytest.raises(InputTypeError, match="tokenize first") as err:
+        knockout(model, "The capital is", steps=[0], gen_length=4, n_steps=4)
+    assert err.value.argument == "prompt_ids"
+    with pytest.raises(ArgumentError, match="eps=0.2 has no effect with mask_rate=0.5"):
+        MaskedCanvas(model, mask_rate=0.5, eps=0.2)
+    MaskedCanvas(model, eps=0.2)  # LLaDA's rate: eps acts
+
+
+def test_fastdllm_v2_top_p_is_refused_where_greedy_decoding_ignores_it(tmp_path):
+    from mdm_lens.errors import SamplerConfigError
+    from tests.test_fastdllm_v2 import write_fastdllm_v2
+
+    folder, *_ = write_fastdllm_v2(tmp_path / "fd2")
+    model = HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
+    kw = dict(max_new_tokens=4, small_block_size=2, stop_token=5, pad_id=0)
+    with pytest.raises(SamplerConfigError, match="top_p=0.01 has no effect.*temperature > 0"):
+        model.generate(PROMPT, top_p=0.01, **kw)
+    model.generate(PROMPT, top_p=0.5, temperature=0.7, seed=0, **kw)  # sampling: top_p acts
+
+
+def test_lens_save_onto_a_file_and_steer_as_a_list_are_typed(tmp_path):
+    from mdm_lens.errors import ArgumentError, ArgumentTypeError
+    from mdm_lens.lens.tuned import TunedLens
+    lens = TunedLens(3, 2, layers=[1])
+    target = tmp_path / "lensfile"
+    target.write_text("")
+    with pytest.raises(ArgumentError, match="is a file, not a folder"):
+        lens.save(target)
+    assert lens.save(tmp_path / "lens").is_dir()
+
+
+def test_sae_steer_must_be_a_dict():
+    pytest.importorskip("sae_lens")
+    from mdm_lens.errors import ArgumentTypeError
+    from mdm_lens.sae.splice import sae_hook
+    from tests.test_sae import identity_sae
+
+    with pytest.raises(ArgumentTypeError, match="must be a dict"):
+        sae_hook(identity_sae(8), "blocks.0.hook_resid_post", steer=[1, 2])

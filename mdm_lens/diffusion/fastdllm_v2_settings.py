@@ -77,7 +77,9 @@ FastDLLMv2Settings.rules = {
     "block_size": R.integer(1, none=True), "small_block_size": R.integer(1), "max_new_tokens": R.integer(1),
     "threshold": R.number(0, 1, active=lambda s: not s.factor, when="factor=False (factor=True commits by "
                           "factor_value instead)", off={"factor": True}),
-    "top_p": R.number(0, 1, low_open=True), "temperature": R.number(0), "use_block_cache": R.boolean(),
+    # greedy at temperature 0: the reference's sample_with_top_p filters only the distribution it samples from
+    "top_p": R.number(0, 1, low_open=True, active=lambda s: s.temperature > 0, when="temperature > 0",
+                      on={"temperature": 0.5}), "temperature": R.number(0), "use_block_cache": R.boolean(),
     "factor": R.boolean(),
     "factor_value": R.number(0, low_open=True, active=lambda s: s.factor is True, when="factor=True",
                              on={"factor": True}),

@@ -148,7 +148,7 @@ class TunedLens(nn.Module):
         """Write `tuned_lens.safetensors` (delta.{layer}, bias.{layer}, float32) and `tuned_lens.json`."""
         from safetensors.torch import save_file
 
-        folder = Path(folder)
+        folder = validate.output_folder(folder, name="folder")
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for i, l in enumerate(self.layers):

@@ -184,6 +184,11 @@ def _encode_text(model: Any, text: str) -> list[int]:
 def prompt_batch(ids: Any, name: str, device: Any) -> Tensor:
     """Prompt ids ``[pos]`` or ``[batch, pos]`` as a long ``[batch, pos]`` tensor; float ids are refused
     (they would be truncated silently)."""
+    if isinstance(ids, str) or (isinstance(ids, (list, tuple)) and ids and isinstance(ids[0], str)):
+        from mdm_lens.errors import InputTypeError
+
+        raise InputTypeError(f"{name}={validate.describe(ids)} is text: this probe takes token ids; tokenize first "
+                             "(model.to_tokens(text)).", argument=name, value=ids, allowed="token ids [pos] or [batch, pos]")
     t = validate.tensor(torch.as_tensor(ids), name=name, ndim=(1, 2), dtype="int")
     return (t[None] if t.ndim == 1 else t).long().to(device)
 

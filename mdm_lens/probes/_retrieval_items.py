@@ -125,6 +125,17 @@ def _decode(model: Any, ids: Sequence[int]) -> str:
     return tokenization.decode(tokenizer, list(ids))
 
 
+def check_decode(decode: Any) -> Any:
+    """`decode=`: None (the model's tokenizer) or a callable ids -> text; checked before any run."""
+    if decode is not None and not callable(decode):
+        from mdm_lens import validate
+        from mdm_lens.errors import ArgumentTypeError
+
+        raise ArgumentTypeError(f"decode={validate.describe(decode)} must be a callable ids -> text, or None (the "
+                                "model's tokenizer).", argument="decode", value=decode, allowed="a callable or None")
+    return decode
+
+
 def answer_correct(model: Any, generated: Sequence[int] | Tensor, answer: Any, decode: Any = None) -> bool:
     """Text answer: normalised substring match of the decoded generation (SQuAD normalisation, as the AF
     Acc); token-id answer: the ids appear contiguously in the generated tokens."""

@@ -224,6 +224,9 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
     """
     refuse_variable_sampler(generate_kwargs, 'knockout',
                             'a knocked-out key column would be a different token at another step, and the answer positions scored at the end would not be the ones knocked out')
+    from mdm_lens.probes._retrieval_items import check_decode
+
+    check_decode(decode)
     dev = model.input_device
     prompt = C.prompt_batch(prompt_ids, "prompt_ids", dev)
     g = validate.integer(gen_length if gen_length is not None else model.cfg.extra.get("gen_length", 4),

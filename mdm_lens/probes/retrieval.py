@@ -156,6 +156,9 @@ def retrieval_scores(model: Any, items: Sequence[Any], method: Method = "copy@co
     refuse_variable_sampler(generate_kwargs, 'retrieval_scores',
                             'a retrieval head would be scored on the key that held the copied token at its commit step, which has moved since')
     method = validate.choice(method, METHODS, name="method")
+    from mdm_lens.probes._retrieval_items import check_decode
+
+    check_decode(decode)
     if method == "wu" and model.cfg.attention != "causal":
         raise ArgumentError("method='wu' is Wu et al.'s autoregressive protocol; use copy@commit for an MDM.",
                             argument="method", value=method, allowed="copy@commit | copy@any | copy@final | "

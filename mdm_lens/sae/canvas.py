@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentTypeError, InputError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputError
 
 EPS = 1e-3  # LLaDA's minimum masking probability (as mdm_lens.zoo.train.EPS)
 POSITIONS = ("masked", "unmasked", "all")
@@ -63,6 +63,10 @@ class MaskedCanvas:
         self.positions = validate.choice(positions, POSITIONS, name="positions")
         self.seed = validate.integer(seed, name="seed")
         self.eps = validate.number(eps, name="eps", min=0.0, max=1.0)
+        if mask_rate is not None and self.eps != EPS:  # eps shapes LLaDA's t ~ U(0, 1) rate only
+            raise ArgumentError(f"eps={eps!r} has no effect with mask_rate={validate.describe(mask_rate)}: eps enters "
+                                "LLaDA's rate p = (1 - eps) t + eps, used only with mask_rate=None.", argument="eps",
+                                value=eps, allowed=f"the default {EPS} unless mask_rate=None")
         self.generator = torch.Generator().manual_seed(self.seed)
         self.last_masked: Tensor | None = None  # the mask of the last forward, [batch, pos] (for inspection)
 

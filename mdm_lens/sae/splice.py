@@ -105,6 +105,10 @@ def sae_hook(sae: Any, hook_name: str, *, use_error_term: bool = False, steer: d
         raise ArgumentTypeError(f"hook_name={validate.describe(hook_name)} must be a hook name.",
                                 argument="hook_name", value=hook_name, allowed="a str such as 'blocks.1.hook_resid_post'")
     use_error_term = validate.boolean(use_error_term, name="use_error_term")
+    if steer is not None and not isinstance(steer, dict):
+        raise ArgumentTypeError(f"steer={validate.describe(steer)} must be a dict {{latent: alpha}} (add alpha * "
+                                "W_dec[latent] to the output).", argument="steer", value=steer,
+                                allowed="a dict of int latent -> float alpha, or None")
     steer = dict(steer or {})
     d_sae = sae.W_dec.shape[0]
     for i, a in steer.items():
