@@ -264,6 +264,8 @@ def _expected_steps(indices, every, blocks, n_steps, n_blocks, steps_per_block):
     if blocks is not None:
         if not blocks or len(set(blocks)) != len(blocks) or any(b < 0 or b >= n_blocks for b in blocks):
             return None
+    if indices and every is not None and any(s % every and s != n_steps - 1 for s in chosen):
+        return None  # an explicit step off every='s grid would never fire: refused
     out = []
     for s in range(n_steps):
         if indices and s not in chosen:

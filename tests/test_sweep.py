@@ -273,12 +273,12 @@ def test_knockout_rows_nan_at_a_step_say_why():
     # (step_metric NaN): the row says why; rows with values and NaN summaries keep what they had
     import pandas as pd
 
-    from mdm_lens.sweep.adapter import _metric_notes
+    from mdm_lens.sweep.knockout_notes import metric_notes
 
     df = pd.DataFrame({"metric": ["tf_answer_logprob", "tf_answer_rank", "step_metric", "step_metric", "effect"],
                        "step": pd.array([3, 3, 0, 1, pd.NA], dtype="Int64"),
                        "value": [float("nan"), float("nan"), float("nan"), 0.5, float("nan")], "note": [""] * 5})
-    _metric_notes(df, [])
+    metric_notes(df, [])
     assert df["note"][0].startswith("no gold answer position is still masked") and df["note"][1] == df["note"][0]
     assert df["note"][2].startswith("this step committed no position")
     assert df["note"][3] == "" and df["note"][4] == ""

@@ -23,6 +23,7 @@ from torch import Tensor
 from mdm_lens import validate
 from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens.errors import ArgumentTypeError, InputError, SamplerConfigError
+from mdm_lens.hooks.key_positions import key_end, moved_keys, place_keys
 from mdm_lens.hooks.steps import ALL_STEPS, Steps, as_steps
 from mdm_lens.pattern_rows import ColumnSums, PatternRows, RowConsumer, RowTopK, chunk_rows, row_hook
 
@@ -99,39 +100,6 @@ class Reducer:
         shape = list(t.shape)
         shape[dim] = missing
         return torch.cat([t, t.new_full(shape, value)], dim=dim)
-
-
-def key_start(state: DenoisingState) -> int:
-    """The canvas position of key column 0 of this step's forward: 0 unless the forward's keys are a window that
-    starts past the canvas's first position (BD3LM's slid or short-context windows, `state.key_cols`)."""
-    return state.keys.start if state.key_cols is not None else 0
-
-
-def key_end(state: DenoisingState, n_keys: int) -> int:
-    """One past the canvas position of the forward's last key column."""
-    if state.key_index is not None:
-        return int(state.key_index.max()) + 1
-    return key_start(state) + n_keys
-
-
-def moved_keys(state: DenoisingState, n_keys: int) -> Tensor | None:
-    """The canvas position of each of the forward's `n_keys` key columns, or None when column c is position c
-    (every forward whose keys are the canvas prefix)."""
-    if state.key_index is not None:
-        return state.key_index
-    k0 = key_start(state)
-    return torch.arange(k0, k0 + n_keys) if k0 else None
-
-
-def place_keys(t: Tensor, state: DenoisingState, fill: float = 0.0) -> Tensor:
-    """Put a last axis of key columns at their canvas positions (`fill` at the positions that are not keys of
-    this forward, up to the last key; the reducers then right-pad to the final sequence as for any prefix)."""
-    where = moved_keys(state, t.shape[-1])
-    if where is None:
-        return t
-    out = t.new_full((*t.shape[:-1], int(where.max()) + 1), fill)
-    out[..., where.to(t.device)] = t
-    return out
 
 
 def query_window(state: DenoisingState, per_position: Tensor, n_queries: int | None) -> Tensor:

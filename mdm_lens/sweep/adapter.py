@@ -35,6 +35,7 @@ from mdm_lens.probes import patching, retrieval
 from mdm_lens.probes import run as R
 from mdm_lens.sweep import atp_tables, cache_tables, feature_tables, lens_tables, shared as SH
 from mdm_lens.sweep.batch import Batch, Settings  # noqa: F401  (re-exported: adapter.Batch / adapter.Settings)
+from mdm_lens.sweep.knockout_notes import metric_notes
 from mdm_lens.sweep.tables import (DRIFT_METRICS, KEY_COLUMNS, PATTERN_BUDGET_BYTES, STEP_METRICS,  # noqa: F401
                                    _anchor_mass, frame, temporal)
 from mdm_lens.sweep.templates import Rendered
@@ -359,28 +360,10 @@ def knockout(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFram
         df.insert(0, "item_id", batch.item_ids[b])
         # why a condition's value is NaN or not comparable (an unmatched random control): KnockoutResult.condition_notes
         df["note"] = df["condition"].map(dict(zip(res.conditions, res.condition_notes))).fillna("")
-        _metric_notes(df, res.notes)
+        metric_notes(df, res.notes)
         frames.append(df)
     out = pd.concat(frames, ignore_index=True)
     return out.drop(columns=[c for c in ("label",) if c in out and out[c].isna().all()])
-
-
-def _metric_notes(df: pd.DataFrame, notes: list[str]) -> None:
-    """NaN rows of a metric the run's sampler cannot give (teacher-forced on DiffusionGemma / nemotron / bd3lm) or of
-    a grid step the run never reached carry the result's note saying so, not an empty one."""
-    tf = tuple(c for c in df["metric"].unique() if c.startswith("tf_")) + ("step_metric", "metric_mean")
-    for prefix, metrics in (("teacher-forced metrics", tf), ("steps [", ("n_targets",))):
-        why = next((n for n in notes if n.startswith(prefix)), None)
-        if why is not None:
-            at = df["metric"].isin(metrics) & df["value"].isna()
-            df.loc[at, "note"] = why
-    # per-step values NaN by definition at that step (the grid's other steps have values)
-    per_step = df["value"].isna() & (df["note"] == "") & df["step"].notna()
-    df.loc[per_step & df["metric"].str.startswith("tf_"), "note"] = (
-        "no gold answer position is still masked at this step (all committed earlier): nothing to teacher-force")
-    df.loc[per_step & (df["metric"] == "step_metric"), "note"] = (
-        "this step committed no position (e.g. a prefill or KV-storing forward): the committed-position metric is "
-        "undefined")
 
 
 def _knockout_refusal(model: Any) -> str | None:

@@ -79,7 +79,7 @@ def test_undefined_jaccard_is_nan_with_a_reason_and_bad_arguments_are_refused():
     assert ((jac["value"].isna()) == (jac["reason"] == "no anchors in either forward")).all()
     assert set(t["metric"]) == {"k_drift", "v_drift", "k_cosine", "v_cosine", "received_tv", "anchor_jaccard",
                                 "logprob_fresh", "logprob_cached", "logprob_delta"}
-    with pytest.raises(InputError, match="KV-cached run"):
+    with pytest.raises(InputError, match="has no KV cache"):
         cache_effect(model, model.generate(PROMPT, gen_length=8, steps=8))
     with pytest.raises(ArgumentError, match="layers"):
         cache_effect(model, out, layers=[3])
