@@ -253,3 +253,17 @@ def test_sae_steer_must_be_a_dict():
 
     with pytest.raises(ArgumentTypeError, match="must be a dict"):
         sae_hook(identity_sae(8), "blocks.0.hook_resid_post", steer=[1, 2])
+
+
+def test_ddit_sigma_errors_name_numbers_and_numpy_scalars_work(tmp_path):
+    import numpy as np
+
+    from mdm_lens.errors import ArgumentTypeError
+    from tests.families.bd3gidd_checkpoints import write_gidd
+
+    model = HookedMDM.from_pretrained(str(write_gidd(tmp_path / "gidd")[0]), load_tokenizer=False)
+    x = torch.tensor([[1, 2, 3, 4]])
+    for bad in ([0.5], "0.5"):
+        with pytest.raises(ArgumentTypeError, match="expected a number or a float tensor"):
+            model(x, sigma=bad)
+    assert torch.equal(model(x, sigma=np.float32(0.5)), model(x, sigma=0.5))

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.ddit.model import FORWARD_KEYWORDS, HookedDDiT
-from mdm_lens.ddit.outputs import refuse_keywords
+from mdm_lens.ddit.outputs import refuse_keywords, sigma_tensor
 from mdm_lens.errors import InputError
 
 CLIP_NOISE = 20.0  # HybridDiffusion(clip_noise=20, gamma=1)
@@ -84,7 +84,7 @@ class HookedGIDD(HookedDDiT):
         kinds = ("logits", "aligned", "log_probs", "gidd", "log_softmax", None)
         return_type = validate.choice(return_type, kinds, name="return_type")
         sigma = self.step_sigma() if sigma is None else sigma
-        t = sigma if isinstance(sigma, Tensor) else torch.tensor(float(validate.number(sigma, name="sigma")))
+        t = sigma_tensor(sigma)
         if bool((t > 1).any()):
             raise InputError(f"sigma={t.tolist()}: GIDD's conditioning is the time t in [0, 1].", argument="sigma",
                              value=sigma, allowed="values in [0, 1]")

@@ -63,6 +63,22 @@ def check_tokens(tokens: Any, cfg: MDMConfig, attention_mask: Any) -> Tensor:
     return tokens
 
 
+def sigma_tensor(sigma: Any) -> Tensor:
+    """A number (numpy scalars included) as a 0-d tensor; a tensor as is; anything else a typed error naming
+    both accepted forms (the σ / t of every DDiT family)."""
+    import numbers
+
+    if isinstance(sigma, numbers.Real) and not isinstance(sigma, bool):
+        return torch.tensor(float(sigma))
+    if not isinstance(sigma, Tensor):
+        from mdm_lens.errors import ArgumentTypeError
+
+        raise ArgumentTypeError(f"sigma={validate.describe(sigma)} is invalid: expected a number or a float tensor of "
+                                "shape [] or [batch].", argument="sigma", value=sigma,
+                                allowed="a number, or a float tensor [] / [batch]")
+    return sigma
+
+
 def check_sigma(sigma: Any, batch: int, cfg: MDMConfig, device: torch.device) -> Float[Tensor, "batch"]:
     """σ as a `[batch]` tensor in fp32 (float64 for a float64 model, `mdm_lens.precision`): a number or 0-d tensor
     is broadcast; finite and ≥ 0."""
@@ -71,9 +87,7 @@ def check_sigma(sigma: Any, batch: int, cfg: MDMConfig, device: torch.device) ->
             raise InputError(f"sigma is required: this {cfg.family} model is time-conditioned (pass sigma=… per batch "
                              "row, e.g. −log α_t).", argument="sigma", value=None, allowed="a number or [batch] tensor")
         return torch.zeros(batch, device=device, dtype=compute_dtype(cfg.dtype))
-    if isinstance(sigma, (int, float)) and not isinstance(sigma, bool):
-        sigma = torch.tensor(float(sigma))
-    sigma = validate.tensor(sigma, name="sigma", ndim=(0, 1), dtype="float")
+    sigma = validate.tensor(sigma_tensor(sigma), name="sigma", ndim=(0, 1), dtype="float")
     if sigma.ndim == 1 and sigma.shape[0] not in (1, batch):
         raise InputError(f"sigma has {sigma.shape[0]} entries for a batch of {batch}.", argument="sigma",
                          value=tuple(sigma.shape), allowed=f"a number, [1] or [{batch}]")
