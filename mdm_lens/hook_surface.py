@@ -235,6 +235,19 @@ class CheckedHookSurface(HookedRootModule):
                                 "name, a list of hook names, or a function name -> bool.", argument="names_filter",
                                 value=names_filter, allowed="None, str, list of str or callable")
 
+    @staticmethod
+    def _check_cache_placement(model_args: tuple, kwargs: dict) -> None:
+        """TL's `pos_slice=` (checked against the tokens' positions, as the cache helpers check it: out of range is
+        an error, not a silent cut) and `device=` (a device this machine has), before the forward."""
+        from mdm_lens.cache_args import check_slice
+
+        if kwargs.get("device") is not None:
+            validate.device(kwargs["device"], name="device")
+        if kwargs.get("pos_slice") is not None:
+            tokens = model_args[0] if model_args else kwargs.get("tokens", kwargs.get("input"))
+            size = int(tokens.shape[-1]) if isinstance(tokens, Tensor) and tokens.ndim in (1, 2) else None
+            check_slice(kwargs["pos_slice"], size, name="pos_slice", helper="run_with_cache")
+
     def run_with_cache(self, *model_args: Any, names_filter: NamesFilter = None, remove_batch_dim: bool = False,
                        return_cache_object: bool = True, **kwargs: Any) -> tuple[Any, ActivationCache]:
         """TL's `run_with_cache`, returning an `ActivationCache` (`MDMActivationCache`: a missing name or an
@@ -243,6 +256,7 @@ class CheckedHookSurface(HookedRootModule):
         validate.boolean(remove_batch_dim, name="remove_batch_dim")
         validate.boolean(return_cache_object, name="return_cache_object")
         _check_incl_bwd(kwargs)
+        self._check_cache_placement(model_args, kwargs)
         if remove_batch_dim and model_args and isinstance(model_args[0], Tensor) and model_args[0].ndim == 2 \
                 and model_args[0].shape[0] != 1:
             raise InputError(f"remove_batch_dim=True needs a batch of one; tokens have batch {model_args[0].shape[0]}.",

@@ -267,3 +267,23 @@ def test_ddit_sigma_errors_name_numbers_and_numpy_scalars_work(tmp_path):
         with pytest.raises(ArgumentTypeError, match="expected a number or a float tensor"):
             model(x, sigma=bad)
     assert torch.equal(model(x, sigma=np.float32(0.5)), model(x, sigma=0.5))
+
+
+def test_run_with_cache_checks_pos_slice_and_device():
+    from mdm_lens.errors import ArgumentError, ArgumentTypeError
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    ids = model.to_tokens("The capital of France is")
+    n = ids.shape[1]
+    for bad in (99, (2, 99), [0, n]):
+        with pytest.raises(OutOfRangeError):
+            model.run_with_cache(ids, pos_slice=bad)
+    with pytest.raises(ArgumentTypeError):
+        model.run_with_cache(ids, pos_slice=1.5)
+    with pytest.raises((ArgumentError, ArgumentTypeError)):
+        model.run_with_cache(ids, device="foo")
+    if not torch.cuda.is_available():
+        with pytest.raises(ArgumentError, match="CUDA is not available"):
+            model.run_with_cache(ids, device="cuda")
+    _, cache = model.run_with_cache(ids, pos_slice=(1, 3))
+    assert cache["blocks.0.hook_resid_post"].shape[1] == 2  # in range: TL's slice
