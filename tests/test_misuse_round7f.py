@@ -287,3 +287,32 @@ def test_run_with_cache_checks_pos_slice_and_device():
             model.run_with_cache(ids, device="cuda")
     _, cache = model.run_with_cache(ids, pos_slice=(1, 3))
     assert cache["blocks.0.hook_resid_post"].shape[1] == 2  # in range: TL's slice
+
+
+def test_attribution_on_a_finished_run_refuses_generation_settings():
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.probes import attribution as AT
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    out = model.generate(model.to_tokens("The capital is"), gen_length=3, steps=3)
+    for kw in (dict(gen_length=8), dict(n_steps=2), dict(temperature=0.5), dict(bogus=1)):
+        with pytest.raises(ArgumentError, match="ignored when out_or_clean is a finished run"):
+            AT.attribution_patching(model, out, "knockout", steps=[0], **kw)
+    assert AT.attribution_patching(model, out, "knockout", steps=[0]) is not None
+
+
+def test_probe_grid_refuses_the_other_probes_settings():
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.lens.linear import probe_grid
+
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(2, 3, 12, 4, generator=g)  # [layer, step, item, d]
+    labels = torch.arange(12) % 2
+    values = torch.randn(12, generator=g)
+    with pytest.raises(ArgumentError, match="l2=50.0 is ignored with probe='ridge'"):
+        probe_grid(feats, values, probe="ridge", l2=50.0)
+    with pytest.raises(ArgumentError, match="max_iter=3 is ignored with probe='ridge'"):
+        probe_grid(feats, values, probe="ridge", max_iter=3)
+    with pytest.raises(ArgumentError, match="alpha=50.0 is ignored with probe='logistic'"):
+        probe_grid(feats, labels, alpha=50.0)
+    assert len(probe_grid(feats, values, probe="ridge", alpha=5.0, n_boot=0))

@@ -307,6 +307,13 @@ def probe_grid(features: ProbeFeatures | Tensor, target: Tensor | str, *, probe:
     opts = dict(l2=validate.number(l2, name="l2", min=0.0, min_open=True),
                 alpha=validate.number(alpha, name="alpha", min=0.0),
                 max_iter=validate.integer(max_iter, name="max_iter", min=1))
+    # each option belongs to one probe kind: set away from its default under the other it would be dropped
+    from mdm_lens.probes._ignored import refuse_ignored
+
+    for name, default, owner in (("l2", 1e-2, "logistic"), ("max_iter", 200, "logistic"), ("alpha", 1.0, "ridge")):
+        if probe != owner:
+            refuse_ignored(name, opts[name], default, by="probe", by_value=probe,
+                           why=f"{name} is the {owner} probe's setting")
     y = _target(target, feats, probe, pool_steps)
     n_items = feats.acts.shape[2]
     classes = None

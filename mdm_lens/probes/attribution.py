@@ -173,6 +173,16 @@ def _clean_run(model: Any, out_or_clean: Any, gen_length: Any, n_steps: Any, gen
     if hasattr(out_or_clean, "trajectory"):
         if hasattr(out_or_clean, "check_model"):
             out_or_clean.check_model(model, argument="out_or_clean")
+        given = {k: v for k, v in dict(generate_kwargs, gen_length=gen_length, n_steps=n_steps).items()
+                 if v is not None}
+        if given:  # a finished run is read as it ran: generation settings would be ignored
+            from mdm_lens.errors import ArgumentError
+
+            name = sorted(given)[0]
+            raise ArgumentError(f"{name}={validate.describe(given[name])} is ignored when out_or_clean is a finished "
+                                f"run (it is read as it ran); pass prompt ids to sample with settings, or drop "
+                                f"{', '.join(sorted(given))}.", argument=name, value=given[name],
+                                allowed="no generation settings with a GenerateOutput")
         return out_or_clean
     clean = C.prompt_batch(out_or_clean, "out_or_clean", model.input_device)
     g = validate.integer(gen_length if gen_length is not None else model.cfg.extra.get("gen_length", 4),
