@@ -316,3 +316,18 @@ def test_probe_grid_refuses_the_other_probes_settings():
     with pytest.raises(ArgumentError, match="alpha=50.0 is ignored with probe='logistic'"):
         probe_grid(feats, labels, alpha=50.0)
     assert len(probe_grid(feats, values, probe="ridge", alpha=5.0, n_boot=0))
+
+
+def test_report_names_a_table_the_manifest_lists_but_the_folder_lacks(tmp_path):
+    from mdm_lens import sweep
+    from mdm_lens.views.sweep_report import report
+    from mdm_lens.zoo import jsonl
+
+    data = tmp_path / "items.jsonl"
+    jsonl.export(data, 2, seed=0)
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    sweep.run(model, data, "absorption,accuracy", tmp_path / "sw", progress=False)
+    (tmp_path / "sw" / "absorption.parquet").unlink()
+    html = report(tmp_path / "sw", tmp_path / "rep").read_text()
+    assert "absorption.parquet (listed in the manifest, not in the folder)" in html  # the header's "left out"
+    assert "absorption.parquet is missing from its sweep folder(s)" in html          # the section says why

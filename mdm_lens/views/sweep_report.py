@@ -183,10 +183,18 @@ def register_section(key: str, make: Callable[[Sequence[Any], Path], Section | N
     return spec
 
 
+# probes whose table file carries the probe's own name (the report's sections read them)
+TABLE_PROBES = ("absorption", "qk", "retrieval", "flow", "knockout", "lens", "cache", "features", "accuracy", "atp")
+
+
 def _absent(spec: SectionSpec, s: Sweep) -> str | None:
     """Why sweep ``s`` is not in section ``spec``, or None."""
     have = [t for t in spec.tables if s.table(t) is not None]
     if not have:
+        listed = [t for t in spec.tables if t in s.probes]
+        if listed:  # the manifest says the probe ran: a missing file is a broken / partial copy, not "no result"
+            return (f"{s.label}: {listed[0]}.parquet is missing from its sweep folder(s) although the manifest lists "
+                    f"the {listed[0]} probe (a partial copy?)")
         return (f"{s.label}: no {' / '.join(spec.tables)} table in its sweep folder(s) (probes run: "
                 f"{', '.join(s.probes) or 'none recorded'})")
     if all(not len(s.table(t)) for t in have):
@@ -202,7 +210,8 @@ def sections(sweeps: Sequence[Sweep], img: Path) -> list[Section]:
         why = {s.label: _absent(spec, s) for s in sweeps}
         present = [s for s in sweeps if why[s.label] is None]
         if not present:
-            if spec.skip is not None and any(any(s.table(t) is not None for t in spec.tables) for s in sweeps):
+            if (spec.skip is not None and any(any(s.table(t) is not None for t in spec.tables) for s in sweeps)) \
+                    or any(t in s.probes for s in sweeps for t in spec.tables):  # run, but its table is missing
                 out.append(Section(spec.title, absent=[w for w in why.values() if w]))   # skipped, say why
             continue
         sec = spec.make(present, img)
@@ -225,8 +234,11 @@ def report(folder: str | Path, out: str | Path | None = None, title: str | None 
     img = out / "figures"
     img.mkdir(parents=True, exist_ok=True)
     secs = sections(sweeps, img) + list(extra)
+    missing = [f"{s.label}: {p}.parquet (listed in the manifest, not in the folder)" for s in sweeps for p in s.probes
+               if p in TABLE_PROBES and s.table(p) is None]
+    left_out = [f"{n}: {w}" for n, w in left] + missing
     info = {"sweeps": ", ".join(f"{s.label} ({s.n_items} items)" for s in sweeps),
-            "left out": "; ".join(f"{n}: {w}" for n, w in left) if left else "none",
+            "left out": "; ".join(left_out) if left_out else "none",
             "probes": ", ".join(dict.fromkeys(p for s in sweeps for p in s.probes)),
             "canvas": _canvas(sweeps), **(meta or {})}
     return write_report(out, title or "mdm_lens sweep report: " + " vs ".join(s.label for s in sweeps), secs, info)
