@@ -136,7 +136,30 @@ class MDMActivationCache(ActivationCache):
 
     def apply_ln_to_stack(self, *args: Any, **kwargs: Any) -> Any:
         self._supported("apply_ln_to_stack")
-        return super().apply_ln_to_stack(**self._checked("apply_ln_to_stack", args, kwargs))
+        arguments = self._checked("apply_ln_to_stack", args, kwargs)
+        self._check_stack_positions(arguments, "apply_ln_to_stack")
+        return super().apply_ln_to_stack(**arguments)
+
+    def _check_stack_positions(self, arguments: dict, helper: str) -> None:
+        """The stack's [batch, pos] axes must be the final norm's scale's after `batch_slice` / `pos_slice`: TL
+        divides by it through broadcasting, so a stack sliced one way and a scale sliced another (or a batch of 3
+        on a batch-1 cache) give numbers of no position at all."""
+        stack = arguments.get("residual_stack")
+        name = "ln_final.hook_scale"
+        if not isinstance(stack, Tensor) or name not in self.cache_dict:
+            return
+        as_slice = lambda v: v if isinstance(v, Slice) else Slice(v)  # noqa: E731 (TL takes both forms)
+        scale = as_slice(arguments.get("pos_slice")).apply(self.cache_dict[name], dim=-2)
+        if self.has_batch_dim:
+            scale = as_slice(arguments.get("batch_slice")).apply(scale, dim=0)
+        want, got = tuple(scale.shape[:-1]), tuple(stack.shape[1:-1])
+        if got != want:
+            raise ArgumentError(f"{helper}: residual_stack of shape {tuple(stack.shape)} has [batch, pos] axes {got}, "
+                                f"but the cached final-norm scale after pos_slice={arguments.get('pos_slice')!r} / "
+                                f"batch_slice={arguments.get('batch_slice')!r} has {want}: slice the stack and pass "
+                                "the same pos_slice / batch_slice here (e.g. pos_slice=-1 for a last-position stack).",
+                                argument="pos_slice", value=arguments.get("pos_slice"),
+                                allowed=f"slices giving [batch, pos] = {got}")
 
     def apply_slice_to_batch_dim(self, *args: Any, **kwargs: Any) -> Any:
         return super().apply_slice_to_batch_dim(**self._checked("apply_slice_to_batch_dim", args, kwargs))
@@ -158,6 +181,7 @@ class MDMActivationCache(ActivationCache):
         incorrect_tokens = validate.id_tensor(incorrect_tokens, name="incorrect_tokens")
         cache_args.check_token_shapes(tokens, incorrect_tokens)
         arguments = self._checked("logit_attrs", (residual_stack, tokens, incorrect_tokens, *args), kwargs, None)
+        self._check_stack_positions(arguments, "logit_attrs")
         try:
             return super().logit_attrs(**arguments)
         except RuntimeError as e:

@@ -331,3 +331,22 @@ def test_report_names_a_table_the_manifest_lists_but_the_folder_lacks(tmp_path):
     html = report(tmp_path / "sw", tmp_path / "rep").read_text()
     assert "absorption.parquet (listed in the manifest, not in the folder)" in html  # the header's "left out"
     assert "absorption.parquet is missing from its sweep folder(s)" in html          # the section says why
+
+
+def test_stack_and_cache_positions_must_agree_in_ln_and_attributions():
+    from mdm_lens.errors import ArgumentError
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    ids = model.to_tokens("The capital of France is")
+    _, cache = model.run_with_cache(ids)
+    last = cache.accumulated_resid(layer=-1, pos_slice=-1)  # [components, batch, d_model]
+    full = cache.accumulated_resid(layer=-1)                # [components, batch, pos, d_model]
+    for call in (lambda: cache.apply_ln_to_stack(last, layer=-1), lambda: cache.logit_attrs(last, tokens=5),
+                 lambda: cache.logit_attrs(full, tokens=5, pos_slice=-1),
+                 lambda: cache.apply_ln_to_stack(torch.randn(2, 3, ids.shape[1], model.cfg.d_model), layer=-1)):
+        with pytest.raises(ArgumentError, match=r"\[batch, pos\] axes"):
+            call()
+    # matched: the last position's attributions equal the full stack's last column
+    a = cache.logit_attrs(last, tokens=5, pos_slice=-1)
+    b = cache.logit_attrs(full, tokens=5)[..., -1]
+    assert torch.allclose(a, b, atol=1e-5)
