@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -350,3 +352,17 @@ def test_stack_and_cache_positions_must_agree_in_ln_and_attributions():
     a = cache.logit_attrs(last, tokens=5, pos_slice=-1)
     b = cache.logit_attrs(full, tokens=5)[..., -1]
     assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_cache_effect_names_the_window_steps_when_asked_for_a_refresh_step():
+    from mdm_lens.errors import InputError
+    from mdm_lens.probes.cache_effect import _windows, cache_effect
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    out = model.generate(model.to_tokens("The capital is"), gen_length=4, steps=4, block_length=2, kv_cache="dual")
+    windows = sorted(w[0] for w in _windows(out))
+    assert 0 not in windows  # step 0 refreshes the cache
+    with pytest.raises(InputError, match=re.escape("steps [0] are the cache's refresh forwards")) as err:
+        cache_effect(model, out, steps=[0])
+    assert str(err.value).endswith(f"the window steps that read the cache are {windows}.")
+    assert len(cache_effect(model, out, steps=windows[:1]).to_frame())

@@ -142,6 +142,13 @@ def cache_effect(model: Any, out: Any, *, layers: Sequence[int] | None = None, s
     if steps is not None:
         wanted = set(validate.indices(steps, out.trajectory.n_steps, name="steps",
                                       what=f"step of a run of {out.trajectory.n_steps}"))
+        comparable = sorted(w[0] for w in windows)
+        refreshes = sorted(wanted - set(comparable))
+        if refreshes:  # a refresh forward recomputes its cache: there is no stale cache to compare there
+            raise InputError(f"cache_effect(steps={sorted(wanted)}): steps {refreshes} are the cache's refresh "
+                             f"forwards (full recompute, nothing stale to compare); the window steps that read the "
+                             f"cache are {comparable}.", argument="steps", value=sorted(wanted),
+                             allowed=f"a subset of {comparable}")
         windows = [w for w in windows if w[0] in wanted]
     hooks = list(fwd_hooks)
     rows: list[dict[str, Any]] = []
