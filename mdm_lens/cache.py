@@ -161,6 +161,11 @@ class MDMActivationCache(ActivationCache):
                                 argument="pos_slice", value=arguments.get("pos_slice"),
                                 allowed=f"slices giving [batch, pos] = {got}")
 
+    def stack_activation(self, *args: Any, **kwargs: Any) -> Tensor:
+        """TL's stack over layers [0, layer) with `layer` checked as the residual helpers check it (an exclusive
+        bound in [0, n_layers], or -1 / None for all): TL's loop would fail at layer n_layers naming a 4 nobody passed."""
+        return super().stack_activation(**self._checked("stack_activation", args, kwargs))
+
     def apply_slice_to_batch_dim(self, *args: Any, **kwargs: Any) -> Any:
         return super().apply_slice_to_batch_dim(**self._checked("apply_slice_to_batch_dim", args, kwargs))
 

@@ -366,3 +366,14 @@ def test_cache_effect_names_the_window_steps_when_asked_for_a_refresh_step():
         cache_effect(model, out, steps=[0])
     assert str(err.value).endswith(f"the window steps that read the cache are {windows}.")
     assert len(cache_effect(model, out, steps=windows[:1]).to_frame())
+
+
+def test_stack_activation_names_the_layer_bound_passed():
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    _, cache = model.run_with_cache(model.to_tokens("The capital is"))
+    n = model.cfg.n_layers
+    with pytest.raises(OutOfRangeError, match=f"stack_activation\\(layer={n + 5}\\)") as err:
+        cache.stack_activation("pattern", layer=n + 5)
+    assert err.value.argument == "layer"
+    assert cache.stack_activation("pattern", layer=2).shape[0] == 2
+    assert cache.stack_activation("pattern").shape[0] == n
