@@ -377,3 +377,15 @@ def test_stack_activation_names_the_layer_bound_passed():
     assert err.value.argument == "layer"
     assert cache.stack_activation("pattern", layer=2).shape[0] == 2
     assert cache.stack_activation("pattern").shape[0] == n
+
+
+def test_features_from_cache_explains_that_hook_is_the_suffix():
+    from mdm_lens.errors import InputError
+    from mdm_lens.lens.linear import features_from_cache
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    out = model.generate(model.to_tokens("The capital is"), gen_length=4, steps=4, cache="blocks.*.hook_resid_post")
+    with pytest.raises(InputError, match=r"hook= is the per-layer suffix \('hook_resid_post'\); choose layers with "
+                                         r"layers=\[0\]"):
+        features_from_cache(out.cache, hook="blocks.0.hook_resid_post")
+    assert features_from_cache(out.cache, layers=[0]) is not None

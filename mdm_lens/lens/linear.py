@@ -139,8 +139,11 @@ def features_from_cache(cache: Any, *, hook: str = "hook_resid_post", layers: An
     pattern = re.compile(rf"blocks\.(\d+)\.{re.escape(hook)}$")
     have = sorted(int(m.group(1)) for m in map(pattern.match, cache.names) if m)
     if not have:
-        raise InputError(f"the cache holds no blocks.*.{hook}; it holds {cache.names}.", argument="hook", value=hook,
-                         allowed="a hook the cache recorded")
+        full = re.match(r"blocks\.(\d+)\.(.+)$", hook)
+        hint = (f" hook= is the per-layer suffix ({full.group(2)!r}); choose layers with layers=[{full.group(1)}]."
+                if full else "")
+        raise InputError(f"the cache holds no blocks.*.{hook}; it holds {cache.names}.{hint}", argument="hook",
+                         value=hook, allowed="the suffix of a block hook the cache recorded, e.g. 'hook_resid_post'")
     n_layers = cache.model.cfg.n_layers if getattr(cache, "model", None) is not None else max(have) + 1
     # default: the layers the cache holds (not every model layer, which would blame a layers[0] never passed)
     layers = have if layers is None else validate.indices(layers, n_layers, name="layers", what="layer")
