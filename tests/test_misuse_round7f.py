@@ -389,3 +389,16 @@ def test_features_from_cache_explains_that_hook_is_the_suffix():
                                          r"layers=\[0\]"):
         features_from_cache(out.cache, hook="blocks.0.hook_resid_post")
     assert features_from_cache(out.cache, layers=[0]) is not None
+
+
+@pytest.mark.parametrize("rule, said", [(dict(factor=1.0), "the factor rule (factor=1.0)"),
+                                        (dict(threshold=0.9), "the threshold rule (threshold=0.9)")])
+def test_dream_kv_alg_refusal_names_the_rule_in_force(rule, said):
+    from mdm_lens.config import MDMConfig
+    from mdm_lens.errors import SamplerConfigError
+
+    cfg = MDMConfig(d_model=16, n_layers=1, n_heads=2, d_head=8, d_mlp=32, d_vocab=40, n_ctx=32, mask_token_id=39,
+                    position_policy="cumsum", padding_mask="pair", logit_shift=True, family="dream")
+    model = HookedMDM.from_config(cfg, seed=0)
+    with pytest.raises(SamplerConfigError, match=re.escape(f"ranks by {said} whatever alg says; leave alg unset")):
+        model.generate(torch.tensor([[5, 6, 7]]), gen_length=8, kv_cache="dual", block_length=4, alg="entropy", **rule)

@@ -175,8 +175,11 @@ def _block_settings(s: DreamSettings) -> dict[str, Any]:
     parallel = threshold is not None or factor is not None
     rule = "confidence_threshold" if parallel else "entropy"
     if s.alg is not DEFAULT and s.alg != rule:
-        raise SamplerConfigError(f"alg={s.alg!r} with kv_cache: Fast-dLLM's Dream loop ranks by "
-                                 f"{'the threshold rule' if parallel else 'entropy'} whatever alg says.",
+        used = (f"the factor rule (factor={factor})" if factor is not None else
+                f"the threshold rule (threshold={threshold})" if threshold is not None else "entropy")
+        raise SamplerConfigError(f"alg={s.alg!r} with kv_cache: Fast-dLLM's Dream loop ranks by {used} whatever "
+                                 f"alg says; leave alg unset" + (" with threshold= / factor=." if parallel else
+                                                                 " or pass alg='entropy'."),
                                  argument="alg", value=s.alg, allowed=f"unset or {rule!r}")
     block = validate.integer(32 if s.block_length is None else s.block_length, name="block_length", min=1,
                              error=SamplerConfigError)
