@@ -157,16 +157,11 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
 
     @classmethod
     def from_pretrained_no_processing(cls, name_or_path: str, **kwargs: Any) -> "HookedMDM":
-        """TL's name for loading without weight processing (here the same as `from_pretrained`'s default)."""
-        from mdm_lens.errors import ArgumentError
-        from mdm_lens.loading.options import PROCESSING_FLAGS, check_pretrained_kwargs
+        """TL's name for loading without weight processing (here the same as `from_pretrained`'s default). As in
+        TransformerLens, the processing flags only default to False there: an explicit `fold_ln=True` is honoured."""
+        from mdm_lens.loading.options import check_pretrained_kwargs
 
         check_pretrained_kwargs(kwargs, "from_pretrained_no_processing")
-        given = [f for f in PROCESSING_FLAGS if kwargs.get(f) is True]  # other values: the type check below
-        if given:  # TransformerLens forces them off here; taking them would return a processed model by this name
-            raise ArgumentError(f"from_pretrained_no_processing loads without weight processing, so {given[0]}=True "
-                                "contradicts it; use from_pretrained(..., " + ", ".join(f"{f}=True" for f in given)
-                                + ").", argument=given[0], value=True, allowed="False (or leave it out)")
         return cls.from_pretrained(name_or_path, **kwargs)
 
     def process_weights_(self, fold_ln: bool = True, center_unembed: bool = True,

@@ -136,14 +136,12 @@ def test_loading_on_meta_is_refused():
     assert err.value.argument == "device"
 
 
-def test_no_processing_refuses_processing_flags():
-    from mdm_lens.errors import ArgumentError
-
-    with pytest.raises(ArgumentError, match=r"use from_pretrained\(\.\.\., fold_ln=True\)") as err:
-        HookedMDM.from_pretrained_no_processing("mdm-lens/tiny-mdm", fold_ln=True)
-    assert err.value.argument == "fold_ln"
-    plain = HookedMDM.from_pretrained_no_processing("mdm-lens/tiny-mdm", fold_ln=False)
-    assert plain.blocks[0].ln1.w is not None  # unprocessed: the norm weight is there
+def test_no_processing_honours_explicit_flags_as_transformer_lens_does():
+    # TL's from_pretrained_no_processing only changes the flags' defaults to False; an explicit True is honoured
+    folded = HookedMDM.from_pretrained_no_processing("mdm-lens/tiny-mdm", fold_ln=True)
+    assert folded.blocks[0].ln1.w is None and folded.cfg.normalization_type == "RMSPre"
+    plain = HookedMDM.from_pretrained_no_processing("mdm-lens/tiny-mdm")
+    assert plain.blocks[0].ln1.w is not None  # unprocessed by default: the norm weight is there
 
 
 def test_cache_effect_patch_must_be_a_bool():
