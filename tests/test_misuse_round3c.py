@@ -46,10 +46,11 @@ def test_steps_still_acts_without_those_rules_and_equal_to_gen_length_is_accepte
     # kv_cache alone follows the block schedule, where steps counts
     out = tiny.generate(p, gen_length=8, steps=4, block_length=4, kv_cache="prefix")
     assert out.settings["steps"] == 4
-    # steps == gen_length is what an unset steps resolves to (the probes always pass both): accepted, same run
+    # a passed steps equal to gen_length would be ignored as well: refused (round 7a); unset, it resolves to it
     a = tiny.generate(p, gen_length=8, threshold=0.9)
-    b = tiny.generate(p, gen_length=8, steps=8, threshold=0.9)
-    assert torch.equal(a.tokens, b.tokens) and a.settings["steps"] == b.settings["steps"] == 8
+    assert a.settings["steps"] == 8
+    with pytest.raises(SamplerConfigError, match="no effect"):
+        tiny.generate(p, gen_length=8, steps=8, threshold=0.9)
 
 
 def test_dream_steps_is_refused_under_threshold_and_factor(dream):

@@ -112,14 +112,25 @@ def undeclared(settings_cls: type) -> list[str]:
             if not f.metadata.get("resolved") and f.name not in getattr(settings_cls, "rules", {})]
 
 
+class DerivedSteps(int):
+    """A `steps` value a probe derived itself because its caller passed none (gen_length): the probe's default, not
+    the caller's choice. A rule that decides the number of forwards itself (`steps_unless`) lets it through, where
+    it refuses any `steps` the caller passed, whatever its value."""
+
+
+def derived_steps(given: Any, fallback: int) -> Any:
+    """The `steps=` a probe passes to `generate`: the caller's `given` when there is one (checked by the sampler as
+    the caller's), else `fallback` marked as derived (`DerivedSteps`)."""
+    return given if given is not None else DerivedSteps(fallback)
+
+
 def steps_unless(switches: dict[str, Any], when: str, **kw: Any) -> Rule:
     """`steps` for a sampler whose `switches` (option → its default) select a rule that decides the number of
-    forwards itself (Fast-dLLM's threshold / factor, EB-sampler): an explicit `steps` under one of them is refused
-    naming it. `steps` equal to an explicit `gen_length` is what it resolves to anyway (what `out.settings` shows),
-    so callers that always pass both (the probes) keep working."""
+    forwards itself (Fast-dLLM's threshold / factor, EB-sampler): any `steps` the caller passed under one of them is
+    refused naming it, also one equal to gen_length (it would be ignored, not obeyed). A probe that passes its own
+    default (`DerivedSteps`: the caller gave none) is let through."""
     def active(s: Any) -> bool:
-        return all(_same(getattr(s, k), v) for k, v in switches.items()) or (
-            s.gen_length is not None and _same(s.steps, s.gen_length))
+        return all(_same(getattr(s, k), v) for k, v in switches.items()) or isinstance(s.steps, DerivedSteps)
 
     def inert_by(s: Any) -> str:
         on = [f"{k}={getattr(s, k)!r}" for k, v in switches.items() if not _same(getattr(s, k), v)]

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion.rules import derived_steps
 from mdm_lens import validate
 from mdm_lens.diffusion.replay import BLOCK_SAMPLERS, state_at
 from mdm_lens.diffusion.window_replay import WINDOW_SAMPLERS
@@ -222,7 +223,7 @@ def generate_final(model: Any, prompts: Sequence[Any], gen_length: int | None = 
     steps = _optional_length(steps, "steps")
     rows = []
     for p in prompts:
-        out = model.generate(_batch(p, model.input_device), steps=steps or g, gen_length=g, **generate_kwargs)
+        out = model.generate(_batch(p, model.input_device), steps=derived_steps(steps, g), gen_length=g, **generate_kwargs)
         rows.append(out.tokens[0].cpu())
     pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
     width = max(len(r) for r in rows)

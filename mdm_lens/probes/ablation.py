@@ -13,6 +13,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion.rules import derived_steps
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, OutOfRangeError
@@ -110,7 +111,7 @@ def answer_accuracy(model: Any, items: Sequence[Any], fwd_hooks: Sequence[Any] =
     hits = []
     for raw in items:
         item = _as_item(raw, model)
-        out = model.generate(_batch(item.prompt_ids, model.input_device), steps=steps or g, gen_length=g,
+        out = model.generate(_batch(item.prompt_ids, model.input_device), steps=derived_steps(steps, g), gen_length=g,
                              fwd_hooks=list(fwd_hooks), seed=seed, **generate_kwargs)
         hits.append(answer_correct(model, out.tokens[0, out.prompt_length:].cpu(), item.answer, decode))
     return float(np.mean(hits)) if hits else float("nan")

@@ -30,6 +30,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion.rules import derived_steps
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler, require_fixed_length
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentTypeError, InputError, StepForwardError
@@ -187,7 +188,8 @@ def _clean_run(model: Any, out_or_clean: Any, gen_length: Any, n_steps: Any, gen
     clean = C.prompt_batch(out_or_clean, "out_or_clean", model.input_device)
     g = validate.integer(gen_length if gen_length is not None else model.cfg.extra.get("gen_length", 4),
                          name="gen_length", min=1)
-    ns = g if is_causal(model) else validate.integer(n_steps if n_steps is not None else g, name="n_steps", min=1)
+    ns = g if is_causal(model) else derived_steps(
+        None if n_steps is None else validate.integer(n_steps, name="n_steps", min=1), g)
     with torch.no_grad():
         return model.generate(clean, steps=ns, gen_length=g, **generate_kwargs)
 

@@ -38,6 +38,7 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
+from mdm_lens.diffusion.rules import derived_steps
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, StepForwardError
@@ -245,7 +246,8 @@ def patch_anchor_activations(model: Any, clean_ids: Any, corrupt_ids: Any, *, st
     validate.same_shape(clean_p, corrupt_p, names=("clean_ids", "corrupt_ids"))
     g = validate.integer(gen_length if gen_length is not None else model.cfg.extra.get("gen_length", 4),
                          name="gen_length", min=1)
-    ns = g if is_causal(model) else validate.integer(n_steps if n_steps is not None else g, name="n_steps", min=1)
+    ns = g if is_causal(model) else derived_steps(
+        None if n_steps is None else validate.integer(n_steps, name="n_steps", min=1), g)
     validate.integer(step, name="step")
     ls = validate.indices(layers, model.cfg.n_layers, name="layers", what="layer")
     clean = model.generate(clean_p, steps=ns, gen_length=g, **generate_kwargs)

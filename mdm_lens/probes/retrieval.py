@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion.rules import derived_steps
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 from mdm_lens.hooks import TopKKeys
 from mdm_lens.hooks.names import expand_names
@@ -139,7 +140,7 @@ def _generate(model: Any, item: RetrievalItem, method: str, layers: list[int], g
     kw = dict(generate_kwargs)
     if method == "wu":
         kw.update(sampler="arm", temperature=0.0)
-    return model.generate(_batch(item.prompt_ids, model.input_device), steps=steps or gen_length, gen_length=gen_length,
+    return model.generate(_batch(item.prompt_ids, model.input_device), steps=derived_steps(steps, gen_length), gen_length=gen_length,
                           record=record, fwd_hooks=list(fwd_hooks), seed=seed, **kw)
 
 
