@@ -77,7 +77,7 @@ CASES = [
 @pytest.mark.parametrize("kw", CASES)
 def test_dream_factor_trajectories_are_token_exact(model, dual, kw):
     kw = dict(dict(top_p=None, top_k=None), **kw)
-    out = model.generate(PROMPT, gen_length=8, steps=8, kv_cache="dual" if dual else "prefix", seed=3,
+    out = model.generate(PROMPT, gen_length=8, kv_cache="dual" if dual else "prefix", seed=3,
                          fwd_hooks=NO_MASK, **kw)
     with torch.no_grad():
         ref, nfe = reference(model, PROMPT.clone(), 8, kw["block_length"], dual, kw["factor"], kw["temperature"],
@@ -92,7 +92,7 @@ def test_the_factor_changes_how_many_commit_per_forward(model):
     """A tiny factor is almost 'threshold 1': one token per window forward, except the last two masked positions,
     which commit together (only the last rank fails: the reference's edge case). A huge factor passes every rank:
     the whole block commits at the first window forward."""
-    runs = {f: model.generate(PROMPT, gen_length=8, steps=8, kv_cache="dual", block_length=8, factor=f, temperature=0,
+    runs = {f: model.generate(PROMPT, gen_length=8, kv_cache="dual", block_length=8, factor=f, temperature=0,
                               fwd_hooks=NO_MASK) for f in (1e-9, 100.0)}
     assert runs[1e-9].trajectory.n_committed[:, 0].tolist() == [1, 1, 1, 1, 1, 1, 2]
     assert runs[100.0].trajectory.n_committed[:, 0].tolist() == [1, 7]
