@@ -42,13 +42,15 @@ def rows(size: str = "full", repeats: int = 5) -> list[Row]:
     base = dict(gen_length=s["gen"], block_length=s["block"], steps=s["gen"], progress=False)
     out = []
     for label, extra in (("block schedule, 1 token/step", {}), ("threshold 0.9", dict(threshold=0.9))):
-        uncached = dict(base, **extra) if extra else dict(base, threshold=None)
+        # threshold decides its number of forwards itself: an explicit steps is refused there
+        base_x = {k: v for k, v in base.items() if k != "steps"} if extra else base
+        uncached = dict(base_x, **extra) if extra else dict(base, threshold=None)
         # the uncached Fast-dLLM loop needs a rule: the schedule row compares against LLaDA's own loop
         plain = lambda kw=uncached: model.generate(prompt, **kw)  # noqa: E731
         for mode in ("prefix", "dual"):
-            cached = lambda kw=dict(base, **extra, kv_cache=mode): model.generate(prompt, **kw)  # noqa: E731
+            cached = lambda kw=dict(base_x, **extra, kv_cache=mode): model.generate(prompt, **kw)  # noqa: E731
             t = alternate(cached, plain, repeats)
-            n = model.generate(prompt, **dict(base, **extra, kv_cache=mode)).trajectory.n_steps
+            n = model.generate(prompt, **dict(base_x, **extra, kv_cache=mode)).trajectory.n_steps
             out.append(Row("K kv cache", f"{mode} cache vs none, {label}", seconds(t.a_med), seconds(t.b_med),
                            1 / t.ratio, "(report)", None, f"{n} forwards; {t.spread()} (of cached/none)", speedup=True))
     dual = dict(base, kv_cache="dual")

@@ -49,6 +49,7 @@ from torch import Tensor
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 from mdm_lens import validate
 from mdm_lens.errors import InputError, SamplerConfigError
+from mdm_lens.diffusion.rules import derived_steps
 from mdm_lens.hooks import at_steps
 
 from . import _causal as C
@@ -231,7 +232,9 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
     prompt = C.prompt_batch(prompt_ids, "prompt_ids", dev)
     g = validate.integer(gen_length if gen_length is not None else model.cfg.extra.get("gen_length", 4),
                          name="gen_length", min=1)
-    ns = g if is_causal(model) else validate.integer(n_steps if n_steps is not None else g, name="n_steps", min=1)
+    # no n_steps given: gen_length is knockout's own default (DerivedSteps), which threshold / factor rules accept
+    ns = g if is_causal(model) else derived_steps(
+        None if n_steps is None else validate.integer(n_steps, name="n_steps", min=1), g)
     ls = validate.indices(layers, model.cfg.n_layers, name="layers", what="layer")
     P = prompt.shape[1]
     sampler = None if is_block_diffusion(model) else _check_sampler(model, generate_kwargs)
