@@ -56,3 +56,43 @@ def test_dream_refuses_a_passed_steps_equal_to_gen_length_under_threshold():
     with pytest.raises(SamplerConfigError, match="steps=8 has no effect on sampler 'dream'"):
         dream.generate(p, gen_length=8, steps=8, kv_cache="dual", block_length=4, threshold=0.5)
     assert dream.generate(p, gen_length=8, kv_cache="dual", block_length=4, threshold=0.5).settings["steps"] == 8
+
+
+# --- KnockoutResult.to_frame says why a value is NaN (as the sweep's knockout.parquet did) -------------------------
+
+NO_SLOT = "no gold answer position is still masked at this step"
+
+
+def test_knockout_to_frame_notes_each_nan_row(tmp_path):
+    from tests.families.family_checkpoints import write_llada2
+
+    # token 31 is what these weights decode first: as EOS the run stops after its first block (3 forwards)
+    m = HookedMDM.from_pretrained(str(write_llada2(tmp_path, eos_token_id=31)[0]), load_tokenizer=False)
+    r = knockout(m, torch.tensor([[5, 6, 7, 8, 9]]), gen_length=8, block_length=4, n_random=1)
+    assert r.steps == [0, 1, 2]
+    df = r.to_frame()
+    tf = df[df["metric"].isin(["tf_answer_logprob", "tf_answer_rank"])]
+    # the one-token answer is committed at step 0: steps 1, 2 mask no answer slot
+    assert tf.loc[tf["step"] > 0, "value"].isna().all() and tf.loc[tf["step"] > 0, "note"].str.startswith(NO_SLOT).all()
+    assert tf.loc[tf["step"] == 0, "value"].notna().all() and (tf.loc[tf["step"] == 0, "note"] == "").all()
+    acc = df[df["metric"] == "accuracy"]
+    assert len(acc) == 3 and acc["note"].str.startswith("no answer was given").all()
+    # every NaN row says why; rows with a value carry no note unless their condition has one
+    assert (df.loc[df["value"].isna(), "note"] != "").all()
+    # per-condition metrics only: no step column, notes still there
+    only = r.to_frame(metrics=["accuracy", "value"])
+    assert "step" not in only and (only.loc[only["metric"] == "accuracy", "note"] != "").all()
+    assert list(r.table().index) == r.conditions
+
+
+def test_knockout_to_frame_carries_the_condition_note(tiny):
+    p = tiny.to_tokens("The capital is")
+    # ten of eleven keys cut: the random control cannot be matched, its condition note says so on every row
+    r = knockout(tiny, p, gen_length=8, targets=list(range(10)), n_random=1, answer="capital")
+    assert r.condition_notes[2].startswith("unmatched control")
+    df = r.to_frame()
+    for cond, note in zip(r.conditions, r.condition_notes):
+        got = df.loc[(df["condition"] == cond) & df["value"].notna(), "note"]
+        assert (got == note).all()
+    acc = df[df["metric"] == "accuracy"]
+    assert acc["value"].notna().all() and not acc["note"].str.startswith("no answer").any()  # an answer was given

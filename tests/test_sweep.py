@@ -273,7 +273,7 @@ def test_knockout_rows_nan_at_a_step_say_why():
     # (step_metric NaN): the row says why; rows with values and NaN summaries keep what they had
     import pandas as pd
 
-    from mdm_lens.sweep.knockout_notes import metric_notes
+    from mdm_lens.probes._knockout_notes import metric_notes
 
     df = pd.DataFrame({"metric": ["tf_answer_logprob", "tf_answer_rank", "step_metric", "step_metric", "effect"],
                        "step": pd.array([3, 3, 0, 1, pd.NA], dtype="Int64"),

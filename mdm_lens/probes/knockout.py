@@ -54,6 +54,7 @@ from mdm_lens.hooks import at_steps
 
 from . import _causal as C
 from ._ignored import refuse_ignored
+from ._knockout_notes import metric_notes
 from ._results import ResultMixin
 from .retrieval import _decode, answer_correct
 from ._runtools import is_block_diffusion
@@ -116,6 +117,16 @@ class KnockoutResult(ResultMixin):
 
     def _coords(self):
         return {"condition": self.conditions, "step": self.steps}
+
+    def to_frame(self, lead_dims: Sequence[str] | None = None, metrics: Sequence[str] | None = None):
+        """Long format (`ResultMixin.to_frame`) with a `note` column: why a row's value is NaN or not comparable —
+        the condition's note (an unmatched random control, a cut that cut nothing), a metric the sampler cannot
+        give, a step the run never reached, a step at which the metric is undefined; "" where the value stands."""
+        df = super().to_frame(lead_dims, metrics)
+        by_condition = dict(zip(self.conditions, self.condition_notes))
+        df["note"] = df["condition"].map(by_condition).fillna("") if "condition" in df else ""
+        metric_notes(df, self.notes)
+        return df
 
     def table(self):
         """Wide summary, one row per condition: value, effect, the answer-level metrics (sampled, then

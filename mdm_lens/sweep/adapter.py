@@ -35,7 +35,6 @@ from mdm_lens.probes import patching, retrieval
 from mdm_lens.probes import run as R
 from mdm_lens.sweep import atp_tables, cache_tables, feature_tables, lens_tables, shared as SH
 from mdm_lens.sweep.batch import Batch, Settings  # noqa: F401  (re-exported: adapter.Batch / adapter.Settings)
-from mdm_lens.sweep.knockout_notes import metric_notes
 from mdm_lens.sweep.tables import (DRIFT_METRICS, KEY_COLUMNS, PATTERN_BUDGET_BYTES, STEP_METRICS,  # noqa: F401
                                    _anchor_mass, frame, temporal)
 from mdm_lens.sweep.templates import Rendered
@@ -357,10 +356,7 @@ def knockout(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFram
         res = patching.knockout(model, torch.tensor(r.ids), answer=answer, n_random=s.n_random, seed=batch.seeds[b],
                                 **kw)
         df = res.to_frame()
-        df.insert(0, "item_id", batch.item_ids[b])
-        # why a condition's value is NaN or not comparable (an unmatched random control): KnockoutResult.condition_notes
-        df["note"] = df["condition"].map(dict(zip(res.conditions, res.condition_notes))).fillna("")
-        metric_notes(df, res.notes)
+        df.insert(0, "item_id", batch.item_ids[b])  # to_frame's `note` says why a value is NaN or not comparable
         frames.append(df)
     out = pd.concat(frames, ignore_index=True)
     return out.drop(columns=[c for c in ("label",) if c in out and out[c].isna().all()])

@@ -1,4 +1,4 @@
-"""Notes on the sweep's knockout rows: why a value is NaN (a metric the sampler cannot give, a step the run never
+"""Notes on knockout's long-format rows (`KnockoutResult.to_frame`, the sweep's knockout.parquet): why a value is NaN (a metric the sampler cannot give, a step the run never
 reached, a step at which the quantity is undefined), never an empty note."""
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ def metric_notes(df: pd.DataFrame, notes: list[str]) -> None:
         if why is not None:
             at = df["metric"].isin(metrics) & df["value"].isna()
             df.loc[at, "note"] = why
+    no_answer = (df["metric"] == "accuracy") & df["value"].isna() & (df["note"] == "")
+    df.loc[no_answer, "note"] = "no answer was given: accuracy is a substring match with `answer`"
+    if "step" not in df:  # only per-condition metrics were asked for
+        return
     # per-step values NaN by definition at that step (the grid's other steps have values)
     per_step = df["value"].isna() & (df["note"] == "") & df["step"].notna()
     df.loc[per_step & df["metric"].str.startswith("tf_"), "note"] = (
