@@ -82,21 +82,6 @@ def test_sampler_window_forwards_do_not_run_the_left_pad_heuristic(tmp_path):
         model(torch.cat([torch.tensor([[model.cfg.pad_token_id]]), prompt], 1))
 
 
-def test_the_sweep_refuses_a_sampler_without_gen_length_before_writing(tmp_path):
-    from mdm_lens import sweep
-    from mdm_lens.errors import SamplerConfigError
-    from mdm_lens.zoo import jsonl
-    from tests.test_fastdllm_v2 import write_fastdllm_v2
-
-    folder, *_ = write_fastdllm_v2(tmp_path / "fd2")
-    data = tmp_path / "items.jsonl"
-    jsonl.export(data, 2, seed=0)
-    with pytest.raises(SamplerConfigError, match="not supported by the sweep") as err:
-        sweep.run(str(folder), data, "absorption", tmp_path / "out", progress=False)
-    assert err.value.argument == "model" and "fastdllm_v2" in str(err.value)
-    assert not (tmp_path / "out" / "absorption.parquet").exists()
-
-
 def test_memory_plan_takes_generates_attention_mask_and_its_checks():
     from mdm_lens.errors import ArgumentTypeError, InputError
 

@@ -96,3 +96,69 @@ def test_knockout_to_frame_carries_the_condition_note(tiny):
         assert (got == note).all()
     acc = df[df["metric"] == "accuracy"]
     assert acc["value"].notna().all() and not acc["note"].str.startswith("no answer").any()  # an answer was given
+
+
+# --- the sweep on Fast-dLLM v2: LLaDA's length names map to its own (registry.own_lengths, as the SAE export) ------
+
+def _fastdllm_sweep_model(tmp_path):
+    import json
+    import string
+    import sys
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parent / "families"))
+    from test_family_sweep import ITEMS
+    from test_fastdllm_v2 import write_fastdllm_v2
+
+    folder = write_fastdllm_v2(tmp_path / "ckpt")[0]
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=95, pad_token_id=95)))
+    chars = sorted(set(string.printable) - set("\t\n\r\x0b\x0c"))
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({"<|endoftext|>": 95, "|<MASK>|": 96})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(folder / "tokenizer.json"))
+    data = tmp_path / "items.jsonl"
+    data.write_text(json.dumps(ITEMS[0]) + "\n")
+    return HookedMDM.from_pretrained(str(folder)), data
+
+
+def test_sweep_runs_a_fastdllm_v2_checkpoint(tmp_path):
+
+    import pandas as pd
+
+    from mdm_lens.sweep.runner import run
+
+    model, data = _fastdllm_sweep_model(tmp_path)
+    run(model, data, "accuracy,knockout,absorption", tmp_path / "sw", limit=1, gen_length=16, block_length=8,
+        template="zoo", progress=False)
+    text = (tmp_path / "sw" / "manifest.json").read_text()
+    assert '"max_new_tokens": 16' in text and '"block_size": 8' in text
+    acc = pd.read_parquet(tmp_path / "sw" / "accuracy.parquet")
+    assert len(acc) > 0
+    ko = pd.read_parquet(tmp_path / "sw" / "knockout.parquet")
+    assert ko["value"].isna().all() and ko["note"].str.contains("no fixed number of steps").all()
+    assert pd.read_parquet(tmp_path / "sw" / "absorption.parquet")["value"].notna().any()
+    with pytest.raises(SamplerConfigError, match="steps=4: sampler 'fastdllm_v2' has no such setting") as err:
+        run(model, data, "accuracy", tmp_path / "sw2", limit=1, gen_length=16, steps=4, template="zoo",
+            progress=False)
+    assert err.value.argument == "steps"
+    assert not (tmp_path / "sw2").exists()
+
+
+@pytest.mark.parametrize("probe", ["retrieval", "flow", "atp"])
+def test_sweep_refuses_the_probes_fastdllm_v2_cannot_give_before_writing(tmp_path, probe):
+    from mdm_lens.sweep.runner import run
+
+    model, data = _fastdllm_sweep_model(tmp_path)
+    with pytest.raises(SamplerConfigError, match=rf"probes \['{probe}'\] cannot run on sampler 'fastdllm_v2'.*"
+                                                 r"the others, \['accuracy'\], run") as err:
+        run(model, data, f"accuracy,{probe}", tmp_path / "sw", limit=1, gen_length=16, block_length=8,
+            template="zoo", progress=False)
+    assert err.value.argument == "probes"
+    assert not (tmp_path / "sw").exists()

@@ -253,6 +253,31 @@ def settings_names(sampler: Sampler) -> set[str]:
     return {f.name for f in dataclasses.fields(sampler.Settings) if not f.metadata.get("resolved")}
 
 
+def own_lengths(sampler: Sampler, optional: tuple[str, ...] = (), **lengths: Any) -> dict[str, Any]:
+    """`n_steps` / `gen_length` / `block_length` under the sampler's own names (Fast-dLLM v2: `max_new_tokens`,
+    `block_size`, and no `steps`; the sampler's `renamed` map), for callers that speak LLaDA's names (the export,
+    the sweep). None values are left to the sampler's defaults; one the sampler has no setting for is refused,
+    unless it is named in `optional` (a caller's default, not the user's choice: dropped)."""
+    own = settings_names(sampler)
+    out: dict[str, Any] = {}
+    for name, value in lengths.items():
+        if value is None:
+            continue
+        key = "steps" if name == "n_steps" else name
+        key = sampler.renamed.get(key, key)
+        if key not in own:
+            if name in optional:
+                continue
+            # why it has none: the sampler's own word (BD3LM: the block is config.json's block_size), else, for the
+            # step count, that the sampler decides it
+            why = sampler.absent.get(key) or sampler.absent.get(name) or (
+                "it decides its number of forwards itself" if name == "n_steps" else "it takes no such setting")
+            raise SamplerConfigError(f"{name}={value!r}: sampler {sampler.name!r} has no such setting ({why}); leave "
+                                     "it unset.", argument=name, value=value, allowed=f"None for sampler {sampler.name!r}")
+        out[key] = value
+    return out
+
+
 def resolved_names(sampler: Sampler) -> set[str]:
     """Fields `resolve` fills from the model (e.g. `eos_id`): shown on `out.settings`, refused as keywords."""
     return {f.name for f in dataclasses.fields(sampler.Settings) if f.metadata.get("resolved")}

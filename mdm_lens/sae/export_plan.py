@@ -195,24 +195,9 @@ def make_plan(model: Any, hooks: Any, when: Steps, n_steps: int | None, gen_leng
 
 
 def _lengths(plugin: Any, **lengths: Any) -> dict[str, Any]:
-    """The export's `n_steps` / `gen_length` / `block_length` under the sampler's own names (Fast-dLLM v2:
-    `max_new_tokens`, `block_size`, and no `steps`); unset ones are left to the sampler's defaults."""
-    own = registry.settings_names(plugin)
-    out: dict[str, Any] = {}
-    for name, value in lengths.items():
-        if value is None:
-            continue
-        key = "steps" if name == "n_steps" else name
-        key = plugin.renamed.get(key, key)
-        if key not in own:
-            # why it has none: the sampler's own word (BD3LM: the block is config.json's block_size), else, for the
-            # step count, that the sampler decides it
-            why = plugin.absent.get(key) or plugin.absent.get(name) or (
-                "it decides its number of forwards itself" if name == "n_steps" else "it takes no such setting")
-            raise SamplerConfigError(f"{name}={value!r}: sampler {plugin.name!r} has no such setting ({why}); leave "
-                                     "it unset.", argument=name, value=value, allowed=f"None for sampler {plugin.name!r}")
-        out[key] = value
-    return out
+    """The export's `n_steps` / `gen_length` / `block_length` under the sampler's own names
+    (`registry.own_lengths`, shared with the sweep); unset ones are left to the sampler's defaults."""
+    return registry.own_lengths(plugin, **lengths)
 
 
 def render_prompts(model: Any, src: Source, template: str, gen_length: int) -> tuple[list[Prompt], str]:

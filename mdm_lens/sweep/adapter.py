@@ -81,11 +81,34 @@ def sub_batches(model: Any, batch: Batch, exact: bool) -> list[Batch]:
 
 
 def _gen_kwargs(model: Any, s: Settings) -> dict[str, Any]:
+    """The sweep's lengths as the model's default sampler names them (`registry.own_lengths`, the export's mapping
+    too: Fast-dLLM v2 takes `max_new_tokens` / `block_size` and has no `steps`, so the sweep's default steps is
+    dropped there; `sweep.run` refuses an explicit one). DiffusionGemma's generate takes LLaDA's names itself."""
+    from mdm_lens.diffusion import registry
+    from mdm_lens.diffusion.generate import default_sampler
+
     causal = R.is_causal(model)
-    kw: dict[str, Any] = dict(gen_length=s.gen_length, steps=s.gen_length if causal else s.steps, progress=False)
-    if not causal and not model.cfg.logit_shift and s.block_length is not None:
-        kw["block_length"] = s.block_length
-    return kw
+    steps = s.gen_length if causal else s.steps
+    sampler = default_sampler(model)
+    # a token-shifted model's sampler (Dream) has block_length only for its cached loop: not passed; a sampler that
+    # renames block_length to its own block setting (Fast-dLLM v2's block_size) takes it
+    plugin = None if sampler == "diffusion_gemma" else registry.get(sampler)
+    renames_blocks = plugin is not None and "block_length" in plugin.renamed
+    blocks = s.block_length if not causal and (not model.cfg.logit_shift or renames_blocks) else None
+    if plugin is None:
+        kw: dict[str, Any] = dict(gen_length=s.gen_length, steps=steps)
+        if blocks is not None:
+            kw["block_length"] = blocks
+    else:
+        kw = registry.own_lengths(plugin, optional=("n_steps",), n_steps=steps, gen_length=s.gen_length,
+                                  block_length=blocks)
+    return dict(kw, progress=False)
+
+
+def sweep_block_length(kw: dict[str, Any]) -> int | None:
+    """The block length the sweep's runs decode with, under either name (`block_length`, Fast-dLLM v2's
+    `block_size`): the block mask of its clean forwards (`run_block_mask`)."""
+    return kw.get("block_length", kw.get("block_size"))
 
 
 @contextmanager
@@ -344,12 +367,12 @@ def retrieval_rows(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.Da
 def knockout(model: Any, batch: Batch, s: Settings, shared: dict) -> pd.DataFrame:
     kw = _gen_kwargs(model, s)
     kw.pop("progress")
-    kw["n_steps"] = kw.pop("steps")
     refused = _knockout_refusal(model)
     if refused is not None:  # NaN effects per item, the reason in `note` (as lens / cache record theirs)
         ids = [i for i in batch.item_ids for _ in range(2)]
         return pd.DataFrame({"item_id": ids, "metric": "effect", "condition": ["anchors", "random"] * len(batch.item_ids),
                              "step": pd.array([pd.NA] * len(ids), dtype="Int64"), "value": np.nan, "note": refused})
+    kw["n_steps"] = kw.pop("steps")  # a sampler without steps was refused above
     frames = []
     for b, r in enumerate(batch.rendered):
         answer = r.item.answers[0] if r.item.answers else None

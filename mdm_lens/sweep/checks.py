@@ -146,18 +146,38 @@ def select(model: Any, screened: Selection, probes: Sequence[str], template: str
 def check_sampler(model: Any, gen_kwargs: dict[str, Any]) -> None:
     """The sampler settings the sweep will pass (``adapter._gen_kwargs``), checked before anything is written
     (e.g. a ``block_length`` that does not divide ``gen_length``), as ``generate`` checks them."""
-    from mdm_lens.diffusion import registry
     from mdm_lens.diffusion.generate import default_sampler, plan
 
     name = default_sampler(model)
     if name == "diffusion_gemma":     # transformers' own settings; checked by its first call
         return
-    if "gen_length" not in registry.settings_names(registry.get(name)):
-        # the sweep's probes drive the sampler by gen_length / steps / block_length (knockout, retrieval, cache and
-        # lens re-run it so); a sampler under other names and without a steps grid is not one they can drive
-        raise SamplerConfigError(f"mdm-lens sweep runs its probes through gen_length / steps / block_length, and this "
-                                 f"model's sampler {name!r} has neither gen_length nor a steps grid "
-                                 "(Fast-dLLM v2: max_new_tokens, confidence-driven forwards): it is not supported by "
-                                 "the sweep. Run its probes from Python (generate, export_activations, lens, SAE).",
-                                 argument="model", value=name, allowed="a model whose sampler takes gen_length")
     plan(model, **gen_kwargs)  # the sampler plug-in's own resolution, exactly as generate runs it
+
+
+# probes a sampler's runs cannot give, and why: refused before anything is written, the other probes run
+UNSUPPORTED = {
+    "fastdllm_v2": {
+        "retrieval": "its scores read TopKKeys over a steps grid, and Fast-dLLM v2 decides its number of forwards "
+                     "itself (no steps setting) and computes one block's rows against an exact block KV cache",
+        "flow": "its regions are laid out over gen_length answer tokens, and a Fast-dLLM v2 run stops at its stop "
+                "token (and floors max_new_tokens to whole blocks), so the final canvas is not that layout",
+        "atp": "attribution patching needs fresh forwards of each step's canvas, and every Fast-dLLM v2 forward reads "
+               "the block KV cache of the finished blocks",
+    },
+}
+
+
+def check_probes(model: Any, probes: Sequence[str]) -> None:
+    """Refuse, before anything is written, the probes the model's default sampler cannot give (`UNSUPPORTED`),
+    naming each with its reason and the probes that do run."""
+    from mdm_lens.diffusion.generate import default_sampler
+
+    name = default_sampler(model)
+    bad = {p: why for p, why in UNSUPPORTED.get(name, {}).items() if p in probes}
+    if bad:
+        reasons = "; ".join(f"{p}: {why}" for p, why in bad.items())
+        ok = [p for p in probes if p not in bad]
+        raise SamplerConfigError(f"probes {sorted(bad)} cannot run on sampler {name!r} ({reasons}). Leave them out"
+                                 + (f" (the others, {ok}, run)." if ok else "."),
+                                 argument="probes", value=sorted(bad),
+                                 allowed=f"probes other than {sorted(UNSUPPORTED[name])} for sampler {name!r}")

@@ -216,9 +216,14 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
         g = int(gen_length or model.cfg.extra.get("gen_length", 32))
         s = A.Settings(gen_length=g, steps=int(steps or g), block_length=block_length, keep_keys=keep_keys,
                        n_random=n_random, exact=batching == "length")
+        from mdm_lens.diffusion import registry
+        from mdm_lens.diffusion.generate import default_sampler
+        if steps is not None and default_sampler(model) != "diffusion_gemma":
+            # an explicit steps= for a sampler without one (Fast-dLLM v2) is refused, not dropped like the default
+            registry.own_lengths(registry.get(default_sampler(model)), steps=steps)
         kw = A._gen_kwargs(model, s)
         C.check_sampler(model, kw)
-        from mdm_lens.diffusion.generate import default_sampler
+        C.check_probes(model, names)  # probes this sampler's runs cannot give
         # their reference loops decode one prompt at a time (BD3LM: first hitting, its default, needs batch 1)
         if default_sampler(model) in ("llada2", "sdar", "bd3lm"):
             batch_size = 1
@@ -231,8 +236,8 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
         A.preflight(model, len(items), names, s)  # probes that bound the whole sweep (features' memory budget)
         fingerprint = dict(model=model.cfg.model_name, config_hash=M.config_hash(model),
                            data=str(Path(data).resolve()), data_hash=M.file_hash(str(data)), probes=names,
-                           batch_size=batch_size, steps=kw["steps"], gen_length=g,
-                           block_length=kw.get("block_length"), seed=seed, dtype=M.model_dtype(model),
+                           batch_size=batch_size, steps=kw.get("steps"), gen_length=g,
+                           block_length=A.sweep_block_length(kw), seed=seed, dtype=M.model_dtype(model),
                            template=tmpl, keep_keys=keep_keys, n_random=n_random, batching=batching,
                            max_passages=max_passages, layout=LAYOUT)
         # every check is done: only now is anything written to ``out``
@@ -253,7 +258,7 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
         if err is not None:
             raise err
         store.set_batches({k: plan.units[k][1] for k in plan.active})
-        with M.SamplerLog(model) as log, A.run_block_mask(model, kw.get("block_length")):
+        with M.SamplerLog(model) as log, A.run_block_mask(model, A.sweep_block_length(kw)):
             info = _work(model, rendered, closed, plan, names, s, seed, store, world, progress, items)
         info.update(wall_s=round(time.perf_counter() - t0, 3), device=M.model_device(model), sampler=log.seen)
         store.write_rank(world.rank, info)
