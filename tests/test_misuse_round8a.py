@@ -162,3 +162,56 @@ def test_sweep_refuses_the_probes_fastdllm_v2_cannot_give_before_writing(tmp_pat
             template="zoo", progress=False)
     assert err.value.argument == "probes"
     assert not (tmp_path / "sw").exists()
+
+
+# --- a block selection that fires nowhere warns after the run, naming each block's steps -----------------------
+
+def _unfired(w):
+    return [str(x.message) for x in w if "matched no forward of this run" in str(x.message)]
+
+
+def test_a_block_selection_that_matches_no_forward_warns(tiny):
+    import warnings
+
+    from mdm_lens import ReceivedAttention
+    from mdm_lens.hooks import at_steps, steps
+
+    p = tiny.to_tokens("The capital is")
+    fired = []
+    for when, silent in ((steps(0, blocks=[1]), False), (steps(blocks=[1]), True), (steps(5, blocks=[1]), True)):
+        fired.clear()
+        hook = at_steps(lambda x, hook: fired.append(hook.name), when)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            out = tiny.generate(p, gen_length=8, steps=8, block_length=4, record=[ReceivedAttention(when=when)],
+                                cache="blocks.0.hook_resid_post" @ when, fwd_hooks=[("blocks.0.hook_resid_post", hook)])
+        got = _unfired(w)
+        if silent:
+            assert got == [] and fired and out.records["received_attention"].shape[0] > 0
+        else:
+            # step 0 is in block 0: the hook, the record and the cache each say so, with block 1's steps
+            assert not fired and out.records["received_attention"].shape[0] == 0
+            assert len(got) == 3 and all("blocks=[1]" in g and "{1: [4, 5, 6, 7]}" in g for g in got)
+            assert {g.split(":")[0] for g in got} == {"fwd_hooks", "record 'received_attention'", "cache"}
+
+
+def test_a_block_selection_on_an_adaptive_run_warns_with_the_runs_own_blocks(tmp_path):
+    import warnings
+
+    from mdm_lens import ReceivedAttention
+    from mdm_lens.hooks import steps
+    from tests.families.family_checkpoints import write_llada2
+
+    m = HookedMDM.from_pretrained(str(write_llada2(tmp_path)[0]), load_tokenizer=False)
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = m.generate(prompt, gen_length=8, block_length=4, steps=8,
+                         record=[ReceivedAttention(when=steps(blocks=[2]))])
+    assert _unfired(w) == [] and out.records["received_attention"].shape[0] > 0
+    block2 = out.record_meta["received_attention"]["steps"]  # the forwards LLaDA2 ran in block 2 (prompt block 0)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        m.generate(prompt, gen_length=8, block_length=4, steps=8, record=[ReceivedAttention(when=steps(0, blocks=[2]))])
+    got = _unfired(w)
+    assert len(got) == 1 and got[0].startswith("record 'received_attention'") and f"{{2: {block2}}}" in got[0]

@@ -44,6 +44,10 @@ class StepRunner:
             raise InputError(f"two reducers share a record name ({names}); give one a name=.")
         self.cache = None if cache is None else TrajectoryCache.from_request(cache)
         self.origins: dict[int, Tensor] = {}  # variable-length runs: step → original position of each row
+        # block selections fire only where the run puts a step in that block (known while it runs): the forwards
+        # each selection matched and each step's block, for the after-run warning on a selection that fired nowhere
+        self.fired: dict[int, int] = {}
+        self.block_of: dict[int, int] = {}
 
     def begin(self, batch: int, max_pos: int, n_steps: int, *, n_blocks: int | None = None,
               phases: Sequence[str] | None = None) -> None:
@@ -97,16 +101,44 @@ class StepRunner:
 
     def _hooks_for(self, state: DenoisingState) -> list[tuple[str, Callable]]:
         out: list[tuple[str, Callable]] = []
+        self.block_of.setdefault(state.step, state.block)
         for h in self.user_hooks:
             if h.when.matches(state.step, state.n_steps, state.block, state.phase):
+                self._fire(h.when)
                 out.extend((n, h.fn) for n in h.name)
         if state.phase == "cond":  # reducers summarise the step's main forward (checked in Reducer.begin)
             for r in self.reducers:
                 if r.active(state):
+                    self._fire(r.when)
                     out.extend(r.hooks(self.model, state))
         if self.cache is not None and self.cache.active(state):
+            self._fire(self.cache.when)
             out.extend(self.cache.hooks(self.model, state))
         return out
+
+    def _fire(self, when: Any) -> None:
+        self.fired[id(when)] = self.fired.get(id(when), 0) + 1
+
+    def warn_unfired_blocks(self) -> None:
+        """After a run: a selection with `blocks=` that matched no forward (e.g. `steps(0, blocks=[1])`, whose step
+        0 lies in block 0) is named in a warning with the steps each block ran, since which step falls in which
+        block is known only as the sampler runs and an empty record must not pass for a result."""
+        if not self.block_of:
+            return
+        specs = [("fwd_hooks", h.when) for h in self.user_hooks] + [(f"record {r.name!r}", r.when)
+                                                                    for r in self.reducers]
+        if self.cache is not None:
+            specs.append(("cache", self.cache.when))
+        runs: dict[int, list[int]] = {}
+        for step, block in sorted(self.block_of.items()):
+            runs.setdefault(block, []).append(step)
+        for what, when in specs:
+            if when.blocks is not None and not self.fired.get(id(when)):
+                shown = {b: runs.get(b, []) for b in when.blocks}
+                warnings.warn(f"{what}: its selection (steps {list(when.indices) or 'any'}, every={when.every}, "
+                              f"blocks={list(when.blocks)}) matched no forward of this run: the steps of those "
+                              f"blocks were {shown}; nothing was recorded or hooked.", StepsNotReachedWarning,
+                              stacklevel=5)
 
     def forward(self, state: DenoisingState, tokens: Tensor, **kwargs: Any) -> Tensor:
         """One hooked forward pass for `state`; returns position-aligned logits, checked finite (see
@@ -144,6 +176,9 @@ class StepRunner:
                 r.no_forward.append(step)
 
     def records(self) -> tuple[dict[str, Tensor], dict[str, dict]]:
+        """The reducers' records and meta, read once a run has ended (every sampler calls it last): also where a
+        block selection that fired nowhere is warned about."""
+        self.warn_unfired_blocks()
         records, meta = {}, {}
         for r in self.reducers:
             for key, value in r.results().items():
