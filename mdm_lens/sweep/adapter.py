@@ -35,6 +35,7 @@ from mdm_lens.probes import patching, retrieval
 from mdm_lens.probes import run as R
 from mdm_lens.sweep import atp_tables, cache_tables, feature_tables, lens_tables, shared as SH
 from mdm_lens.sweep.batch import Batch, Settings  # noqa: F401  (re-exported: adapter.Batch / adapter.Settings)
+from mdm_lens.sweep.lengths import _gen_kwargs, sweep_block_length  # noqa: F401  (adapter._gen_kwargs for the runner)
 from mdm_lens.sweep.tables import (DRIFT_METRICS, KEY_COLUMNS, PATTERN_BUDGET_BYTES, STEP_METRICS,  # noqa: F401
                                    _anchor_mass, frame, temporal)
 from mdm_lens.sweep.templates import Rendered
@@ -78,37 +79,6 @@ def sub_batches(model: Any, batch: Batch, exact: bool) -> list[Batch]:
     pick = lambda xs, idx: None if xs is None else [xs[i] for i in idx]  # noqa: E731
     return [make_batch(model, pick(batch.rendered, g), pick(batch.nocontext, g), pick(batch.seeds, g),
                        pick(batch.order, g)) for g in groups.values()]
-
-
-def _gen_kwargs(model: Any, s: Settings) -> dict[str, Any]:
-    """The sweep's lengths as the model's default sampler names them (`registry.own_lengths`, the export's mapping
-    too: Fast-dLLM v2 takes `max_new_tokens` / `block_size` and has no `steps`, so the sweep's default steps is
-    dropped there; `sweep.run` refuses an explicit one). DiffusionGemma's generate takes LLaDA's names itself."""
-    from mdm_lens.diffusion import registry
-    from mdm_lens.diffusion.generate import default_sampler
-
-    causal = R.is_causal(model)
-    steps = s.gen_length if causal else s.steps
-    sampler = default_sampler(model)
-    # a token-shifted model's sampler (Dream) has block_length only for its cached loop: not passed; a sampler that
-    # renames block_length to its own block setting (Fast-dLLM v2's block_size) takes it
-    plugin = None if sampler == "diffusion_gemma" else registry.get(sampler)
-    renames_blocks = plugin is not None and "block_length" in plugin.renamed
-    blocks = s.block_length if not causal and (not model.cfg.logit_shift or renames_blocks) else None
-    if plugin is None:
-        kw: dict[str, Any] = dict(gen_length=s.gen_length, steps=steps)
-        if blocks is not None:
-            kw["block_length"] = blocks
-    else:
-        kw = registry.own_lengths(plugin, optional=("n_steps",), n_steps=steps, gen_length=s.gen_length,
-                                  block_length=blocks)
-    return dict(kw, progress=False)
-
-
-def sweep_block_length(kw: dict[str, Any]) -> int | None:
-    """The block length the sweep's runs decode with, under either name (`block_length`, Fast-dLLM v2's
-    `block_size`): the block mask of its clean forwards (`run_block_mask`)."""
-    return kw.get("block_length", kw.get("block_size"))
 
 
 @contextmanager

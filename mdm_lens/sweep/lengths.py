@@ -1,0 +1,39 @@
+"""The sweep's lengths (`gen_length`, `steps`, `block_length`) as the model's default sampler names them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mdm_lens.probes import run as R
+from mdm_lens.sweep.batch import Settings
+
+
+def _gen_kwargs(model: Any, s: Settings) -> dict[str, Any]:
+    """The sweep's lengths as the model's default sampler names them (`registry.own_lengths`, the export's mapping
+    too: Fast-dLLM v2 takes `max_new_tokens` / `block_size` and has no `steps`, so the sweep's default steps is
+    dropped there; `sweep.run` refuses an explicit one). DiffusionGemma's generate takes LLaDA's names itself."""
+    from mdm_lens.diffusion import registry
+    from mdm_lens.diffusion.generate import default_sampler
+
+    causal = R.is_causal(model)
+    steps = s.gen_length if causal else s.steps
+    sampler = default_sampler(model)
+    # a token-shifted model's sampler (Dream) has block_length only for its cached loop: not passed; a sampler that
+    # renames block_length to its own block setting (Fast-dLLM v2's block_size) takes it
+    plugin = None if sampler == "diffusion_gemma" else registry.get(sampler)
+    renames_blocks = plugin is not None and "block_length" in plugin.renamed
+    blocks = s.block_length if not causal and (not model.cfg.logit_shift or renames_blocks) else None
+    if plugin is None:
+        kw: dict[str, Any] = dict(gen_length=s.gen_length, steps=steps)
+        if blocks is not None:
+            kw["block_length"] = blocks
+    else:
+        kw = registry.own_lengths(plugin, optional=("n_steps",), n_steps=steps, gen_length=s.gen_length,
+                                  block_length=blocks)
+    return dict(kw, progress=False)
+
+
+def sweep_block_length(kw: dict[str, Any]) -> int | None:
+    """The block length the sweep's runs decode with, under either name (`block_length`, Fast-dLLM v2's
+    `block_size`): the block mask of its clean forwards (`run_block_mask`)."""
+    return kw.get("block_length", kw.get("block_size"))
