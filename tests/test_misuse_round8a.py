@@ -100,7 +100,7 @@ def test_knockout_to_frame_carries_the_condition_note(tiny):
 
 # --- the sweep on Fast-dLLM v2: LLaDA's length names map to its own (registry.own_lengths, as the SAE export) ------
 
-def _fastdllm_sweep_model(tmp_path):
+def _fastdllm_sweep_model(tmp_path, n_items=1):
     import json
     import string
     import sys
@@ -124,7 +124,7 @@ def _fastdllm_sweep_model(tmp_path):
     tok.decoder = decoders.Fuse()
     tok.save(str(folder / "tokenizer.json"))
     data = tmp_path / "items.jsonl"
-    data.write_text(json.dumps(ITEMS[0]) + "\n")
+    data.write_text("".join(json.dumps(it) + "\n" for it in ITEMS[:n_items]))
     return HookedMDM.from_pretrained(str(folder)), data
 
 
@@ -134,11 +134,17 @@ def test_sweep_runs_a_fastdllm_v2_checkpoint(tmp_path):
 
     from mdm_lens.sweep.runner import run
 
-    model, data = _fastdllm_sweep_model(tmp_path)
-    run(model, data, "accuracy,knockout,absorption", tmp_path / "sw", limit=1, gen_length=16, block_length=8,
-        template="zoo", progress=False)
+    import json
+
+    model, data = _fastdllm_sweep_model(tmp_path, n_items=2)
+    run(model, data, "accuracy,knockout,absorption", tmp_path / "sw", limit=2, gen_length=16, block_length=8,
+        template="zoo", progress=False, batch_size=4)
     text = (tmp_path / "sw" / "manifest.json").read_text()
     assert '"max_new_tokens": 16' in text and '"block_size": 8' in text
+    # one prompt per run: a batch's answer spans would count from its shortest prompt
+    manifest = json.loads(text)
+    assert manifest["arguments"]["batch_size"] == 1 and manifest["items_done"] == 2
+    assert all(len(run_["prompt_lengths"]) == 1 for run_ in manifest["ran"]["sampler"])
     acc = pd.read_parquet(tmp_path / "sw" / "accuracy.parquet")
     assert len(acc) > 0
     ko = pd.read_parquet(tmp_path / "sw" / "knockout.parquet")

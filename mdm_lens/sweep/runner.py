@@ -224,8 +224,10 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
         kw = A._gen_kwargs(model, s)
         C.check_sampler(model, kw)
         C.check_probes(model, names)  # probes this sampler's runs cannot give
-        # their reference loops decode one prompt at a time (BD3LM: first hitting, its default, needs batch 1)
-        if default_sampler(model) in ("llada2", "sdar", "bd3lm"):
+        # their reference loops decode one prompt at a time (BD3LM: first hitting, its default, needs batch 1);
+        # Fast-dLLM v2 lays a batch out from position 0 per row, so answer spans from the shortest prompt would
+        # start inside a longer row's prompt
+        if default_sampler(model) in ("llada2", "sdar", "bd3lm", "fastdllm_v2"):
             batch_size = 1
         sel = C.select(model, screened, names, tmpl, g, max_passages, str(data), skip_bad, limit)
         skipped = [dict(item_id=None, **d) for d in read.skipped] + sel.skipped
