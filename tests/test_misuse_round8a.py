@@ -221,3 +221,16 @@ def test_a_block_selection_on_an_adaptive_run_warns_with_the_runs_own_blocks(tmp
         m.generate(prompt, gen_length=8, block_length=4, steps=8, record=[ReceivedAttention(when=steps(0, blocks=[2]))])
     got = _unfired(w)
     assert len(got) == 1 and got[0].startswith("record 'received_attention'") and f"{{2: {block2}}}" in got[0]
+
+
+def test_window_gold_scorer_reads_a_run_shorter_than_the_gold_canvas():
+    # a knocked-out nemotron / bd3lm run that stopped earlier than the clean one: its commit steps are narrower than
+    # the gold canvas; positions past its end were never committed (NaN), the others read their commit step's scores
+    from mdm_lens.probes.knockout_windowed import WindowGoldScorer
+
+    sc = WindowGoldScorer(None, torch.zeros(1, 6, dtype=torch.long))
+    sc.lp = {0: torch.arange(6.0)[None], 2: 10 + torch.arange(6.0)[None]}
+    sc.rank = {k: -v for k, v in sc.lp.items()}
+    lp, rank = sc.at_commit(torch.tensor([[-1, 0, 2, 3]]))
+    assert torch.equal(torch.isnan(lp), torch.tensor([[True, False, False, False, True, True]]))
+    assert lp[0, 1:4].tolist() == [1.0, 12.0, 13.0] and rank[0, 1:4].tolist() == [-1.0, -12.0, -13.0]

@@ -89,6 +89,8 @@ class WindowGoldScorer(_GoldScorer):
         lp = torch.full(self.gold.shape, math.nan, dtype=torch.float64)
         rank = lp.clone()
         cs = commit_step.cpu()[:, : self.gold.shape[1]]
+        if cs.shape[1] < self.gold.shape[1]:  # a run shorter than the gold canvas (it stopped early): never committed
+            cs = torch.cat([cs, cs.new_full((cs.shape[0], self.gold.shape[1] - cs.shape[1]), -1)], 1)
         scored = sorted(self.lp)
         for s in sorted(set(cs[cs >= 0].tolist())):
             before = [f for f in scored if f <= s]
