@@ -163,3 +163,34 @@ def test_bd3lm_trajectory_counts_every_blocks_steps(tmp_path: Path):
     assert plan.rows["cpu"].caches == (2 + 3 + 3) * 16 * 8
     plan = model.memory_plan(prompt_length=6, steps=3, gen_length=10, first_hitting=False)
     assert plan.rows["cpu"].caches == 3 * 3 * 16 * 8
+
+
+@pytest.mark.parametrize("family", ["rnd1", "coda"])
+@pytest.mark.parametrize("prompt_len, kw", [(8, dict(gen_length=16, steps=16)),
+                                            (16, dict(gen_length=48, steps=8, top_k=20, top_p=0.9))])
+def test_plan_matches_the_profiled_peak_of_rnd1_and_coda(tmp_path: Path, family, prompt_len, kw):
+    """Neither draws fp64 Gumbel noise (the generic per-logit figure, 1.16 / 1.31 before): RND1 scores every row
+    with its own filters and log-softmax (`RND1Sampler.logit_bytes`); CoDA runs Dream's loop, which samples only
+    the masked rows' copy and keeps it, beside the logits, through the next forward (`DreamSampler.carried_bytes`).
+    Both peak in the feed-forward phase (RND1's MoE: every expert's output is held until they are summed)."""
+    from tests.families.rnd1_coda_checkpoints import write_coda, write_rnd1
+
+    folder = (write_rnd1 if family == "rnd1" else write_coda)(tmp_path / family)[0]
+    model = HookedMDM.from_pretrained(str(folder), load_tokenizer=False)  # RND1 warns of its 30B reference defaults
+    prompt = torch.randint(0, 90, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    ratio = _ratio(model, prompt, sampler=family, **kw)
+    assert abs(ratio - 1) <= TOL, ratio
+
+
+def test_sample_tokens_bytes_matches_its_profiled_peak():
+    """Dream's `sample_tokens` per logit beside its input, by option (fp32 and bf16)."""
+    from mdm_lens.diffusion.noise import sample_tokens, sample_tokens_bytes
+
+    n, v = 64, 1000
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(n, v, generator=torch.Generator().manual_seed(0)).to(dtype)
+        for kw in (dict(), dict(temperature=1.0), dict(temperature=1.0, top_k=50), dict(temperature=0.7, top_p=0.9),
+                   dict(margin_confidence=True), dict(temperature=0.5, top_k=50, neg_entropy=True)):
+            g = torch.Generator().manual_seed(0)
+            measured = peak_live_bytes(lambda: sample_tokens(logits, generator=g, **kw)) / (n * v)
+            assert abs(sample_tokens_bytes(logits.element_size(), **kw) - measured) < 0.2, (dtype, kw, measured)

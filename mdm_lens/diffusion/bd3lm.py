@@ -147,10 +147,10 @@ class BD3LMSampler(DDiTSampler):
                 n += min(s.steps, gen) if s.first_hitting else s.steps
         return n * batch * total * 8
 
-    def carried_bytes(self, s: Any, dtype_bytes: int) -> int:
+    def carried_bytes(self, s: Any, dtype_bytes: int) -> tuple[int, int]:
         """The previous step's logits over the forward's rows (the window's full tensor under the block's view);
         with kv_cache, the storing forward also runs while the block's fp64 p(x0) is still referenced."""
-        return dtype_bytes + 8 * int(s.kv_cache)
+        return dtype_bytes, 8 * int(s.kv_cache)
 
     def attention_extra_bytes(self, s: Any, cfg: Any, batch: int, extent: tuple[int, int, int, int],
                               dtype_bytes: int) -> int:

@@ -156,13 +156,13 @@ class Sampler:
 
         return sampler_logit_bytes(settings, dtype_bytes)
 
-    def carried_bytes(self, settings: SamplerSettings, dtype_bytes: int) -> int:
-        """Bytes per query-row logit of the previous step the sampler still references while its next forward runs
-        (`memory_plan`'s block phase); default the measured LLaDA / Fast-dLLM figures
-        (`mdm_lens.hooks.forward_bytes.carried_logit_bytes`)."""
+    def carried_bytes(self, settings: SamplerSettings, dtype_bytes: int) -> tuple[int, int]:
+        """Bytes per logit of the previous step the sampler still references while its next forward runs
+        (`memory_plan`'s block phase): (per logit of every forward row, per logit of the sampled rows only);
+        default the measured LLaDA / Fast-dLLM figures (`mdm_lens.hooks.forward_bytes.carried_logit_bytes`), 0."""
         from mdm_lens.hooks.forward_bytes import carried_logit_bytes
 
-        return carried_logit_bytes(settings, dtype_bytes)
+        return carried_logit_bytes(settings, dtype_bytes), 0
 
     def attention_extra_bytes(self, settings: SamplerSettings, cfg: Any, batch: int,
                               extent: tuple[int, int, int, int], dtype_bytes: int) -> int:
