@@ -194,3 +194,51 @@ def test_sample_tokens_bytes_matches_its_profiled_peak():
             g = torch.Generator().manual_seed(0)
             measured = peak_live_bytes(lambda: sample_tokens(logits, generator=g, **kw)) / (n * v)
             assert abs(sample_tokens_bytes(logits.element_size(), **kw) - measured) < 0.2, (dtype, kw, measured)
+
+
+def _fastdllm_v2(tmp_path: Path):
+    from tests.test_fastdllm_v2 import write_fastdllm_v2
+
+    return HookedMDM.from_pretrained(str(write_fastdllm_v2(tmp_path / "v2", bd_size=8)[0]), load_tokenizer=False)
+
+
+@pytest.mark.parametrize("batch, prompt_len, kw", [
+    (1, 4, dict(max_new_tokens=16, small_block_size=4, threshold=0.9)),  # no prefill, two blocks
+    (1, 20, dict(max_new_tokens=32, small_block_size=4, use_block_cache=True)),  # prefill, the block's own cache
+    (2, 12, dict(max_new_tokens=16, small_block_size=8)),  # a batch, a prefill that ends mid-block
+    (1, 9, dict(max_new_tokens=32, small_block_size=8, temperature=0.7, top_p=0.9)),  # the nucleus draw
+])
+def test_plan_matches_the_profiled_peak_of_fastdllm_v2(tmp_path: Path, batch, prompt_len, kw):
+    """Fast-dLLM v2 always keeps an exact KV cache of the finished blocks (its kv_cache column, 0 before); each
+    forward concatenates a layer's cache with its rows' keys / values, holds the previous forward's raw logits
+    and their shifted copy, samples one sub-block, and notes its canvas for replay (once per masked position and
+    AR step: the bound is reached when no stop token is drawn). Not measured before."""
+    model = _fastdllm_v2(tmp_path)
+    prompt = torch.randint(0, 90, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    kw = dict(sampler="fastdllm_v2", block_size=8, stop_token=95, pad_id=2, **kw)
+    plan = model.memory_plan(prompt, **kw).rows["cpu"]
+    assert plan.kv_cache > 0
+    ratio = _ratio(model, prompt, **kw)
+    assert abs(ratio - 1) <= TOL, ratio
+
+
+def test_fastdllm_v2_releases_the_prefill_logits(tmp_path: Path):
+    """The prompt's logits `[batch, whole prompt blocks, vocab]` were held by the loop through every later forward
+    (only their last row is read); released once the AR token is read."""
+    import weakref
+
+    model = _fastdllm_v2(tmp_path)
+    outputs, alive = [], []
+
+    def hook(module, args, out):
+        if outputs:
+            alive.append(outputs[0]() is not None)
+        outputs.append(weakref.ref(out))
+
+    handle = model.register_forward_hook(hook)
+    try:
+        model.generate(torch.randint(0, 90, (1, 20), generator=torch.Generator().manual_seed(0)),
+                       sampler="fastdllm_v2", block_size=8, max_new_tokens=8, stop_token=95, pad_id=2)
+    finally:
+        handle.remove()
+    assert len(alive) >= 2 and not any(alive), alive

@@ -60,7 +60,8 @@ def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: 
                       extents, plugin.logit_bytes(resolved, s),
                       plugin.trajectory_bytes(resolved, batch, prompt_length, steps),
                       plugin.carried_bytes(resolved, s),
-                      lambda e: plugin.attention_extra_bytes(resolved, model.cfg, batch, e, s))
+                      lambda e: plugin.attention_extra_bytes(resolved, model.cfg, batch, e, s),
+                      plugin.row_logit_bytes(resolved, s))
 
 
 def _check_like_generate(model: Any, plugin: Any, ids: Any, batch: int, prompt_length: int, resolved: Any,

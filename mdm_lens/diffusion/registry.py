@@ -164,6 +164,11 @@ class Sampler:
 
         return carried_logit_bytes(settings, dtype_bytes), 0
 
+    def row_logit_bytes(self, settings: SamplerSettings, dtype_bytes: int) -> int:
+        """Bytes per logit of every forward row (not only the sampled ones) the sampler step allocates beside the
+        logits, e.g. a token-shifted copy; default 0."""
+        return 0
+
     def attention_extra_bytes(self, settings: SamplerSettings, cfg: Any, batch: int,
                               extent: tuple[int, int, int, int], dtype_bytes: int) -> int:
         """Bytes one layer's attention allocates in a forward of `extent` (`forward_extents`' tuple) beyond the

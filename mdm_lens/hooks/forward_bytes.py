@@ -128,12 +128,12 @@ def carried_logit_bytes(settings: Any, dtype_bytes: int) -> int:
 
 
 def head_activation_bytes(cfg: Any, batch: int, pos: int, dtype_bytes: int, per_logit: int = 16,
-                          carried: int = 0, sampled: int | None = None) -> int:
+                          carried: int = 0, sampled: int | None = None, per_row_logit: int = 0) -> int:
     """The logits `[batch, pos, d_vocab]` in the model dtype plus `per_logit` sampler bytes for each of the
-    `sampled` rows' logits (default all `pos`; a block sampler samples its block), or, if larger, the
-    unembedding's own moment (final residual, its normalised copy, the new logits and the `carried` bytes per
-    logit of the previous step)."""
+    `sampled` rows' logits (default all `pos`; a block sampler samples its block) and `per_row_logit` for each of
+    every row's (a shifted copy of the logits), or, if larger, the unembedding's own moment (final residual, its
+    normalised copy, the new logits and the `carried` bytes per logit of the previous step)."""
     bt, s = batch * pos, dtype_bytes
     sampled = pos if sampled is None else sampled
-    step = bt * cfg.d_vocab * s + batch * sampled * cfg.d_vocab * per_logit
+    step = bt * cfg.d_vocab * (s + per_row_logit) + batch * sampled * cfg.d_vocab * per_logit
     return max(step, bt * (2 * cfg.d_model * s + cfg.d_vocab * (s + carried)))

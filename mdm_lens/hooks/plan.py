@@ -116,7 +116,7 @@ Extent = tuple[int, int, int, int]  # (query rows, key positions, KV-cache posit
 def build_plan(model: Any, batch: int, pos: int, steps: int, kv_cache: bool, cache: Any, record: Sequence[Any],
                max_memory: dict | None, settings: Any = None, extents: Sequence[Extent] | None = None,
                per_logit: int | None = None, trajectory: int = 0, carried: tuple[int, int] | None = None,
-               attention_extra: Any = None) -> MemoryPlan:
+               attention_extra: Any = None, row_logit: int = 0) -> MemoryPlan:
     """Per device: weights where they live, the largest streamed module, and the run's peak where it computes: the
     largest of its block phases and of the head phase (never alive together: the sum over-counted small runs by
     ~15%), plus the KV caches and requested caches, which live through the whole run. `settings` (the sampler's
@@ -130,7 +130,8 @@ def build_plan(model: Any, batch: int, pos: int, steps: int, kv_cache: bool, cac
     `carried`: bytes per logit the sampler still references while the next forward runs, (of every query row, of
     the sampled rows) (`Sampler.carried_bytes`; default `forward_bytes.carried_logit_bytes`, 0);
     `attention_extra(extent)`: the bytes a layer's attention allocates in that forward beyond the generic model
-    (`Sampler.attention_extra_bytes`)."""
+    (`Sampler.attention_extra_bytes`); `row_logit`: bytes per logit of every forward row the sampler step
+    allocates besides its sampled rows' (`Sampler.row_logit_bytes`: Fast-dLLM v2's shifted copy)."""
     cfg = model.cfg
     s = torch.finfo(cfg.dtype).bits // 8
     extents = list(extents) if extents else [(pos, pos, pos if kv_cache else 0, pos)]
@@ -142,7 +143,7 @@ def build_plan(model: Any, batch: int, pos: int, steps: int, kv_cache: bool, cac
 
     def phases(e: Extent) -> tuple[int, int]:
         q, k, _, sampled = e
-        head = head_activation_bytes(cfg, batch, q, s, per_logit, carried, sampled)
+        head = head_activation_bytes(cfg, batch, q, s, per_logit, carried, sampled, row_logit)
         extra = attention_extra(e) if attention_extra is not None else 0
         block = block_activation_bytes(cfg, batch, q, s, path, bool(e[2]), k, extra) \
             + batch * cfg.d_vocab * (q * carried + sampled * carried_sampled)
