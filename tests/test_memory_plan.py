@@ -84,12 +84,15 @@ def test_a_run_over_max_memory_is_refused_before_any_forward(tmp_path):
 
 
 def test_fastdllm_v2_plans_the_trajectory_of_its_max_new_tokens(tmp_path):
-    # Fast-dLLM v2 names the answer length max_new_tokens: the trajectory (int64 x_steps of at most one step per
-    # token, over prompt + answer) must count the answer, not the prompt alone
+    # Fast-dLLM v2 names the answer length max_new_tokens: the trajectory must count the answer, not the prompt
+    # alone: per forward (at most one per masked position of each block, plus its AR step) over the canvas of
+    # whole blocks + 1, int64 x_steps and the note's canvas (8 + 8 a position and row), the note's three bool sets
+    # and the state's masked set (3 + 1), the note's int64 kv_age and the state's key-visibility row (8 + 1)
     from tests.test_fastdllm_v2 import write_fastdllm_v2
 
     folder, *_ = write_fastdllm_v2(tmp_path / "fd2")
     model = HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
     plan = model.memory_plan(prompt_length=4, max_new_tokens=8, small_block_size=2, stop_token=5,
                              pad_id=0)
-    assert plan.rows["cpu"].caches == 8 * 1 * (4 + 8) * 8
+    width = (8 // 4 + 4 // 4) * 4 + 1  # blocks of bd_size 4 from the prompt's; block 1: 4 masks, block 2: 3
+    assert plan.rows["cpu"].caches == (4 + 1 + 3 + 1) * (1 * width * (8 + 8 + 3 + 1) + width * (8 + 1))

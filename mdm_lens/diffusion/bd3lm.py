@@ -135,6 +135,30 @@ class BD3LMSampler(DDiTSampler):
         n = min(total, s.context_size)
         return [(s.block_size, n, 3 * s.context_size // 2, s.block_size)]
 
+    def trajectory_bytes(self, s: Any, batch: int, prompt_length: int, steps: int) -> int:
+        """One int64 canvas `[batch, prompt + gen]` per sampling step of every block holding a generated position:
+        `steps` a block, or with first hitting (one commit a step, the block ends when unmasked) at most its
+        generated positions. A storing forward commits nothing and records the same canvas tensor (no new bytes)."""
+        bs, total = s.block_size, prompt_length + s.gen_length
+        n = 0
+        for lo in range(0, total, bs):
+            gen = min(lo + bs, total) - max(lo, prompt_length)
+            if gen > 0:
+                n += min(s.steps, gen) if s.first_hitting else s.steps
+        return n * batch * total * 8
+
+    def carried_bytes(self, s: Any, dtype_bytes: int) -> tuple[int, int]:
+        """The previous step's logits over the forward's rows (the window's full tensor under the block's view);
+        with kv_cache, the storing forward also runs while the block's fp64 p(x0) is still referenced."""
+        return dtype_bytes, 8 * int(s.kv_cache)
+
+    def attention_extra_bytes(self, s: Any, cfg: Any, batch: int, extent: tuple[int, int, int, int],
+                              dtype_bytes: int) -> int:
+        """A cached forward reads every key back: `BD3KVCache.write` returns a copy of the layer's stored qkv
+        `[batch, keys, 3·d_model]`, and rotating its k over all keys holds k·cos, rotate_half(k) and its ·sin
+        (`[batch, keys, d_model]` each) at once."""
+        return 6 * batch * extent[1] * cfg.d_model * dtype_bytes if extent[2] else 0
+
     def logit_bytes(self, s: Any, dtype_bytes: int) -> int:
         """Per block logit: SUBS' copy and normalised copy (model dtype), the fp64 p(x0) it keeps, then the fp64
         Gumbel draw's uniform, two live temporaries and, without first hitting, the fp64 q beside them."""

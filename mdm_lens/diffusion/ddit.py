@@ -188,6 +188,11 @@ MDLMSettings.rules = {**CanvasSettings.rules, "eps": EPS_RULE, "predictor": R.ch
 class MDLMSampler(DDiTSampler):
     name, Settings, family = "mdlm", MDLMSettings, "mdlm"
 
+    def carried_bytes(self, s: MDLMSettings, dtype_bytes: int) -> tuple[int, int]:
+        """Nothing: the logits are locals of the step function, released when it returns; the p(x0) that ddpm_cache
+        keeps is reused only by a step that runs no forward."""
+        return 0, 0
+
     def run(self, runner: Any, ids: Tensor, am: Tensor, model: Any, s: MDLMSettings,
             generator: torch.Generator | None, bar: Any) -> tuple[Tensor, Tensor, TrajectoryRecorder]:
         mask_id, batch = model.cfg.mask_token_id, ids.shape[0]

@@ -202,6 +202,33 @@ class DreamSampler(CanvasSampler):
     neutral = dict(alg_temp=None, top_p=None, top_k=None, kv_cache=None, threshold=None,
                    factor=None)
 
+    def forward_extents(self, s: DreamSettings, prompt_length: int) -> list[tuple[int, int, int, int]] | None:
+        """Without kv_cache: one forward over the canvas whose masked rows (at most the answer's) are sampled;
+        with it, Fast-dLLM's Dream loop (the generic cached forward)."""
+        if s.kv_cache is not None:
+            return None
+        total = prompt_length + s.gen_length
+        return [(total, total, 0, s.gen_length)]
+
+    def logit_bytes(self, s: DreamSettings, dtype_bytes: int) -> int:
+        """Without kv_cache, per sampled (masked-row) logit: the `logits[mask_index]` copy, origin's copy of the
+        rows it transfers, and `sample_tokens`' own buffers (`noise.sample_tokens_bytes`)."""
+        if s.kv_cache is not None:
+            return super().logit_bytes(s, dtype_bytes)
+        from mdm_lens.diffusion.noise import sample_tokens_bytes
+
+        origin = s.alg == "origin"
+        return dtype_bytes * (1 + int(origin)) + sample_tokens_bytes(
+            dtype_bytes, s.temperature, s.top_p, s.top_k, margin_confidence=s.alg == "topk_margin",
+            neg_entropy=s.alg == "entropy")
+
+    def carried_bytes(self, s: DreamSettings, dtype_bytes: int) -> tuple[int, int]:
+        """Without kv_cache the next forward runs while the previous step's logits and their masked rows'
+        copy (`mask_logits`) are still referenced."""
+        if s.kv_cache is not None:
+            return super().carried_bytes(s, dtype_bytes)
+        return dtype_bytes, dtype_bytes
+
     def plan(self, s: DreamSettings) -> Plan:
         if s.kv_cache is None:
             return Plan(s.steps)

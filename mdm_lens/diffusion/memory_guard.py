@@ -55,9 +55,13 @@ def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: 
     kv = getattr(resolved, "kv_cache", None) not in (None, False) or bool(getattr(resolved, "use_block_cache", False))
     max_memory = check_max_memory(max_memory, real=True)  # a budget for a device this machine lacks is refused
     extents = plugin.forward_extents(resolved, prompt_length)  # None: one forward over the canvas
+    s = torch.finfo(model.cfg.dtype).bits // 8
     return build_plan(model, batch, prompt_length + gen, steps, kv, cache, list(record), max_memory, resolved,
-                      extents, plugin.logit_bytes(resolved, torch.finfo(model.cfg.dtype).bits // 8),
-                      plugin.trajectory_bytes(resolved, batch, prompt_length, steps))
+                      extents, plugin.logit_bytes(resolved, s),
+                      plugin.trajectory_bytes(resolved, batch, prompt_length, steps),
+                      plugin.carried_bytes(resolved, s),
+                      lambda e: plugin.attention_extra_bytes(resolved, model.cfg, batch, e, s),
+                      plugin.row_logit_bytes(resolved, s))
 
 
 def _check_like_generate(model: Any, plugin: Any, ids: Any, batch: int, prompt_length: int, resolved: Any,

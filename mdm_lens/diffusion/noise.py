@@ -34,6 +34,28 @@ def top_k_logits(logits: Tensor, top_k: int) -> Tensor:
     return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
 
 
+def sample_tokens_bytes(dtype_bytes: int, temperature: float = 0.0, top_p: float | None = None,
+                        top_k: int | None = None, margin_confidence: bool = False, neg_entropy: bool = False) -> int:
+    """Peak bytes per logit `sample_tokens` allocates beside its input (profiled, fp32 and bf16): the tempered copy,
+    then the largest of: the softmax; with temperature its fp32 copy (none for fp32) and multinomial's fp32
+    workspace; top-p's sorted values, int64 order, softmax and cumulative sum with its two boolean masks; top-k's
+    masked copy; the margin's sorted probabilities and order; the entropy's shifted probabilities and their log."""
+    s = dtype_bytes
+    tempered = s if temperature > 0 else 0
+    paths = [s]
+    if temperature > 0:
+        paths.append(s + 4 * int(s != 4) + 4)
+    if top_p is not None and top_p < 1:
+        paths.append(3 * s + 8 + 2)
+    if top_k is not None:
+        paths.append(2 * s)
+    if margin_confidence:
+        paths.append(2 * s + 8)
+    if neg_entropy:
+        paths.append(3 * s)
+    return tempered + max(paths)
+
+
 def sample_tokens(logits: Tensor, temperature: float = 0.0, top_p: float | None = None, top_k: int | None = None,
                   margin_confidence: bool = False, neg_entropy: bool = False,
                   generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:

@@ -156,6 +156,26 @@ class Sampler:
 
         return sampler_logit_bytes(settings, dtype_bytes)
 
+    def carried_bytes(self, settings: SamplerSettings, dtype_bytes: int) -> tuple[int, int]:
+        """Bytes per logit of the previous step the sampler still references while its next forward runs
+        (`memory_plan`'s block phase): (per logit of every forward row, per logit of the sampled rows only);
+        default the measured LLaDA / Fast-dLLM figures (`mdm_lens.hooks.forward_bytes.carried_logit_bytes`), 0."""
+        from mdm_lens.hooks.forward_bytes import carried_logit_bytes
+
+        return carried_logit_bytes(settings, dtype_bytes), 0
+
+    def row_logit_bytes(self, settings: SamplerSettings, dtype_bytes: int) -> int:
+        """Bytes per logit of every forward row (not only the sampled ones) the sampler step allocates beside the
+        logits, e.g. a token-shifted copy; default 0."""
+        return 0
+
+    def attention_extra_bytes(self, settings: SamplerSettings, cfg: Any, batch: int,
+                              extent: tuple[int, int, int, int], dtype_bytes: int) -> int:
+        """Bytes one layer's attention allocates in a forward of `extent` (`forward_extents`' tuple) beyond the
+        generic byte model (`mdm_lens.hooks.forward_bytes.attention_phase_bytes`), e.g. a cache read back as a
+        copy; default 0 (the generic model is the forward)."""
+        return 0
+
     def check_inputs(self, model: Any, ids: Any, am: Any, settings: SamplerSettings, obs: Observation) -> None:
         """Every check `generate` runs on the prompt ids `[batch, pos]`, their attention mask and the settings before
         any compute; `memory_plan` runs the same, so a plan exists only for a run `generate` accepts."""

@@ -206,6 +206,16 @@ class RND1Sampler(CanvasSampler):
     def plan(self, s: RND1Settings) -> Plan:
         return Plan(s.steps, adaptive="RND1 stops scoring once no position is maskable")
 
+    def logit_bytes(self, s: RND1Settings, dtype_bytes: int) -> int:
+        """Per logit `rnd1_scores` allocates beside the aligned logits (profiled, fp32 and bf16): the reordered
+        rows and their tempered copy with, at the larger of its two moments, either the log-softmax, its exp and
+        their product (and for a draw, Categorical's normalised logits) or top-p's sorted values, int64 order,
+        softmax and cumulative sum. No Gumbel noise is drawn: the generic fp64 figure does not apply."""
+        b = dtype_bytes
+        scoring = 5 * b + b * int(not s.greedy)
+        nucleus = 5 * b + 8 if s.top_p is not None and 0 < s.top_p < 1 else 0
+        return max(scoring, nucleus)
+
     def check_run(self, ids: Tensor, am: Tensor, s: RND1Settings, obs: Any) -> None:
         arguments.one_unpadded_row(self.name, ids, am, "its canvas is (1, seq_len)")
 

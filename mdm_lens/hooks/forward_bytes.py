@@ -54,8 +54,8 @@ def mlp_phase_bytes(cfg: Any, batch: int, pos: int, s: int, moe: bool = False) -
     block = 4 * bt * cfg.d_model * s
     if moe:
         return block + moe_phase_bytes(cfg, batch, pos, s)
-    if cfg.normalization_type == "LN":  # the DDiT families' ungated MLP: fc_in's output and its GELU
-        return block + 2 * bt * cfg.d_mlp * s
+    if cfg.normalization_type == "LN":  # the DDiT families' ungated MLP: fc_in's output and its GELU, both still
+        return block + bt * (2 * cfg.d_mlp + cfg.d_model) * s  # referenced while fc_out writes its output
     return block + 4 * bt * cfg.d_mlp * s  # gate, up, silu(gate) and the product being written
 
 
@@ -79,14 +79,27 @@ def moe_phase_bytes(cfg: Any, batch: int, pos: int, s: int) -> int:
 
 
 def block_activation_bytes(cfg: Any, batch: int, pos: int, dtype_bytes: int, path: str = "sdpa",
-                           kv_cache: bool = False, keys: int | None = None) -> int:
+                           kv_cache: bool = False, keys: int | None = None, attention_extra: int = 0) -> int:
     """Peak live bytes of one block on the given attention path: its larger phase (attention or feed-forward; MoE
-    layers where `cfg.extra["moe_layers"]` says so), for `pos` query rows against `keys` keys (default `pos`)."""
+    layers where `cfg.extra["moe_layers"]` says so), for `pos` query rows against `keys` keys (default `pos`).
+    `attention_extra`: what the sampler's forward allocates in the attention phase beyond this model
+    (`Sampler.attention_extra_bytes`: BD3LM's cache read back as a copy). Both phases sit beside the forward's
+    rotary tables where the family builds them per forward (`rotary_table_bytes`)."""
     keys = pos if keys is None else keys
     moe_layers = cfg.extra.get("moe_layers") or []
     ffn = max(mlp_phase_bytes(cfg, batch, pos, dtype_bytes, bool(m)) for m in (list(moe_layers) or [False]))
     mask = batch * pos * keys  # the boolean visibility mask (padding, block masks) is passed to every block
-    return max(attention_phase_bytes(cfg, batch, pos, dtype_bytes, path, kv_cache, keys), ffn + mask)
+    attention = attention_phase_bytes(cfg, batch, pos, dtype_bytes, path, kv_cache, keys) + attention_extra
+    return max(attention, ffn + mask) + rotary_table_bytes(cfg, keys, dtype_bytes)
+
+
+def rotary_table_bytes(cfg: Any, keys: int, dtype_bytes: int) -> int:
+    """The DDiT families (weight-only LayerNorm, `normalization_type == "LN"`) rebuild cos and sin `[keys, d_head]`
+    in fp32 (fp64 for a float64 model) at every forward and hold them through it (`ddit.components.rotary_tables`);
+    the RMSNorm families keep theirs in the model's rope cache, which the plan does not count per forward."""
+    if cfg.normalization_type != "LN":
+        return 0
+    return 2 * keys * cfg.d_head * max(4, dtype_bytes)
 
 
 def sampler_logit_bytes(settings: Any, dtype_bytes: int) -> int:
@@ -115,12 +128,12 @@ def carried_logit_bytes(settings: Any, dtype_bytes: int) -> int:
 
 
 def head_activation_bytes(cfg: Any, batch: int, pos: int, dtype_bytes: int, per_logit: int = 16,
-                          carried: int = 0, sampled: int | None = None) -> int:
+                          carried: int = 0, sampled: int | None = None, per_row_logit: int = 0) -> int:
     """The logits `[batch, pos, d_vocab]` in the model dtype plus `per_logit` sampler bytes for each of the
-    `sampled` rows' logits (default all `pos`; a block sampler samples its block), or, if larger, the
-    unembedding's own moment (final residual, its normalised copy, the new logits and the `carried` bytes per
-    logit of the previous step)."""
+    `sampled` rows' logits (default all `pos`; a block sampler samples its block) and `per_row_logit` for each of
+    every row's (a shifted copy of the logits), or, if larger, the unembedding's own moment (final residual, its
+    normalised copy, the new logits and the `carried` bytes per logit of the previous step)."""
     bt, s = batch * pos, dtype_bytes
     sampled = pos if sampled is None else sampled
-    step = bt * cfg.d_vocab * s + batch * sampled * cfg.d_vocab * per_logit
+    step = bt * cfg.d_vocab * (s + per_row_logit) + batch * sampled * cfg.d_vocab * per_logit
     return max(step, bt * (2 * cfg.d_model * s + cfg.d_vocab * (s + carried)))

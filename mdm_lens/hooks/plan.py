@@ -115,7 +115,8 @@ Extent = tuple[int, int, int, int]  # (query rows, key positions, KV-cache posit
 
 def build_plan(model: Any, batch: int, pos: int, steps: int, kv_cache: bool, cache: Any, record: Sequence[Any],
                max_memory: dict | None, settings: Any = None, extents: Sequence[Extent] | None = None,
-               per_logit: int | None = None, trajectory: int = 0) -> MemoryPlan:
+               per_logit: int | None = None, trajectory: int = 0, carried: tuple[int, int] | None = None,
+               attention_extra: Any = None, row_logit: int = 0) -> MemoryPlan:
     """Per device: weights where they live, the largest streamed module, and the run's peak where it computes: the
     largest of its block phases and of the head phase (never alive together: the sum over-counted small runs by
     ~15%), plus the KV caches and requested caches, which live through the whole run. `settings` (the sampler's
@@ -125,19 +126,27 @@ def build_plan(model: Any, batch: int, pos: int, steps: int, kv_cache: bool, cac
     it holds are largest (SDAR's long prefill has a short cache, its block forwards a long one). `per_logit` is the
     sampler's bytes per sampled logit (`Sampler.logit_bytes`); requested caches span the canvas. `trajectory`: the
     bytes of the trajectory the run keeps (`Sampler.trajectory_bytes`), full by the last forward of every kind but
-    a first one that runs once before any step (an extent with 0 sampled rows: SDAR's prefill), where it is empty."""
+    a first one that runs once before any step (an extent with 0 sampled rows: SDAR's prefill), where it is empty.
+    `carried`: bytes per logit the sampler still references while the next forward runs, (of every query row, of
+    the sampled rows) (`Sampler.carried_bytes`; default `forward_bytes.carried_logit_bytes`, 0);
+    `attention_extra(extent)`: the bytes a layer's attention allocates in that forward beyond the generic model
+    (`Sampler.attention_extra_bytes`); `row_logit`: bytes per logit of every forward row the sampler step
+    allocates besides its sampled rows' (`Sampler.row_logit_bytes`: Fast-dLLM v2's shifted copy)."""
     cfg = model.cfg
     s = torch.finfo(cfg.dtype).bits // 8
     extents = list(extents) if extents else [(pos, pos, pos if kv_cache else 0, pos)]
     path = _attention_path(model, cache, record)
-    carried = carried_logit_bytes(settings, s)  # the previous step's logits live through the next forward
+    # the previous step's logits (and what the sampler derived from its sampled rows) live through the next forward
+    carried, carried_sampled = (carried_logit_bytes(settings, s), 0) if carried is None else carried
     per_logit = sampler_logit_bytes(settings, s) if per_logit is None else per_logit
     kv_layer = 2 * batch * cfg.n_key_value_heads * cfg.d_head * s  # bytes of one layer's k and v per position
 
     def phases(e: Extent) -> tuple[int, int]:
         q, k, _, sampled = e
-        head = head_activation_bytes(cfg, batch, q, s, per_logit, carried, sampled)
-        block = block_activation_bytes(cfg, batch, q, s, path, bool(e[2]), k) + batch * q * cfg.d_vocab * carried
+        head = head_activation_bytes(cfg, batch, q, s, per_logit, carried, sampled, row_logit)
+        extra = attention_extra(e) if attention_extra is not None else 0
+        block = block_activation_bytes(cfg, batch, q, s, path, bool(e[2]), k, extra) \
+            + batch * cfg.d_vocab * (q * carried + sampled * carried_sampled)
         return block, head
 
     def held(e: Extent) -> int:  # what lives beside that forward's activations
