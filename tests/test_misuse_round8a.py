@@ -234,3 +234,44 @@ def test_window_gold_scorer_reads_a_run_shorter_than_the_gold_canvas():
     lp, rank = sc.at_commit(torch.tensor([[-1, 0, 2, 3]]))
     assert torch.equal(torch.isnan(lp), torch.tensor([[True, False, False, False, True, True]]))
     assert lp[0, 1:4].tolist() == [1.0, 12.0, 13.0] and rank[0, 1:4].tolist() == [-1.0, -12.0, -13.0]
+
+
+# --- memory_plan's requested caches are sized for the run generate makes (misuse10 F1) --------------------------
+
+def _cached_bytes(out):
+    return sum(out.cache[k][n].numel() * out.cache[k][n].element_size() for k in out.cache.steps
+               for n in out.cache[k].keys())
+
+
+def _plan_and_run(m, prompt, **kw):
+    plan = m.memory_plan(prompt, cache="blocks.*.hook_resid_post", **kw)
+    out = m.generate(prompt, cache="blocks.*.hook_resid_post", seed=0, **kw)
+    return plan, out
+
+
+def test_memory_plan_sizes_requested_caches_for_the_runs_forwards(tmp_path):
+    import warnings
+
+    from mdm_lens.ddit import HookedDDiT, ddit_config
+    from tests.families.bd3gidd_checkpoints import BD3LM_CONFIG, write_bd3lm
+    from tests.families.family_checkpoints import write_llada2
+
+    warnings.simplefilter("ignore")
+    l2 = HookedMDM.from_pretrained(str(write_llada2(tmp_path / "l2")[0]), load_tokenizer=False)
+    bd = HookedMDM.from_pretrained(str(write_bd3lm(tmp_path / "bd", dict(BD3LM_CONFIG, model_length=32))[0]),
+                                   load_tokenizer=False)
+    cfg = ddit_config("mdlm", d_vocab=40, n_ctx=16, d_model=32, cond_dim=16, n_layers=2, n_heads=2,
+                      time_conditioning=False)
+    mdlm = HookedDDiT.from_config(cfg, seed=0)
+    cases = [(l2, torch.tensor([[5, 17, 33, 2, 61, 40]]), dict(gen_length=16, block_length=4, steps=4), 5 * 4),
+             (bd, torch.tensor([[1]]), dict(gen_length=39, steps=4), 10 * 4),  # 10 blocks of 4, whole windows
+             (mdlm, torch.tensor([[1]]), dict(gen_length=10, steps=4), 5)]     # + the noise-removal forward
+    for m, prompt, kw, forwards in cases:
+        plan, out = _plan_and_run(m, prompt, **kw)
+        assert plan.forwards == forwards and out.n_steps <= forwards, (m.cfg.family, plan.forwards, out.n_steps)
+        # an upper bound of what the run caches (the steps setting alone under-counted 1.2x to 5x)
+        assert plan.rows["cpu"].caches >= _cached_bytes(out) > 0, m.cfg.family
+        assert f"forwards={forwards}" in repr(plan) or forwards == plan.steps
+    # MDLM: every planned forward ran, and the cache bound is the run's own estimate plus the trajectory
+    plan, out = _plan_and_run(mdlm, torch.tensor([[1]]), gen_length=10, steps=4)
+    assert out.n_steps == 5 and len(out.cache.steps) == 5

@@ -153,6 +153,10 @@ class AlignedBlockSampler(CanvasSampler):
     def block_plan(self, s: Any, first: int, num_blocks: int) -> Plan:
         raise NotImplementedError
 
+    def run_extent(self, s: Any, batch: int, prompt_length: int) -> tuple[int, int]:
+        """This layout's forwards (`steps` is per block) over the block-rounded canvas, as `generate` sizes them."""
+        return self.plan(s, prompt_length).n_steps, layout(prompt_length, s.gen_length, s.block_length)[2]
+
     def check_prompt_ids(self, model: Any, ids: Tensor, s: Any) -> None:
         """A sampler's own checks of the prompt ids (before compute)."""
 

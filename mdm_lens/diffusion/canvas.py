@@ -63,6 +63,10 @@ class CanvasSampler(Sampler):
     def plan(self, s: Any) -> Plan:
         return Plan(s.steps)
 
+    def run_extent(self, s: Any, batch: int, prompt_length: int) -> tuple[int, int]:
+        """Every forward the plan counts (MDLM / Duo: the noise-removal forward too) over the canvas."""
+        return self.plan(s).n_steps, prompt_length + s.gen_length
+
     def idle_steps(self, s: Any) -> list[int] | None:
         """Steps that commit nothing when steps > gen_length (None: not known in advance)."""
         return None

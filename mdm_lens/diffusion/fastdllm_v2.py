@@ -146,6 +146,11 @@ class FastDLLMv2Sampler(CanvasSampler):
         return Plan(prefill + (bs + 1) * (num_blocks - first), num_blocks - first,
                     adaptive="Fast-dLLM v2 commits by confidence and stops at the stop token")
 
+    def run_extent(self, s: FastDLLMv2Settings, batch: int, prompt_length: int) -> tuple[int, int]:
+        """The most forwards of this prompt length's run over its right-padded canvas (`generate`'s width)."""
+        bs = s.block_size
+        return self.plan(s, [prompt_length]).n_steps, (s.max_new_tokens // bs + prompt_length // bs) * bs + 1
+
     @staticmethod
     def _blocks(s: FastDLLMv2Settings, prompt_length: int) -> tuple[int, int]:
         """(first decoded block, number of blocks) of a batch whose prompts all have `prompt_length` tokens."""

@@ -245,8 +245,12 @@ class LLaDASampler(CanvasSampler):
         if s.sampler_rule == "eb":
             return Plan(s.gen_length, 1, phases, adaptive="EB-sampler commits as many tokens as its error bound allows")
         if s.kv_cache is not None:
-            return Plan(s.gen_length + 2 * n_blocks, n_blocks, phases,
-                        adaptive="a cached Fast-dLLM loop runs until each block holds no mask")
+            # the block schedule's cached loop: its steps // n_blocks counts per block, one forward each (the filling
+            # forward commits the first; a block still masked after its last count is refused); a threshold /
+            # factor rule commits at least one token per forward
+            bound = (s.steps // n_blocks) * n_blocks if s.threshold is None and s.factor is None \
+                else s.gen_length + 2 * n_blocks
+            return Plan(bound, n_blocks, phases, adaptive="a cached Fast-dLLM loop runs until each block holds no mask")
         if s.threshold is not None or s.factor is not None:
             return Plan(s.gen_length, n_blocks, phases,
                         adaptive="Fast-dLLM's threshold/factor rule commits as many tokens as pass it")
@@ -291,7 +295,7 @@ class LLaDASampler(CanvasSampler):
             x, recorder = fastdllm.cached_sample(
                 runner, model, x, am, ids.shape[1], kv_cache=s.kv_cache, steps=s.steps, gen_length=s.gen_length,
                 block_length=s.block_length, temperature=s.temperature, remasking=s.remasking, mask_id=mask_id,
-                threshold=s.threshold, factor=s.factor, budget=s.gen_length + 2 * (s.gen_length // s.block_length),
+                threshold=s.threshold, factor=s.factor, budget=self.plan(s).n_steps,
                 generator=generator, progress=bar)
             return x, am, recorder
         if s.threshold is not None or s.factor is not None:

@@ -51,6 +51,9 @@ def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: 
     gen = plugin.answer_length(resolved)
     _check_like_generate(model, plugin, ids, batch, prompt_length, resolved, record, cache, am)
     steps = getattr(resolved, "steps", None) or gen  # Fast-dLLM v2 has no step count: at most one per token
+    # the forwards and canvas width generate sizes its step-bound caches and records for (blocks' steps, MDLM's
+    # noise-removal forward, a block-rounded canvas): the requested caches are planned over the same
+    forwards, width = plugin.run_extent(resolved, batch, prompt_length)
     # BD3LM takes kv_cache=False (a bool), the Fast-dLLM family None or a cache mode
     kv = getattr(resolved, "kv_cache", None) not in (None, False) or bool(getattr(resolved, "use_block_cache", False))
     max_memory = check_max_memory(max_memory, real=True)  # a budget for a device this machine lacks is refused
@@ -61,7 +64,7 @@ def memory_plan(model: Any, prompt: Any = None, *, sampler: str, prompt_length: 
                       plugin.trajectory_bytes(resolved, batch, prompt_length, steps),
                       plugin.carried_bytes(resolved, s),
                       lambda e: plugin.attention_extra_bytes(resolved, model.cfg, batch, e, s),
-                      plugin.row_logit_bytes(resolved, s))
+                      plugin.row_logit_bytes(resolved, s), (forwards, width))
 
 
 def _check_like_generate(model: Any, plugin: Any, ids: Any, batch: int, prompt_length: int, resolved: Any,

@@ -138,6 +138,13 @@ class Sampler:
         row sampled, with a cache where the settings ask for one."""
         return None
 
+    def run_extent(self, settings: SamplerSettings, batch: int, prompt_length: int) -> tuple[int, int]:
+        """(forwards, canvas width) the run sizes its step-bound caches and records for (`StepRunner.begin`):
+        `memory_plan`'s requested caches use the same numbers. Default: `steps` (else one per answer token) over
+        the prompt and the answer."""
+        gen = self.answer_length(settings)
+        return int(getattr(settings, "steps", None) or gen), prompt_length + gen
+
     @staticmethod
     def answer_length(settings: SamplerSettings) -> int:
         """The tokens the run generates: `gen_length`, or `max_new_tokens` where a sampler keeps the reference's

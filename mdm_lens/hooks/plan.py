@@ -57,6 +57,7 @@ class MemoryPlan:
     positions: int
     steps: int
     notes: list[str] = field(default_factory=list)
+    forwards: int | None = None  # the run's forwards (block samplers: `steps` per block), what caches are sized for
 
     @property
     def fits(self) -> bool:
@@ -72,7 +73,8 @@ class MemoryPlan:
 
     def __repr__(self) -> str:
         head = f"{'device':<8}" + "".join(f"{c:>13}" for c in COLUMNS) + f"{'total':>13}{'budget':>13}  fits"
-        lines = [f"MemoryPlan(batch={self.batch}, positions={self.positions}, steps={self.steps})", head]
+        fw = "" if self.forwards in (None, self.steps) else f", forwards={self.forwards}"
+        lines = [f"MemoryPlan(batch={self.batch}, positions={self.positions}, steps={self.steps}{fw})", head]
         for r in self.rows.values():
             budget = "-" if r.budget is None else human(r.budget)
             cells = "".join(f"{human(getattr(r, c)):>13}" for c in COLUMNS)
@@ -116,7 +118,8 @@ Extent = tuple[int, int, int, int]  # (query rows, key positions, KV-cache posit
 def build_plan(model: Any, batch: int, pos: int, steps: int, kv_cache: bool, cache: Any, record: Sequence[Any],
                max_memory: dict | None, settings: Any = None, extents: Sequence[Extent] | None = None,
                per_logit: int | None = None, trajectory: int = 0, carried: tuple[int, int] | None = None,
-               attention_extra: Any = None, row_logit: int = 0) -> MemoryPlan:
+               attention_extra: Any = None, row_logit: int = 0,
+               requested: tuple[int, int] | None = None) -> MemoryPlan:
     """Per device: weights where they live, the largest streamed module, and the run's peak where it computes: the
     largest of its block phases and of the head phase (never alive together: the sum over-counted small runs by
     ~15%), plus the KV caches and requested caches, which live through the whole run. `settings` (the sampler's
@@ -131,7 +134,8 @@ def build_plan(model: Any, batch: int, pos: int, steps: int, kv_cache: bool, cac
     the sampled rows) (`Sampler.carried_bytes`; default `forward_bytes.carried_logit_bytes`, 0);
     `attention_extra(extent)`: the bytes a layer's attention allocates in that forward beyond the generic model
     (`Sampler.attention_extra_bytes`); `row_logit`: bytes per logit of every forward row the sampler step
-    allocates besides its sampled rows' (`Sampler.row_logit_bytes`: Fast-dLLM v2's shifted copy)."""
+    allocates besides its sampled rows' (`Sampler.row_logit_bytes`: Fast-dLLM v2's shifted copy). `requested`: the
+    (forwards, canvas width) the run sizes `cache=` / `record=` for (`Sampler.run_extent`; default (steps, pos))."""
     cfg = model.cfg
     s = torch.finfo(cfg.dtype).bits // 8
     extents = list(extents) if extents else [(pos, pos, pos if kv_cache else 0, pos)]
@@ -170,11 +174,12 @@ def build_plan(model: Any, batch: int, pos: int, steps: int, kv_cache: bool, cac
             row(run).activations = max(row(run).activations, head)
     main = str(model.input_device)
     row(main).caches += trajectory if peak[3] else 0
-    _requested(model, table, row, cache, record, batch, pos, steps, s, main)
+    forwards, width = requested if requested is not None else (steps, pos)
+    _requested(model, table, row, cache, record, batch, width, forwards, s, main)
     _budgets(model, table, max_memory)
     has_kv = any(e[2] for e in extents)
     notes = [] if has_kv else ["no KV cache in these settings (kv_cache='prefix'/'dual' or use_block_cache adds one)"]
-    return MemoryPlan(table, batch, pos, steps, notes)
+    return MemoryPlan(table, batch, pos, steps, notes, forwards)
 
 
 def _attention_path(model: Any, cache: Any, record: Sequence[Any]) -> str:
