@@ -275,3 +275,50 @@ def test_memory_plan_sizes_requested_caches_for_the_runs_forwards(tmp_path):
     # MDLM: every planned forward ran, and the cache bound is the run's own estimate plus the trajectory
     plan, out = _plan_and_run(mdlm, torch.tensor([[1]]), gen_length=10, steps=4)
     assert out.n_steps == 5 and len(out.cache.steps) == 5
+
+
+# --- misuse10 F2-F4 --------------------------------------------------------------------------------------------
+
+def test_negative_layer_counts_from_the_models_layers_not_the_recorded_ones(tiny):
+    from mdm_lens import ReceivedAttention
+    from mdm_lens.errors import OutOfRangeError
+    from mdm_lens.probes import run as R
+
+    p = tiny.to_tokens("The capital is")
+    part = tiny.generate(p, gen_length=8, steps=8, record=[ReceivedAttention(layers=[2])])
+    for fn in (R.drift_from_output, R.anchors_over_steps):
+        with pytest.raises(OutOfRangeError, match=r"layer=-1 \(model layer 3\) is invalid: it was not recorded"):
+            fn(part, layer=-1)
+    # -2 is layer 2, which was recorded: the same numbers as asking for it by number
+    a, b = R.drift_from_output(part, layer=-2), R.drift_from_output(part, layer=2)
+    torch.testing.assert_close(a.persistence, b.persistence, equal_nan=True)
+    full = tiny.generate(p, gen_length=8, steps=8, record=[ReceivedAttention()])
+    torch.testing.assert_close(R.drift_from_output(full, layer=-1).persistence,
+                               R.drift_from_output(full, layer=3).persistence,
+                               equal_nan=True)
+
+
+def test_detect_anchors_refuses_negative_received_attention():
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.probes import floating as F
+
+    with pytest.raises(ArgumentError, match="received has negative entries") as err:
+        F.detect_anchors(torch.tensor([0.5, -0.5, 1.0]))
+    assert err.value.argument == "received"
+    # an invisible negative key is not read; a visible mass still gives its anchor
+    assert F.detect_anchors(torch.tensor([0.1, -1.0, 5.0, 0.1, 0.1, 0.1, 0.1, 0.1]),
+                            key_visible=torch.tensor([1, 0, 1, 1, 1, 1, 1, 1]).bool()).tolist() == \
+        [False, False, True, False, False, False, False, False]
+
+
+def test_indel_has_a_memory_plan_and_runs_on_a_max_memory_load(tmp_path):
+    from tests.families.family_checkpoints import write_llada2
+
+    folder, _, _ = write_llada2(tmp_path / "llada2-edit", delete_token_id=96, split_token_id=97, block_length=8)
+    prompt = torch.tensor([[3, 11, 5, 20, 6]])
+    kw = dict(gen_length=8, block_length=8, sampler="indel")
+    model = HookedMDM.from_pretrained(str(folder))
+    plan = model.memory_plan(prompt, **kw)  # was an AttributeError (no temperature on InDel's settings)
+    assert plan.rows["cpu"].activations > 0 and plan.fits
+    placed = HookedMDM.from_pretrained(str(folder), device_map="auto", max_memory={"cpu": "20GiB"})
+    assert torch.equal(placed.generate(prompt, **kw).tokens, model.generate(prompt, **kw).tokens)

@@ -284,6 +284,11 @@ class InDelSampler(AlignedBlockSampler):
                                      "shifts its logits (Dream family).", argument="sampler", value=self.name,
                                      allowed="a LLaDA2.x model with edit tokens")
 
+    def logit_bytes(self, s: InDelSettings, dtype_bytes: int) -> int:
+        """Greedy: the block's softmax (for `p`) beside its argmax, as the block samplers at temperature 0 (InDel
+        has no temperature / top-k / top-p settings)."""
+        return dtype_bytes
+
     def block_plan(self, s: InDelSettings, first: int, num_blocks: int) -> Plan:
         return Plan((s.block_length + s.max_post_edit_steps + 1) * (num_blocks - first), num_blocks - first,
                     adaptive="InDel ends a block when nothing is left to write and stops at EOS")

@@ -71,6 +71,16 @@ def _visible(received: Tensor, key_visible: Tensor | None, policy: str) -> Tenso
     return vis & torch.isfinite(received)
 
 
+def _nonnegative(received: Tensor, vis: Tensor) -> Tensor:
+    """``received`` at the visible keys in float64 (0 elsewhere), refused when a visible entry is negative: received
+    attention is a mass, and a difference of two records passed by mistake would give a silent empty anchor set."""
+    r = torch.where(vis, received.to(torch.float64), torch.zeros((), dtype=torch.float64))
+    if bool((r < 0).any()):
+        raise ArgumentError("received has negative entries: received attention is a mass, expected values >= 0.",
+                            argument="received", value=received, allowed="values >= 0")
+    return r
+
+
 def _pop_stats(r: Tensor, vis: Tensor) -> tuple[Tensor, Tensor]:
     """Population mean and std over the visible keys (incl. j), keepdim."""
     n = vis.sum(-1, keepdim=True).clamp_min(1).to(r.dtype)
@@ -167,7 +177,7 @@ def detect_anchors(received: Float[Tensor, "... key"], rule: Rule = "zscore", ep
     _refuse_other_rules_arguments(rule, eps=given_eps, floor=floor, k=k, kind=kind)  # after the type checks
     policy = C.nan_policy(nan_policy)
     vis = _visible(received, key_visible, policy)
-    r = torch.where(vis, received.to(torch.float64), torch.zeros((), dtype=torch.float64))  # f64: exact ties
+    r = _nonnegative(received, vis)  # f64: exact ties
     n = vis.sum(-1, keepdim=True)
 
     if rule == "zscore":
@@ -290,10 +300,7 @@ def absorption_variants(received: Float[Tensor, "... key"], key_visible: Bool[Te
                        why="rule detects the anchors only when anchors=None")
     policy = C.nan_policy(nan_policy)
     vis = _visible(received, key_visible, policy)
-    r = torch.where(vis, received.to(torch.float64), torch.zeros((), dtype=torch.float64))
-    if bool((r < 0).any()):
-        raise ArgumentError("received has negative entries: received attention is a mass, expected values >= 0.",
-                            argument="received", value=received, allowed="values >= 0")
+    r = _nonnegative(received, vis)
     if anchors is None:
         anchors = detect_anchors(r, rule=rule, key_visible=vis, causal=causal)
     anchors = anchors & vis

@@ -109,16 +109,23 @@ def _record(out: Any, record: Any) -> Tensor:
     return rec
 
 
-def _recorded_layer(layer: Any, rec_layers: list[int]) -> int:
-    """A model layer that was recorded; a negative value counts from the end of the *recorded* layers."""
+def _recorded_layer(layer: Any, rec_layers: list[int], n_layers: int | None) -> int:
+    """A model layer that was recorded; a negative value counts from the end of the model's layers, as everywhere
+    (-1 on a record of layers [2] of a 4-layer model is layer 3, not recorded, not layer 2)."""
     if not validate._is_int(layer):
         validate.index(layer, len(rec_layers), name="layer", what="layer")     # raises the typed error
-    layer = int(layer)
+    layer = given = int(layer)
     if layer < 0:
-        return rec_layers[validate.index(layer, len(rec_layers), name="layer", what="recorded layer")]
+        if n_layers is None and rec_layers != list(range(len(rec_layers))):
+            raise C.OutOfRangeError(f"layer={layer} is ambiguous: this run does not say how many layers its model has "
+                                    f"and its record holds layers {rec_layers}; pass one of them.",
+                                    argument="layer", value=layer, allowed=f"one of {rec_layers}")
+        layer = validate.index(layer, n_layers if n_layers is not None else len(rec_layers), name="layer",
+                               what="layer")
     if layer not in rec_layers:
-        raise C.OutOfRangeError(f"layer={layer} is invalid: it was not recorded; recorded layers: {rec_layers}.",
-                                argument="layer", value=layer, allowed=f"one of {rec_layers}")
+        shown = f"layer={given}" + ("" if given == layer else f" (model layer {layer})")
+        raise C.OutOfRangeError(f"{shown} is invalid: it was not recorded; recorded layers: {rec_layers}.",
+                                argument="layer", value=given, allowed=f"one of {rec_layers}")
     return layer
 
 
@@ -134,7 +141,8 @@ def _series(out: Any, layer: int | None, head: Any, record: str) -> tuple[Tensor
     rec_layers = list(meta.get("layers", range(rec.shape[2])))
     steps = record_steps(out, record, rec.shape[0])
     if layer is not None:
-        want = _recorded_layer(layer, rec_layers)
+        key = getattr(out, "model_key", None)
+        want = _recorded_layer(layer, rec_layers, int(key[2]) if key else None)
         rec, rec_layers = rec[:, :, [rec_layers.index(want)]], [want]
     r = rearrange(rec.to(torch.float64), "s b l h k -> b l h s k")
     lead = ("batch", "layer", "head")
