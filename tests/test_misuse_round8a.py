@@ -322,3 +322,28 @@ def test_indel_has_a_memory_plan_and_runs_on_a_max_memory_load(tmp_path):
     assert plan.rows["cpu"].activations > 0 and plan.fits
     placed = HookedMDM.from_pretrained(str(folder), device_map="auto", max_memory={"cpu": "20GiB"})
     assert torch.equal(placed.generate(prompt, **kw).tokens, model.generate(prompt, **kw).tokens)
+
+
+def test_masked_canvas_selects_query_rows_of_patterns_and_refuses_other_layouts(tiny):
+    from mdm_lens.errors import InputError
+    from mdm_lens.sae.canvas import MaskedCanvas
+
+    toks = tiny.to_tokens(["the capital of the is the"] * 2)
+    mc = MaskedCanvas(tiny, mask_rate=0.5, positions="masked", seed=0)
+    out, acts = mc.run_with_cache(toks)  # every hook (no names_filter) was an IndexError
+    masked = mc.last_masked
+    b, q = torch.nonzero(masked, as_tuple=True)
+    _, cache = tiny.run_with_cache(toks.masked_fill(masked, tiny.cfg.mask_token_id))
+    n = int(masked.sum())
+    assert n > 0 and out.shape == (1, n, tiny.cfg.d_vocab)
+    pat = acts["blocks.1.attn.hook_pattern"]
+    assert pat.shape == (1, n, tiny.cfg.n_heads, toks.shape[1])
+    torch.testing.assert_close(pat[0], cache["blocks.1.attn.hook_pattern"][b, :, q, :], atol=1e-6, rtol=0)
+    torch.testing.assert_close(acts["blocks.1.hook_resid_post"][0], cache["blocks.1.hook_resid_post"][b, q],
+                               atol=1e-5, rtol=0)
+    un = MaskedCanvas(tiny, mask_rate=0.5, positions="unmasked", seed=0)
+    _, acts_u = un.run_with_cache(toks, names_filter=["blocks.0.attn.hook_pattern"])
+    assert acts_u["blocks.0.attn.hook_pattern"].shape[1] == int((~un.last_masked).sum())
+    with pytest.raises(InputError, match="no \\[batch, pos\\] leading axes") as err:
+        mc._select(torch.zeros(3), masked, "hook_x")
+    assert err.value.argument == "names_filter"

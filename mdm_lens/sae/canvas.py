@@ -41,7 +41,9 @@ class MaskedCanvas:
             token masked with that prob), or a callable `(batch, generator) -> Tensor[batch]` of per-row rates.
         positions: which positions' activations `run_with_cache` returns: "masked", "unmasked" or "all".
             "masked"/"unmasked" gather the chosen positions of the whole batch into one row `[1, n, d]`
-            (SAELens flattens batch and position, so only the set of rows matters).
+            (SAELens flattens batch and position, so only the set of rows matters); attention patterns / scores
+            `[batch, head, query, key]` give the chosen query rows, `[1, n, head, key]`; a hook without leading
+            `[batch, pos]` axes is refused naming it.
         seed: the masking noise; each call draws the next masks from one generator, so a run is reproducible.
 
     Position 0 (`<bos>`) and padding are never masked, as in training (`mdm_lens.zoo.train.mdm_masks`).
@@ -113,11 +115,19 @@ class MaskedCanvas:
         masked = masked.to(tokens.device)
         return tokens.masked_fill(masked, cfg.mask_token_id), masked
 
-    def _select(self, act: Tensor, masked: Tensor) -> Tensor:
+    def _select(self, act: Tensor, masked: Tensor, name: str = "logits") -> Tensor:
         if self.positions == "all":
             return act
-        keep = masked if self.positions == "masked" else ~masked
-        return act[keep.to(act.device)][None]  # [1, n_kept, ...]
+        keep = (masked if self.positions == "masked" else ~masked).to(act.device)
+        if name.endswith(("hook_pattern", "hook_attn_scores")) and act.ndim == 4:
+            # [batch, head, query, key]: the chosen positions are query rows -> [1, n_kept, head, key]
+            return act.transpose(1, 2)[keep][None]
+        if tuple(act.shape[:2]) != tuple(keep.shape):
+            raise InputError(f"positions={self.positions!r} selects [batch, pos] positions, and hook {name!r} has "
+                             f"shape {tuple(act.shape)} with no [batch, pos] leading axes: leave it out of "
+                             "names_filter or use positions='all'.", argument="names_filter", value=name,
+                             allowed="hooks with [batch, pos, ...] activations (or attention patterns / scores)")
+        return act[keep][None]  # [1, n_kept, ...]
 
     def run_with_cache(self, tokens: Tensor, *args: Any, names_filter: Any = None, stop_at_layer: int | None = None,
                        prepend_bos: Any = None, **kwargs: Any) -> tuple[Any, dict[str, Tensor]]:
@@ -131,7 +141,7 @@ class MaskedCanvas:
         kwargs.pop("return_type", None)
         out, cache = self.model.run_with_cache(noisy, *args, names_filter=names_filter, return_type=return_type,
                                                **kwargs)
-        acts = {name: self._select(cache[name], masked) for name in cache.keys()}
+        acts = {name: self._select(cache[name], masked, name) for name in cache.keys()}
         return (None if out is None else self._select(out, masked)), acts
 
     def forward(self, tokens: Tensor, **kwargs: Any) -> Any:
