@@ -347,3 +347,20 @@ def test_masked_canvas_selects_query_rows_of_patterns_and_refuses_other_layouts(
     with pytest.raises(InputError, match="no \\[batch, pos\\] leading axes") as err:
         mc._select(torch.zeros(3), masked, "hook_x")
     assert err.value.argument == "names_filter"
+
+
+def test_windowed_knockout_says_the_true_reason_for_its_nan_teacher_forced_metrics(tmp_path):
+    from tests.families.bd3gidd_checkpoints import BD3LM_CONFIG, write_bd3lm
+
+    bd = HookedMDM.from_pretrained(str(write_bd3lm(tmp_path / "b", dict(BD3LM_CONFIG, model_length=32))[0]),
+                                   load_tokenizer=False)
+    p = torch.full((1, 4), 7)  # a whole block: kv_cache takes it
+    plain = knockout(bd, p, gen_length=8, n_steps=4, n_random=1, seed=0)
+    cached = knockout(bd, p, gen_length=8, n_steps=4, n_random=1, seed=0, kv_cache=True)
+    why = [n for n in plain.notes if n.startswith("teacher-forced metrics")]
+    why_kv = [n for n in cached.notes if n.startswith("teacher-forced metrics")]
+    assert len(why) == 1 and "not built for BD3LM" in why[0] and "KV" not in why[0]
+    assert len(why_kv) == 1 and "kv_cache forwards read the stored keys" in why_kv[0]
+    df = plain.to_frame()
+    tf = df[df["metric"] == "tf_answer_logprob"]
+    assert tf["value"].isna().all() and (tf["note"] == why[0]).all()

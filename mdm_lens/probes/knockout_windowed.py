@@ -33,8 +33,19 @@ from ._knockout_hooks import _GoldScorer, readout, readout_hook
 from .knockout_bd import sampled_knockout
 
 NOT_APPLICABLE = ("teacher-forced metrics (tf_*) and the per-step committed metric are NaN on sampler={sampler!r}: "
-                  "they re-run a step's forward with the gold answer placed in the canvas, and its windowed KV-cached "
-                  "forwards cannot be re-run without a replay of the sampler's own forward")
+                  "they re-run a step's forward with the gold answer placed in the canvas, and {why}")
+WHY_NOT = {"nemotron": "nemotron's denoising forwards read the KV cache an earlier causal forward filled (the prompt "
+                       "reaches a block only through it), which a re-run of the canvas does not rebuild",
+           "bd3lm_kv": "BD3LM's kv_cache forwards read the stored keys / values of the finished blocks, which a "
+                       "re-run of the canvas does not rebuild",
+           "bd3lm": "that re-run is not built for BD3LM's windows at the step's noise level (patching and attribution "
+                    "patching do run a window that starts at 0; knockout reports its sampled metrics only)"}
+
+
+def not_applicable(sampler: str, generate_kwargs: dict) -> str:
+    """Why knockout's teacher-forced metrics are NaN on this windowed run (the reason true for its settings)."""
+    key = "bd3lm_kv" if sampler == "bd3lm" and generate_kwargs.get("kv_cache") else sampler
+    return NOT_APPLICABLE.format(sampler=sampler, why=WHY_NOT[key])
 
 
 class ForwardSteps:
@@ -133,7 +144,8 @@ def knockout_windowed(model: Any, prompt: Tensor, sampler: str, **kw: Any) -> di
     """The per-condition numbers of :func:`mdm_lens.probes.knockout.knockout` on nemotron / bd3lm (module
     docstring); notes the step meaning, the teacher-forced metrics' NaN and grid steps no condition reached."""
     r = sampled_knockout(model, prompt, draw=_WindowDraw, notes=[
-        f"sampler={sampler!r}: {OWN_FORWARDS[sampler]}", NOT_APPLICABLE.format(sampler=sampler)], **kw)
+        f"sampler={sampler!r}: {OWN_FORWARDS[sampler]}", not_applicable(sampler, kw.get("generate_kwargs", {}))],
+        **kw)
     nt = np.array([p["nt"] for p in r["per"]], dtype=float)
     never = [k for k, col in zip(kw["step_list"], nt.T) if np.isnan(col).all()]
     if never:

@@ -17,7 +17,7 @@ from ddit_checkpoints import DUO_CONFIG, MDLM_CONFIG, write_ddit
 from test_family_sweep import ITEMS, PROBES, _char_tokenizer
 
 from mdm_lens.cli import main
-from mdm_lens.probes.knockout_windowed import NOT_APPLICABLE
+from mdm_lens.probes.knockout_windowed import not_applicable
 
 
 def _write(folder, family):
@@ -76,7 +76,7 @@ def _check_bd3lm_tables(out):
     assert clean.loc[clean["value"].isna(), "note"].str.startswith("NaN: a gold answer position was not scored").all()
     tf = knock[knock["metric"].str.startswith("tf_")]
     assert len(tf) > 0 and tf["value"].isna().all()
-    assert (tf["note"] == NOT_APPLICABLE.format(sampler="bd3lm")).all()
+    assert (tf["note"] == not_applicable("bd3lm", {})).all()
 
 
 def test_report_of_a_features_only_sweep_skips_the_probe_it_cannot_fit(tmp_path):

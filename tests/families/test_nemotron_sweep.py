@@ -13,7 +13,7 @@ from nemotron_fixture import write_nemotron
 from test_family_sweep import ITEMS, _char_tokenizer
 
 from mdm_lens.cli import main
-from mdm_lens.probes.knockout_windowed import NOT_APPLICABLE
+from mdm_lens.probes.knockout_windowed import not_applicable
 
 PROBES = "accuracy,temporal,absorption,features,cache,retrieval,qk,flow,lens,knockout"
 
@@ -66,4 +66,4 @@ def _check_lens_and_knockout(out):
     assert n_targets.loc[n_targets["step"] == 3, "note"].str.startswith("steps [3] were not reached").all()
     tf = knock[knock["metric"].str.startswith("tf_")]
     assert len(tf) > 0 and tf["value"].isna().all()
-    assert (tf["note"] == NOT_APPLICABLE.format(sampler="nemotron")).all()
+    assert (tf["note"] == not_applicable("nemotron", {})).all()

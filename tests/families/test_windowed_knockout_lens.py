@@ -19,7 +19,7 @@ from mdm_lens import HookedMDM
 from mdm_lens.diffusion.own_forwards import is_denoising_forward, step_notes
 from mdm_lens.errors import InputError
 from mdm_lens.lens import lens_trace
-from mdm_lens.probes.knockout_windowed import NOT_APPLICABLE, ForwardSteps
+from mdm_lens.probes.knockout_windowed import ForwardSteps, not_applicable
 from mdm_lens.probes.patching import knockout
 
 NEMOTRON = dict(sampler="nemotron", gen_length=8, block_length=4, seed=0)
@@ -65,7 +65,7 @@ def test_a_knockout_of_no_key_equals_clean_exactly(models, run):
     for name in ("tf_answer_logprob", "tf_answer_rank", "step_metric", "metric_mean"):
         assert torch.isnan(getattr(res, name)).all(), name
     sampler = "nemotron" if run == "nemotron" else "bd3lm"
-    assert NOT_APPLICABLE.format(sampler=sampler) in res.notes
+    assert not_applicable(sampler, kw) in res.notes
     assert float(res.forwards_cut[0]) == 0  # clean cuts nothing
 
 
