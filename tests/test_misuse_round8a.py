@@ -364,3 +364,18 @@ def test_windowed_knockout_says_the_true_reason_for_its_nan_teacher_forced_metri
     df = plain.to_frame()
     tf = df[df["metric"] == "tf_answer_logprob"]
     assert tf["value"].isna().all() and (tf["note"] == why[0]).all()
+
+
+def test_bd3lm_block_selections_are_checked_against_this_prompts_layout(tmp_path):
+    from mdm_lens import ReceivedAttention
+    from mdm_lens.hooks import steps
+    from tests.families.bd3gidd_checkpoints import BD3LM_CONFIG, write_bd3lm
+
+    bd = HookedMDM.from_pretrained(str(write_bd3lm(tmp_path / "b", dict(BD3LM_CONFIG, model_length=32))[0]),
+                                   load_tokenizer=False)
+    p = torch.tensor([[1]])  # 1 + 15 tokens = 4 blocks of 4 (the prompt-free bound said 5)
+    with pytest.raises(SamplerConfigError, match=r"blocks\[0\]=4 does not exist: this run has 4 block\(s\)"):
+        bd.generate(p, gen_length=15, steps=4, seed=0, record=[ReceivedAttention(when=steps(blocks=[4]))])
+    out = bd.generate(p, gen_length=15, steps=4, seed=0, record=[ReceivedAttention(when=steps(blocks=[3]))])
+    assert out.record_meta["received_attention"]["steps"] == [out.n_steps - 4 + i for i in range(4)]
+    assert bd.memory_plan(p, gen_length=15, steps=4).forwards == 16

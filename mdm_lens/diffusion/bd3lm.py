@@ -116,9 +116,9 @@ class BD3LMSampler(DDiTSampler):
                                "model.cfg.extra['block_size'] and shown on out.settings; a model trained with another "
                                "block size is another checkpoint")
 
-    def run_extent(self, s: Any, batch: int, prompt_length: int) -> tuple[int, int]:
-        """`steps` per block of this prompt's layout (+1 storing it with `kv_cache`) over the canvas."""
-        return self.plan(s, prompt_length).n_steps, prompt_length + s.gen_length
+    def run_plan(self, s: Any, prompt_length: int) -> Plan:
+        """This prompt's layout: its blocks, `steps` per block (+1 storing it with `kv_cache`)."""
+        return self.plan(s, prompt_length)
 
     def plan(self, s: Any, prompt_length: int | None = None) -> Plan:
         """The most forwards: `steps` per block (+1 storing it with `kv_cache`). With the prompt length unknown

@@ -63,9 +63,14 @@ class CanvasSampler(Sampler):
     def plan(self, s: Any) -> Plan:
         return Plan(s.steps)
 
+    def run_plan(self, s: Any, prompt_length: int) -> Plan:
+        """The plan of a run on a prompt of this length (`generate` sizes hooks, caches and block selections by it);
+        samplers whose layout depends on the prompt (BD3LM's blocks) override it."""
+        return self.plan(s)
+
     def run_extent(self, s: Any, batch: int, prompt_length: int) -> tuple[int, int]:
-        """Every forward the plan counts (MDLM / Duo: the noise-removal forward too) over the canvas."""
-        return self.plan(s).n_steps, prompt_length + s.gen_length
+        """Every forward the run's plan counts (MDLM / Duo: the noise-removal forward too) over the canvas."""
+        return self.run_plan(s, prompt_length).n_steps, prompt_length + s.gen_length
 
     def idle_steps(self, s: Any) -> list[int] | None:
         """Steps that commit nothing when steps > gen_length (None: not known in advance)."""
@@ -101,7 +106,7 @@ class CanvasSampler(Sampler):
         self.check_inputs(model, ids, am, s, obs)
         runner = StepRunner(model, fwd_hooks=obs.fwd_hooks, hook_steps=obs.hook_steps, record=obs.record,
                             cache=obs.cache)
-        plan = self.plan(s)
+        plan = self.run_plan(s, prompt_length)
         if plan.adaptive:
             runner.refuse_end_relative(plan.adaptive)
         runner.begin(batch, prompt_length + s.gen_length, plan.n_steps, n_blocks=plan.n_blocks,
