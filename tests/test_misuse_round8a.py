@@ -379,3 +379,14 @@ def test_bd3lm_block_selections_are_checked_against_this_prompts_layout(tmp_path
     out = bd.generate(p, gen_length=15, steps=4, seed=0, record=[ReceivedAttention(when=steps(blocks=[3]))])
     assert out.record_meta["received_attention"]["steps"] == [out.n_steps - 4 + i for i in range(4)]
     assert bd.memory_plan(p, gen_length=15, steps=4).forwards == 16
+
+
+def test_balanced_device_maps_take_a_disk_budget(tmp_path, tiny):
+    # accelerate's balancing calls torch.device on every max_memory key: "disk" crashed there (misuse10 F8)
+    kw = dict(max_memory={"cpu": "1MiB", "disk": "1GiB"})
+    auto = HookedMDM.from_pretrained("mdm-lens/tiny-mdm", device_map="auto", offload_folder=str(tmp_path / "a"), **kw)
+    seq = HookedMDM.from_pretrained("mdm-lens/tiny-mdm", device_map="sequential", offload_folder=str(tmp_path / "s"),
+                                    **kw)
+    assert "disk" in set(auto.hf_device_map.values()) and auto.hf_device_map == seq.hf_device_map
+    toks = tiny.to_tokens("The capital is")
+    torch.testing.assert_close(auto(toks), tiny(toks), atol=1e-5, rtol=0)

@@ -59,8 +59,13 @@ def plan(meta_model: nn.Module, device_map: Any, max_memory: dict | None, dtype:
     strategy = validate.choice(device_map, STRATEGIES, name="device_map")
     no_split = no_split_classes(meta_model)
     if strategy != "sequential":
-        max_memory = get_balanced_memory(meta_model, max_memory=max_memory, no_split_module_classes=no_split,
+        # accelerate balances over torch devices ("disk" is none: torch.device("disk") raises); the disk budget
+        # is set aside and given back to the planner unchanged
+        disk = {k: v for k, v in (max_memory or {}).items() if k == "disk"}
+        devices = None if max_memory is None else {k: v for k, v in max_memory.items() if k != "disk"}
+        max_memory = get_balanced_memory(meta_model, max_memory=devices, no_split_module_classes=no_split,
                                          dtype=dtype, low_zero=strategy == "balanced_low_0")
+        max_memory = {**max_memory, **disk}
     found = infer_auto_device_map(meta_model, max_memory=max_memory, no_split_module_classes=no_split, dtype=dtype)
     return check_map(meta_model, dict(found))
 
