@@ -390,3 +390,15 @@ def test_balanced_device_maps_take_a_disk_budget(tmp_path, tiny):
     assert "disk" in set(auto.hf_device_map.values()) and auto.hf_device_map == seq.hf_device_map
     toks = tiny.to_tokens("The capital is")
     torch.testing.assert_close(auto(toks), tiny(toks), atol=1e-5, rtol=0)
+
+
+def test_cache_effect_on_sdar_names_its_exact_block_cache(tmp_path):
+    from mdm_lens.errors import InputError
+    from mdm_lens.probes.cache_effect import cache_effect
+    from tests.families.family_checkpoints import write_sdar
+
+    sd = HookedMDM.from_pretrained(str(write_sdar(tmp_path)[0]), load_tokenizer=False)
+    out = sd.generate(torch.tensor([[5, 17, 33]]), gen_length=8, block_length=4, seed=0)
+    with pytest.raises(InputError, match="'sdar' run decodes against its own exact KV cache") as err:
+        cache_effect(sd, out)
+    assert "has no KV cache" not in str(err.value)

@@ -116,6 +116,13 @@ def _not_covered(out: Any, kv: Any) -> str:
     sampler = getattr(out, "sampler", None)
     covers = ("cache_effect covers the Fast-dLLM prefix / dual caches of LLaDA and Dream runs only (sampler 'llada' "
               "or 'dream' with generate(..., kv_cache='prefix'|'dual'))")
+    if sampler == "sdar":  # its loop always keeps a cache, without a kv_cache setting
+        return (f"{covers}; this 'sdar' run decodes against its own exact KV cache of finished blocks (no kv_cache "
+                "setting), which holds what a fresh block-causal forward computes: there is no stale cache to "
+                "measure.")
+    if sampler in ("nemotron", "nemotron_ar"):
+        return (f"{covers}; this {sampler!r} run's KV cache is how the model decodes (its causal prefill's "
+                "keys / values, no kv_cache setting), not an approximation of a fresh forward: nothing to measure.")
     if kv in (None, False):
         return f"{covers}; this {sampler!r} run has no KV cache (kv_cache={kv!r})."
     return (f"{covers}; this {sampler!r} run's cache (kv_cache={kv!r}) is another one, which it does not measure: "
