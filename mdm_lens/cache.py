@@ -115,9 +115,26 @@ class MDMActivationCache(ActivationCache):
         self._supported("decompose_resid", arguments)
         return super().decompose_resid(**arguments)
 
+    def _dense_neurons(self, helper: str, layers: range, argument: str, value: Any) -> None:
+        """Neurons (`mlp.hook_post`) exist on dense MLP layers only: an MoE layer among `layers` is refused saying
+        so, rather than as a missing hook the caller never named."""
+        moe = self.model.cfg.extra.get("moe_layers") or []
+        hit = [i for i in layers if i < len(moe) and moe[i]]
+        if hit:
+            dense = [i for i in range(len(moe)) if not moe[i]]
+            raise ArgumentError(f"cache.{helper}: neurons are not defined on MoE layer(s) {hit} (each routed expert "
+                                "has its own, under blocks.{l}.mlp.experts.{e}.hook_post); pass expand_neurons=False "
+                                f"or a layer bound below the first MoE layer (dense layers: {dense}).",
+                                argument=argument, value=value, allowed=f"layers without MoE: {dense}")
+
     def get_full_resid_decomposition(self, *args: Any, **kwargs: Any) -> Any:
         self._supported("get_full_resid_decomposition")
-        return super().get_full_resid_decomposition(**self._checked("get_full_resid_decomposition", args, kwargs))
+        arguments = self._checked("get_full_resid_decomposition", args, kwargs)
+        if arguments.get("expand_neurons", True):
+            top = arguments.get("layer")  # None / -1: every layer (TL)
+            n = self.model.cfg.n_layers if top in (None, -1) else top
+            self._dense_neurons("get_full_resid_decomposition", range(n), "expand_neurons", True)
+        return super().get_full_resid_decomposition(**arguments)
 
     def stack_head_results(self, *args: Any, **kwargs: Any) -> Any:
         self._supported("stack_head_results")
@@ -125,13 +142,19 @@ class MDMActivationCache(ActivationCache):
 
     def stack_neuron_results(self, *args: Any, **kwargs: Any) -> Any:
         self._supported("stack_neuron_results")
-        return super().stack_neuron_results(**self._checked("stack_neuron_results", args, kwargs))
+        arguments = self._checked("stack_neuron_results", args, kwargs)
+        top = arguments.get("layer")  # None / -1: every layer (TL)
+        self._dense_neurons("stack_neuron_results", range(self.model.cfg.n_layers if top in (None, -1) else top),
+                            "layer", top)
+        return super().stack_neuron_results(**arguments)
 
     def get_neuron_results(self, *args: Any, **kwargs: Any) -> Any:
         self._supported("get_neuron_results")
         arguments = self._checked("get_neuron_results", args, kwargs, layer=None)
         arguments["layer"] = validate.index(arguments.get("layer"), self.model.cfg.n_layers, name="layer",
                                             what="layer")
+        self._dense_neurons("get_neuron_results", range(arguments["layer"], arguments["layer"] + 1), "layer",
+                            arguments["layer"])
         return super().get_neuron_results(**arguments)
 
     def apply_ln_to_stack(self, *args: Any, **kwargs: Any) -> Any:

@@ -402,3 +402,24 @@ def test_cache_effect_on_sdar_names_its_exact_block_cache(tmp_path):
     with pytest.raises(InputError, match="'sdar' run decodes against its own exact KV cache") as err:
         cache_effect(sd, out)
     assert "has no KV cache" not in str(err.value)
+
+
+def test_neuron_helpers_on_moe_layers_say_neurons_are_per_expert(tmp_path):
+    from mdm_lens.errors import ArgumentError
+    from tests.families.family_checkpoints import write_llada2
+
+    m = HookedMDM.from_pretrained(str(write_llada2(tmp_path)[0]), load_tokenizer=False)
+    moe = m.cfg.extra["moe_layers"]
+    first = moe.index(True)
+    assert first >= 1 and not any(moe[:first])  # a dense layer before the first MoE one
+    m.set_use_attn_result(True)
+    _, cache = m.run_with_cache(torch.tensor([[5, 6, 7, 8]]))
+    for call in (lambda: cache.get_full_resid_decomposition(expand_neurons=True),
+                 lambda: cache.stack_neuron_results(layer=first + 1),
+                 lambda: cache.get_neuron_results(first)):
+        with pytest.raises(ArgumentError, match=rf"neurons are not defined on MoE layer\(s\) \[{first}"):
+            call()
+    # the dense layers before it still give their neurons, and without neurons the decomposition runs
+    stack = cache.stack_neuron_results(layer=first)
+    assert stack.shape[0] == first * m.cfg.d_mlp
+    cache.get_full_resid_decomposition(expand_neurons=False)
