@@ -53,3 +53,18 @@ def test_ce_score_l0_is_the_mean_over_non_pad_positions(mdm):
     assert abs(want - with_pads) > 0.5                # the planted pads fire a different number of latents
     got = diffusion_ce_score(mdm, sae, HOOK, ids, mask_rates=(0.5,), seeds=(0,)).iloc[0]
     assert got.l0 == pytest.approx(want, abs=1e-4)
+
+
+def test_memory_plan_counts_each_cached_phase(mdm):
+    # with classifier-free guidance a cache bound to ("cond", "uncond") keeps two forwards per step: twice the bytes
+    from mdm_lens.hooks import steps
+
+    p = torch.randint(5, 300, (1, 6), generator=torch.Generator().manual_seed(0))
+    kw = dict(gen_length=8, steps=4, cfg_scale=1.0)
+    none = mdm.memory_plan(p, **kw).rows["cpu"].caches
+    cond = mdm.memory_plan(p, cache="blocks.0.hook_resid_post" @ steps(), **kw).rows["cpu"].caches
+    both = mdm.memory_plan(p, cache="blocks.0.hook_resid_post" @ steps(phases=("cond", "uncond")),
+                           **kw).rows["cpu"].caches
+    one = cond - none
+    assert one == 4 * 1 * 14 * mdm.cfg.d_model * 4  # 4 steps x batch 1 x 14 positions x d_model x fp32
+    assert both - none == 2 * one
