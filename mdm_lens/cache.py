@@ -19,7 +19,7 @@ from transformer_lens.utilities import get_act_name
 from transformer_lens.utilities.slice import Slice
 
 from mdm_lens import cache_args, validate
-from mdm_lens.errors import ArgumentError, ArgumentTypeError, HookNameError, OutOfRangeError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, HookNameError, OutOfRangeError, UnsupportedAttributeError
 
 __all__ = ["MDMActivationCache"]
 
@@ -158,10 +158,35 @@ class MDMActivationCache(ActivationCache):
         return super().get_neuron_results(**arguments)
 
     def apply_ln_to_stack(self, *args: Any, **kwargs: Any) -> Any:
+        """TL's helper with one meaning of "apply the norm" in every mode: `x / scale`, no weight, as
+        `decompose_resid(apply_ln=True)` and `logit_attrs` divide, because `model.tokens_to_residual_directions`
+        carries the final norm's weight while it is unfolded. TL 4's `recompute_ln=True` (which its
+        `accumulated_resid(apply_ln=True)` uses at the final layer) runs `ln_final` itself, weight included: here the
+        statistics are recomputed per component the same way, and the weight is left to the directions (else DLA on
+        a logit-lens stack counted it twice)."""
         self._supported("apply_ln_to_stack")
         arguments = self._checked("apply_ln_to_stack", args, kwargs)
+        layer = arguments.get("layer")
+        if arguments.get("recompute_ln") and layer in (None, -1, self.model.cfg.n_layers) \
+                and hasattr(self.model.ln_final, "normalize"):
+            stack = arguments["residual_stack"]
+            if arguments.get("has_batch_dim", True):
+                bs = arguments.get("batch_slice")
+                stack = (bs if isinstance(bs, Slice) else Slice(bs)).apply(stack, dim=1)
+            return self.model.ln_final.normalize(stack)
         self._check_stack_positions(arguments, "apply_ln_to_stack")
         return super().apply_ln_to_stack(**arguments)
+
+    def logit_lens(self, *args: Any, **kwargs: Any) -> Any:
+        """TransformerLens 4's one-call logit lens is built for its TransformerBridge readout (the final norm module
+        with its weight, then W_U): refused here by name, with the two ways this library gives the same numbers."""
+        raise UnsupportedAttributeError(
+            "cache.logit_lens (TransformerLens 4's one-call lens for TransformerBridge models) is not supported on a "
+            "HookedMDM cache. Per layer and denoising step: mdm_lens.lens (lens.logit.lens_logits; "
+            "lens.trace.lens_trace over a generate run); on this cache: cache.accumulated_resid(apply_ln=True) "
+            "dotted with model.tokens_to_residual_directions(tokens) (plus b_U) is each layer's logit-lens logit.",
+            argument="logit_lens", value="cache.logit_lens",
+            allowed="mdm_lens.lens, or accumulated_resid(apply_ln=True)")
 
     def _check_stack_positions(self, arguments: dict, helper: str) -> None:
         """The stack's [batch, pos] axes must be the final norm's scale's after `batch_slice` / `pos_slice`: TL

@@ -45,6 +45,12 @@ class RMSNorm(nn.Module):
         scale = self.hook_scale((x32.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.apply_weight(self.hook_normalized((x32 / scale).to(x.dtype)))
 
+    def normalize(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
+        """`x / scale` with `x`'s own statistics and no weight, no hooks (what `hook_normalized` holds): the cache's
+        recomputed-statistics logit lens, whose directions carry the weight already."""
+        x32 = at_least_fp32(x)
+        return (x32 / (x32.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()).to(x.dtype)
+
     def apply_weight(self, normalized: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
         """`normalized * w`, or `normalized` itself once the weight is folded away."""
         return normalized if self.w is None else normalized * self.w

@@ -423,3 +423,38 @@ def test_neuron_helpers_on_moe_layers_say_neurons_are_per_expert(tmp_path):
     stack = cache.stack_neuron_results(layer=first)
     assert stack.shape[0] == first * m.cfg.d_mlp
     cache.get_full_resid_decomposition(expand_neurons=False)
+
+
+# --- misuse11: one meaning of "apply the norm" in every cache helper, and TL 4's cache.logit_lens refused ----------
+
+def test_recomputed_norm_stacks_leave_the_weight_to_the_directions(tiny):
+    toks = torch.randint(4, 300, (2, 8), generator=torch.Generator().manual_seed(0))
+    logits, cache = tiny.run_with_cache(toks)
+    d = tiny.tokens_to_residual_directions(torch.tensor([5, 5]))
+    acc = cache.accumulated_resid(layer=-1, pos_slice=-1, apply_ln=True)
+    raw = cache.accumulated_resid(layer=-1, pos_slice=-1)
+    # the final entry dotted with the token's direction is its logit (tiny-mdm's final norm weight is far from 1)
+    torch.testing.assert_close((acc[-1] * d).sum(-1), logits[:, -1, 5], atol=1e-4, rtol=0)
+    dec = cache.decompose_resid(layer=-1, pos_slice=-1, apply_ln=True)
+    torch.testing.assert_close(dec.sum(0), acc[-1], atol=1e-5, rtol=0)
+    # each entry is its own residual over its own RMS, no weight (TL 4's recomputed statistics; TL 3 divides every
+    # entry by the final scale, the same for the last entry)
+    own = raw[-1] / (raw[-1].pow(2).mean(-1, keepdim=True) + tiny.cfg.norm_eps).sqrt()
+    torch.testing.assert_close(acc[-1], own, atol=1e-5, rtol=0)
+    import inspect
+
+    from transformer_lens import ActivationCache
+
+    if "recompute_ln" not in inspect.signature(ActivationCache.apply_ln_to_stack).parameters:
+        return  # TransformerLens 3 has no recompute_ln
+    rec = cache.apply_ln_to_stack(raw, layer=-1, pos_slice=-1, recompute_ln=True)
+    mine = raw / (raw.pow(2).mean(-1, keepdim=True) + tiny.cfg.norm_eps).sqrt()
+    torch.testing.assert_close(rec, mine, atol=1e-5, rtol=0)
+
+
+def test_tl4_cache_logit_lens_is_refused_by_name(tiny):
+    from mdm_lens.errors import UnsupportedAttributeError
+
+    _, cache = tiny.run_with_cache(torch.randint(4, 300, (1, 8)))
+    with pytest.raises(UnsupportedAttributeError, match="cache.logit_lens .* is not supported on a HookedMDM cache"):
+        cache.logit_lens()
