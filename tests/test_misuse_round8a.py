@@ -458,3 +458,22 @@ def test_tl4_cache_logit_lens_is_refused_by_name(tiny):
     _, cache = tiny.run_with_cache(torch.randint(4, 300, (1, 8)))
     with pytest.raises(UnsupportedAttributeError, match="cache.logit_lens .* is not supported on a HookedMDM cache"):
         cache.logit_lens()
+
+
+@pytest.mark.parametrize("rope", [None, dict(rope_type="default", llama_4_scaling_beta=0.1,
+                                             original_max_position_embeddings=16, rope_theta=10000.0)])
+def test_a_saved_nemotron_folder_loads_back_exactly(tmp_path, rope):
+    # its yarn scaling / llama-4 query scale were written and then refused by the native reader (misuse11 F3)
+    from mdm_lens.loading import save_pretrained
+    from tests.families.nemotron_fixture import write_nemotron
+
+    kw = {} if rope is None else dict(rope_parameters=rope)
+    folder = write_nemotron(tmp_path / "n", **kw)[0]
+    m = HookedMDM.from_pretrained(str(folder), load_tokenizer=False)
+    scaling = m.cfg.extra["rope_scaling"]
+    assert scaling["rope_type"] == ("yarn" if rope is None else "default")
+    save_pretrained(m, tmp_path / "saved")
+    back = HookedMDM.from_pretrained(str(tmp_path / "saved"), load_tokenizer=False)
+    assert back.cfg.extra["rope_scaling"] == scaling
+    toks = torch.randint(0, 90, (1, 24), generator=torch.Generator().manual_seed(0))  # past the 16 original positions
+    assert torch.equal(back(toks), m(toks))

@@ -79,16 +79,23 @@ def _check_rotary_dim(dim: Any, d_head: int, partial_ok: bool, path: Path) -> No
         raise ConfigError(f"{path}: extra.rotary_dim={dim!r} is invalid: expected {allowed}.")
 
 
+# the scalings HookedMDM implements, as its loaders write them into cfg.extra: the HF-style families' (loading.rope)
+# and Nemotron's yarn and llama-4 query scale (a "default" table with llama_4_scaling_beta), so a saved Nemotron
+# folder loads back
+NATIVE_ROPE = {**ROPE_KEYS, "yarn": ("factor", "original_max_position_embeddings"),
+               "default": ("original_max_position_embeddings", "llama_4_scaling_beta")}
+
+
 def _check_rope_scaling(scaling: Any, path: Path) -> None:
     if scaling is None:
         return
     kind = scaling.get("rope_type") if isinstance(scaling, dict) else None
-    if kind not in ROPE_KEYS:
+    if kind not in NATIVE_ROPE:
         raise ConfigError(f"{path}: extra.rope_scaling={scaling!r} is invalid: expected null or an object with "
-                          f"rope_type one of {tuple(ROPE_KEYS)} (the scalings HookedMDM implements).")
-    bad = [k for k in ROPE_KEYS[kind] if not _positive(scaling.get(k))]
+                          f"rope_type one of {tuple(NATIVE_ROPE)} (the scalings HookedMDM implements).")
+    bad = [k for k in NATIVE_ROPE[kind] if not _positive(scaling.get(k))]
     if bad:
-        raise ConfigError(f"{path}: extra.rope_scaling ({kind}) needs {list(ROPE_KEYS[kind])} as finite numbers > 0; "
+        raise ConfigError(f"{path}: extra.rope_scaling ({kind}) needs {list(NATIVE_ROPE[kind])} as finite numbers > 0; "
                           f"{bad[0]}={scaling.get(bad[0])!r}.")
     if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ConfigError(f"{path}: extra.rope_scaling needs high_freq_factor > low_freq_factor, got {scaling}.")
