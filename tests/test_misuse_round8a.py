@@ -477,3 +477,20 @@ def test_a_saved_nemotron_folder_loads_back_exactly(tmp_path, rope):
     assert back.cfg.extra["rope_scaling"] == scaling
     toks = torch.randint(0, 90, (1, 24), generator=torch.Generator().manual_seed(0))  # past the 16 original positions
     assert torch.equal(back(toks), m(toks))
+
+
+def test_a_stop_token_equal_to_the_mask_id_is_refused(tmp_path):
+    # SDAR stopped after its first forward with a mask in the answer span (misuse11 F4); Fast-dLLM v2 the same class
+    from tests.families.family_checkpoints import write_sdar
+    from tests.test_fastdllm_v2 import write_fastdllm_v2
+
+    sd = HookedMDM.from_pretrained(str(write_sdar(tmp_path / "s")[0]), load_tokenizer=False)
+    mask = sd.cfg.mask_token_id
+    with pytest.raises(SamplerConfigError, match=rf"stopping_criteria_idx=\[3, {mask}\] holds the mask id") as err:
+        sd.generate(torch.tensor([[5, 6, 7]]), gen_length=12, block_length=4, stopping_criteria_idx=[3, mask])
+    assert err.value.argument == "stopping_criteria_idx"
+    fd = HookedMDM.from_pretrained(str(write_fastdllm_v2(tmp_path / "f")[0]), load_tokenizer=False)
+    with pytest.raises(SamplerConfigError, match="stop_token=.* is the mask id") as err:
+        fd.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=8, small_block_size=2,
+                    stop_token=fd.cfg.mask_token_id)
+    assert err.value.argument == "stop_token"
