@@ -494,3 +494,20 @@ def test_a_stop_token_equal_to_the_mask_id_is_refused(tmp_path):
         fd.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=8, small_block_size=2,
                     stop_token=fd.cfg.mask_token_id)
     assert err.value.argument == "stop_token"
+
+
+@pytest.mark.parametrize("kind, tc, why", [("duo", True, "has no mask token"),
+                                           ("mdlm", True, "is conditioned on it")])
+def test_masked_canvas_refuses_models_it_cannot_noise_faithfully(kind, tc, why):
+    # Duo crashed on the first call; a time-conditioned MDLM / GIDD ran masked canvases at the clean time (misuse11)
+    from mdm_lens.ddit import HookedDDiT, ddit_config
+    from mdm_lens.errors import InputError
+    from mdm_lens.sae.canvas import MaskedCanvas
+
+    cfg = ddit_config(kind, d_vocab=40, n_ctx=16, d_model=32, cond_dim=16, n_layers=2, n_heads=2, time_conditioning=tc)
+    with pytest.raises(InputError, match=why) as err:
+        MaskedCanvas(HookedDDiT.from_config(cfg, seed=0), mask_rate=0.5)
+    assert err.value.argument == "model"
+    plain = ddit_config("mdlm", d_vocab=40, n_ctx=16, d_model=32, cond_dim=16, n_layers=2, n_heads=2,
+                        time_conditioning=False)
+    MaskedCanvas(HookedDDiT.from_config(plain, seed=0), mask_rate=0.5)  # sigma is not read: the canvas is faithful

@@ -58,6 +58,16 @@ class MaskedCanvas:
         if getattr(cfg, "attention", "bidirectional") == "causal":
             raise InputError("MaskedCanvas needs a masked diffusion model; this one is causal (an ARM never sees "
                              "masked canvases).", argument="model", value=cfg.model_name, allowed="a bidirectional MDM")
+        if cfg.mask_token_id is None:
+            raise InputError(f"MaskedCanvas draws the masking forward process, and {cfg.model_name!r} has no mask "
+                             "token (uniform-state noise: Duo): no canvas of this model is a masked one.",
+                             argument="model", value=cfg.model_name, allowed="a model with a mask token")
+        if getattr(cfg, "extra", {}).get("time_conditioning"):
+            raise InputError(f"MaskedCanvas runs the canvas without a noise level, and {cfg.model_name!r} is "
+                             "conditioned on it (time_conditioning): its forward would read the masked canvas at the "
+                             "clean time. Record its activations along generate runs instead "
+                             "(mdm_lens.sae.export_activations), where each step has its own sigma.",
+                             argument="model", value=cfg.model_name, allowed="a model without time conditioning")
         if mask_rate is not None and not callable(mask_rate):
             mask_rate = validate.number(mask_rate, name="mask_rate", min=0.0, max=1.0, min_open=True)
         self.model = model
