@@ -511,3 +511,17 @@ def test_masked_canvas_refuses_models_it_cannot_noise_faithfully(kind, tc, why):
     plain = ddit_config("mdlm", d_vocab=40, n_ctx=16, d_model=32, cond_dim=16, n_layers=2, n_heads=2,
                         time_conditioning=False)
     MaskedCanvas(HookedDDiT.from_config(plain, seed=0), mask_rate=0.5)  # sigma is not read: the canvas is faithful
+
+
+@pytest.mark.parametrize("strategy", ["balanced", "sequential"])
+def test_a_disk_budget_the_placement_exceeds_is_refused_at_load(tmp_path, strategy):
+    # accelerate treats disk as unlimited: the model loaded, then every run was refused (misuse11 F7)
+    from mdm_lens.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match=r"max_memory\['disk'\]=.* is exceeded: this placement puts \['blocks.1'"):
+        HookedMDM.from_pretrained("mdm-lens/tiny-mdm", device_map=strategy, offload_folder=str(tmp_path / "o"),
+                                  max_memory={"cpu": "2MiB", "disk": "1KiB"})
+    ok = HookedMDM.from_pretrained("mdm-lens/tiny-mdm", device_map=strategy, offload_folder=str(tmp_path / "p"),
+                                   max_memory={"cpu": "2MiB", "disk": "1GiB"})
+    assert "disk" in set(ok.hf_device_map.values())
+    ok.generate(torch.tensor([[5, 6, 7]]), steps=2, gen_length=2)  # the guard accepts what the load accepted

@@ -55,7 +55,7 @@ def plan(meta_model: nn.Module, device_map: Any, max_memory: dict | None, dtype:
 
     max_memory = _check_max_memory(max_memory)
     if isinstance(device_map, dict):
-        return check_map(meta_model, device_map)
+        return _within_disk_budget(meta_model, check_map(meta_model, device_map), max_memory, dtype)
     strategy = validate.choice(device_map, STRATEGIES, name="device_map")
     no_split = no_split_classes(meta_model)
     if strategy != "sequential":
@@ -67,7 +67,31 @@ def plan(meta_model: nn.Module, device_map: Any, max_memory: dict | None, dtype:
                                          dtype=dtype, low_zero=strategy == "balanced_low_0")
         max_memory = {**max_memory, **disk}
     found = infer_auto_device_map(meta_model, max_memory=max_memory, no_split_module_classes=no_split, dtype=dtype)
-    return check_map(meta_model, dict(found))
+    return _within_disk_budget(meta_model, check_map(meta_model, dict(found)), max_memory, dtype)
+
+
+def _within_disk_budget(meta_model: nn.Module, mapping: DeviceMap, max_memory: dict | None,
+                        dtype: torch.dtype) -> DeviceMap:
+    """accelerate's planner treats disk as unlimited: a `max_memory["disk"]` budget the placement exceeds is
+    refused at load, naming the bytes the disk entries hold (else every later run would be refused by the memory
+    guard, advising to offload more)."""
+    if not max_memory or "disk" not in max_memory:
+        return mapping
+    from accelerate.utils import compute_module_sizes, convert_file_size_to_int
+
+    budget = convert_file_size_to_int(max_memory["disk"])
+    sizes = compute_module_sizes(meta_model, dtype=dtype)
+    on_disk = {name: sizes.get(name, 0) for name, dev in mapping.items() if dev == "disk"}
+    need = sum(on_disk.values())
+    if need > budget:
+        from mdm_lens.hooks.memory import human
+
+        raise ArgumentError(f"max_memory['disk']={max_memory['disk']!r} is exceeded: this placement puts "
+                            f"{sorted(on_disk)} on disk ({human(need)}), more than the {human(budget)} allowed. Raise "
+                            "the disk budget or the devices' budgets (max_memory) so fewer modules go to disk.",
+                            argument="max_memory['disk']", value=max_memory["disk"],
+                            allowed=f"at least {human(need)} for this placement")
+    return mapping
 
 
 def _check_max_memory(max_memory: Any) -> dict | None:
