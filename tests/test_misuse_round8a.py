@@ -525,3 +525,15 @@ def test_a_disk_budget_the_placement_exceeds_is_refused_at_load(tmp_path, strate
                                    max_memory={"cpu": "2MiB", "disk": "1GiB"})
     assert "disk" in set(ok.hf_device_map.values())
     ok.generate(torch.tensor([[5, 6, 7]]), steps=2, gen_length=2)  # the guard accepts what the load accepted
+
+
+def test_step_selections_list_the_steps_they_fire_at(tiny):
+    from mdm_lens.hooks import steps
+
+    out = tiny.generate(tiny.to_tokens("The capital is"), steps=8, gen_length=8,
+                        cache="blocks.0.hook_resid_post" @ steps(every=3))
+    assert list(out.cache.steps) == out.cache.when.selected(8) == [0, 3, 6, 7]
+    assert steps(1, 5, -1).selected(8) == [1, 5, 7] and steps().selected(3) == [0, 1, 2]
+    assert steps(0, 6, every=3).selected(8) == [0, 6]
+    with pytest.raises(SamplerConfigError, match="decided per block while the sampler runs"):
+        steps(blocks=[1]).selected(8)

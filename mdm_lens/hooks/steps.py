@@ -30,8 +30,21 @@ class Steps:
     blocks: tuple[int, ...] | None = None
     phases: tuple[str, ...] = ("cond",)
 
+    def selected(self, n_steps: int) -> list[int]:
+        """The steps of a run of `n_steps` this selection fires at, indices and `every=` applied (`steps(every=3)` on
+        8 steps: [0, 3, 6, 7]). A `blocks=` selection depends on which step falls in which block, known only as
+        the sampler runs: refused here (read the steps a record / cache really holds in its meta or `.steps`)."""
+        n_steps = validate.integer(n_steps, name="n_steps", min=1)
+        if self.blocks is not None:
+            raise SamplerConfigError(f"steps(blocks={list(self.blocks)}) is decided per block while the sampler runs: "
+                                     "its steps are not a function of n_steps. Read the steps a record holds "
+                                     "(out.record_meta[name]['steps']) or a cache's `.steps` after the run.",
+                                     argument="blocks", value=list(self.blocks), allowed="a selection without blocks")
+        return [k for k in range(n_steps) if self._matches_step(k, n_steps)]
+
     def resolve(self, n_steps: int) -> set[int] | None:
-        """The concrete step indices (None = every step, subject to blocks/every). Two specs naming the same
+        """The explicit step indices alone (None = no index given: every step, before `every=` / `blocks=` filter;
+        `selected` gives the steps that fire). Two specs naming the same
         step (``steps(0, -4)`` on a 4-step run, ``steps("first", 0)``) are an error: the records and the cache
         would hold one row where two were asked for."""
         if not self.indices:
@@ -178,7 +191,7 @@ class CacheRequest:
 @dataclass
 class StepHook:
     """A TL forward hook `(name, fn)` that exists only at the steps in `when` (the same public attribute as a
-    reducer's and a TrajectoryCache's `.when`; `hook.when.resolve(n_steps)` gives the concrete step indices)."""
+    reducer's and a TrajectoryCache's `.when`; `hook.when.selected(n_steps)` gives the steps it fires at)."""
 
     name: Any
     fn: Callable
