@@ -42,14 +42,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         x32 = at_least_fp32(x)
-        scale = self.hook_scale((x32.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        scale = self.hook_scale(self._rms(x32))
         return self.apply_weight(self.hook_normalized((x32 / scale).to(x.dtype)))
+
+    def _rms(self, x32: Tensor) -> Tensor:
+        return (x32.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
 
     def normalize(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
         """`x / scale` with `x`'s own statistics and no weight, no hooks (what `hook_normalized` holds): the cache's
         recomputed-statistics logit lens, whose directions carry the weight already."""
         x32 = at_least_fp32(x)
-        return (x32 / (x32.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()).to(x.dtype)
+        return (x32 / self._rms(x32)).to(x.dtype)
 
     def apply_weight(self, normalized: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
         """`normalized * w`, or `normalized` itself once the weight is folded away."""

@@ -344,7 +344,8 @@ def test_run_adapters_valid(layer, anchor, head, rule, step):
     x, am = R.step_canvas(OUT, step)
     assert torch.equal(x, OUT.trajectory.x_steps[step % 3])
     rec_layer = [0, 2][layer % 2] if layer >= 0 else [0, 2][layer % 2 - 2]
-    sa = R.anchors_over_steps(OUT, layer=rec_layer if layer >= 0 else -1 - (layer % 2), head=head, rule=rule)
+    # a negative layer counts from the model's 4 layers (-2 is layer 2, -4 layer 0), not from the recorded ones
+    sa = R.anchors_over_steps(OUT, layer=rec_layer if layer >= 0 else rec_layer - 4, head=head, rule=rule)
     assert sa.anchors.shape == (1, 3, OUT.tokens.shape[1])
     d = R.drift_from_output(OUT, layer=rec_layer, rule=rule)
     assert d.n_anchors.shape == (1, 3)
