@@ -486,11 +486,12 @@ def test_a_stop_token_equal_to_the_mask_id_is_refused(tmp_path):
 
     sd = HookedMDM.from_pretrained(str(write_sdar(tmp_path / "s")[0]), load_tokenizer=False)
     mask = sd.cfg.mask_token_id
-    with pytest.raises(SamplerConfigError, match=rf"stopping_criteria_idx=\[3, {mask}\] holds the mask id") as err:
+    with pytest.raises(SamplerConfigError, match=rf"cfg.mask_token_id={mask} and stopping_criteria_idx\[1\]={mask} "
+                                                 "are the same token") as err:
         sd.generate(torch.tensor([[5, 6, 7]]), gen_length=12, block_length=4, stopping_criteria_idx=[3, mask])
-    assert err.value.argument == "stopping_criteria_idx"
+    assert err.value.argument == "stopping_criteria_idx[1]"
     fd = HookedMDM.from_pretrained(str(write_fastdllm_v2(tmp_path / "f")[0]), load_tokenizer=False)
-    with pytest.raises(SamplerConfigError, match="stop_token=.* is the mask id") as err:
+    with pytest.raises(SamplerConfigError, match=r"cfg.mask_token_id=\d+ and stop_token=\d+ are the same token") as err:
         fd.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=8, small_block_size=2,
                     stop_token=fd.cfg.mask_token_id)
     assert err.value.argument == "stop_token"

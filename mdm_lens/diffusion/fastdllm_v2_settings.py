@@ -56,10 +56,9 @@ class FastDLLMv2Settings(SamplerSettings):
         if stop is None:
             raise err("no stop token: the vocabulary lacks the reference's 151645 and the checkpoint names no EOS; "
                       "pass stop_token=.", argument="stop_token", value=None, allowed="a token id")
-        if stop == model.cfg.mask_token_id:  # the canvas' undecoded positions hold it: no stop it could mean
-            raise err(f"stop_token={stop} is the mask id, which fills every position not yet decoded; pass the "
-                      "model's end-of-turn / EOS id.", argument="stop_token", value=stop,
-                      allowed=f"a token id other than the mask id {stop}")
+        validate.distinct_ids({"cfg.mask_token_id": model.cfg.mask_token_id, "stop_token": stop},
+                              why="the mask id fills every position not yet decoded, so it means no stop; pass the "
+                                  "model's end-of-turn / EOS id.", error=err)
         pad = model.cfg.pad_token_id if self.pad_id is None else self.pad_id
         if pad is None:
             raise err("no pad id (the reference writes tokenizer.pad_token_id after a stop token); pass pad_id=.",

@@ -92,12 +92,10 @@ class SDARSettings(SamplerSettings):
             stop = tuple(validate.integer(t, name="stopping_criteria_idx", min=0, max=model.cfg.d_vocab - 1,
                                           error=SamplerConfigError)
                          for t in ([stop] if isinstance(stop, int) else stop))
-            if model.cfg.mask_token_id in stop:  # every undecoded position holds it: the first check would stop
-                raise SamplerConfigError(f"stopping_criteria_idx={list(stop)} holds the mask id "
-                                         f"{model.cfg.mask_token_id}, which fills every position not yet decoded: the "
-                                         "run would stop after its first block with masks in the answer.",
-                                         argument="stopping_criteria_idx", value=list(stop),
-                                         allowed=f"token ids other than the mask id {model.cfg.mask_token_id}")
+            validate.distinct_ids({"cfg.mask_token_id": model.cfg.mask_token_id,
+                                   **{f"stopping_criteria_idx[{j}]": t for j, t in enumerate(stop)}},
+                                  why="the mask id fills every position not yet decoded, so the first stop check "
+                                      "would end the run with masks in the answer.", error=SamplerConfigError)
         return dataclasses.replace(
             self, steps=steps, gen_length=gen_length, block_length=block_length, temperature=temperature,
             top_k=validate.integer(self.top_k, name="top_k", max=model.cfg.d_vocab, error=SamplerConfigError),
