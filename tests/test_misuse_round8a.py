@@ -538,3 +538,20 @@ def test_step_selections_list_the_steps_they_fire_at(tiny):
     assert steps(0, 6, every=3).selected(8) == [0, 6]
     with pytest.raises(SamplerConfigError, match="decided per block while the sampler runs"):
         steps(blocks=[1]).selected(8)
+
+
+@pytest.mark.parametrize("key", ["fwd_hooks", "prompt", "record", "cache", "steps"])
+def test_probes_refuse_generate_keywords_they_set_themselves(tiny, key):
+    # raw "got multiple values" TypeErrors, or record= / cache= silently dropped (misuse12 C2, C3, S3)
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.probes import patching
+
+    p = tiny.to_tokens("The capital is")
+    value = {"fwd_hooks": [], "prompt": p, "record": [], "cache": "blocks.0.hook_resid_post", "steps": 4}[key]
+    calls = [lambda: patching.patch_anchor_activations(tiny, p, p, step=0, gen_length=4, **{key: value})]
+    if key != "steps":
+        calls.append(lambda: knockout(tiny, p, gen_length=4, n_random=1, **{key: value}))
+    for call in calls:
+        with pytest.raises(ArgumentError, match=rf"\({key}=\.\.\.\): .* runs generate itself and sets {key}") as err:
+            call()
+        assert err.value.argument == key

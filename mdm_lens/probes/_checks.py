@@ -101,3 +101,24 @@ def shapes_broadcast(a: Tensor, b: Tensor, *, names: tuple[str, str]) -> tuple[i
 
 def optional_int(v: Any, *, name: str, min: int | None = None) -> int | None:
     return None if v is None else validate.integer(v, name=name, min=min)
+
+
+# generate keywords a probe that runs `generate` itself sets on its own (and what to pass instead)
+OWN_GENERATE = {"prompt": "the probe's own prompt argument is the prompt",
+                "steps": "pass the probe's n_steps= (or steps= where it takes one)",
+                "fwd_hooks": "the probe installs its own hooks on every run; hooks of yours would change what it "
+                             "measures (run model.generate yourself to combine them)",
+                "hook_steps": "the probe's runs take no hooks of yours",
+                "record": "the probe returns its own result, not a run's records",
+                "cache": "the probe returns its own result, not a run's cache"}
+
+
+def own_generate_keywords(generate_kwargs: dict[str, Any], probe: str, taken: Sequence[str] = ()) -> None:
+    """Refuse generate keywords the probe sets itself (`OWN_GENERATE`, minus the ones it takes as its own
+    arguments, `taken`): they collided inside `generate` (a raw "got multiple values" TypeError) or were silently
+    dropped (`record=` / `cache=` whose results the probe never returns)."""
+    for key in generate_kwargs:
+        if key in OWN_GENERATE and key not in taken:
+            raise ArgumentError(f"{probe}({key}=...): {probe} runs generate itself and sets {key}; "
+                                f"{OWN_GENERATE[key]}.", argument=key, value=validate.describe(generate_kwargs[key]),
+                                allowed=f"generate settings other than {sorted(k for k in OWN_GENERATE if k not in taken)}")

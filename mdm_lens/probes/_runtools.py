@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens.diffusion.rules import derived_steps
+from mdm_lens.probes._checks import own_generate_keywords
 from mdm_lens import validate
 from mdm_lens.diffusion.replay import BLOCK_SAMPLERS, state_at
 from mdm_lens.diffusion.window_replay import WINDOW_SAMPLERS
@@ -215,6 +216,7 @@ def generate_final(model: Any, prompts: Sequence[Any], gen_length: int | None = 
     """
     from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 
+    own_generate_keywords(generate_kwargs, 'generate_final')
     refuse_variable_sampler(generate_kwargs, "generate_final (floating / absorption / qk / flow of final sequences)",
                             "the final sequences would be scored with the item's fixed-length regions (prompt, "
                             "answer span), which a variable-length run moves")

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens.diffusion.rules import derived_steps
+from mdm_lens.probes._checks import own_generate_keywords
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, OutOfRangeError
@@ -102,6 +103,7 @@ def mask_heads(model: Any, heads: Sequence[tuple[int, int]], method: Literal["ze
 def answer_accuracy(model: Any, items: Sequence[Any], fwd_hooks: Sequence[Any] = (), gen_length: int | None = None,
                     steps: int | None = None, seed: int = 0, decode: Any = None, **generate_kwargs: Any) -> float:
     """Mean :func:`answer_correct` of each item generated alone with ``fwd_hooks``."""
+    own_generate_keywords(generate_kwargs, 'answer_accuracy')
     refuse_variable_sampler(generate_kwargs, 'answer_accuracy',
                             "the answer would be read at fixed positions after the prompt, where a variable-length run's span has moved")
     items = _nonempty(items, "items")

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mdm_lens.probes._checks import own_generate_keywords
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 from mdm_lens import validate
 from mdm_lens.errors import InputError, SamplerConfigError
@@ -234,6 +235,7 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
     outside the run, ``ArgumentError`` / ``ArgumentTypeError`` for other invalid arguments, and
     ``NonFiniteError`` when the model's logits are NaN or inf.
     """
+    own_generate_keywords(generate_kwargs, 'knockout')
     refuse_variable_sampler(generate_kwargs, 'knockout',
                             'a knocked-out key column would be a different token at another step, and the answer positions scored at the end would not be the ones knocked out')
     from mdm_lens.probes._retrieval_items import check_decode

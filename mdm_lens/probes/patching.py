@@ -39,6 +39,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from mdm_lens.diffusion.rules import derived_steps
+from mdm_lens.probes._checks import own_generate_keywords
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, StepForwardError
@@ -235,6 +236,7 @@ def patch_anchor_activations(model: Any, clean_ids: Any, corrupt_ids: Any, *, st
     token), normalised (M − M_corr)/(M_clean − M_corr).  Raises ``OutOfRangeError`` for a step, layer or
     position outside the run and ``ArgumentError`` when nothing is committed at the step.
     """
+    own_generate_keywords(generate_kwargs, 'patch_anchor_activations')
     refuse_variable_sampler(generate_kwargs, 'patch_anchor_activations',
                             'a patched position would be a different token at another step')
     require_single_stack(model, "patch_anchor_activations", "it replays a step as one forward of the whole canvas "
