@@ -555,3 +555,39 @@ def test_probes_refuse_generate_keywords_they_set_themselves(tiny, key):
         with pytest.raises(ArgumentError, match=rf"\({key}=\.\.\.\): .* runs generate itself and sets {key}") as err:
             call()
         assert err.value.argument == key
+
+
+def test_knockout_refuses_a_gold_answer_holding_the_mask_id(tiny):
+    from mdm_lens.errors import InputError
+
+    p = tiny.to_tokens("The capital is")
+    mask = tiny.cfg.mask_token_id
+    with pytest.raises(InputError, match=rf"holds the mask id {mask} at position\(s\) \[0\]") as err:
+        knockout(tiny, p, answer=torch.tensor([mask, 5]), steps=[0], gen_length=8, n_random=1)
+    assert err.value.argument == "answer"
+    assert knockout(tiny, p, answer=torch.tensor([6, 5]), steps=[0], gen_length=8, n_random=1).conditions
+
+
+def test_every_on_a_run_of_unknown_length_says_its_last_forward_was_not_hooked(tmp_path, tiny):
+    import warnings
+
+    from mdm_lens import ReceivedAttention
+    from mdm_lens.hooks import steps
+    from tests.families.family_checkpoints import write_llada2
+
+    m = HookedMDM.from_pretrained(str(write_llada2(tmp_path)[0]), load_tokenizer=False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = m.generate(torch.tensor([[5, 6, 7, 8, 9]]), gen_length=8, block_length=4, steps=8,
+                         record=[ReceivedAttention(when=steps(every=3))])
+    last = out.n_steps - 1
+    assert last % 3 and last not in out.record_meta["received_attention"]["steps"]
+    got = [str(x.message) for x in w if "steps(every=3)" in str(x.message)]
+    assert len(got) == 1 and f"its last forward (step {last}) was not hooked" in got[0]
+    # a run of known length includes its last step and says nothing
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fixed = tiny.generate(tiny.to_tokens("The capital is"), gen_length=8, steps=8,
+                              record=[ReceivedAttention(when=steps(every=3))])
+    assert fixed.record_meta["received_attention"]["steps"] == [0, 3, 6, 7]
+    assert not [x for x in w if "steps(every=" in str(x.message)]

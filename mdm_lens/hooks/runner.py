@@ -98,6 +98,12 @@ class StepRunner:
             if late:
                 warnings.warn(f"{what}: steps {late} were asked for, but the run stopped after {n_run} forward(s); "
                               "nothing was recorded or hooked there.", StepsNotReachedWarning, stacklevel=5)
+            # every= adds the last step on a run of known length; here the last forward was known only at the end
+            if self.unknown_length and when.every is not None and n_run and (n_run - 1) % when.every and (
+                    not when.indices or n_run - 1 in when.indices):
+                warnings.warn(f"{what}: steps(every={when.every}) includes a run's last step when its length is "
+                              f"known in advance; this run's length was decided as it ran, so its last forward "
+                              f"(step {n_run - 1}) was not hooked or recorded.", StepsNotReachedWarning, stacklevel=5)
 
     def _hooks_for(self, state: DenoisingState) -> list[tuple[str, Callable]]:
         out: list[tuple[str, Callable]] = []

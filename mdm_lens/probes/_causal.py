@@ -206,6 +206,12 @@ def gold_answer(model: Any, answer: Any, batch: int, gen_length: int, offset: in
                             allowed="a non-empty text or id list")
     for i, t in enumerate(ids):
         validate.integer(t, name=f"answer[{i}]", min=0, max=model.cfg.d_vocab - 1)
+    mask = model.cfg.mask_token_id
+    if mask is not None and mask in ids:  # a gold mask token: its log-prob scores "still masked", not an answer
+        raise InputError(f"answer={validate.describe(answer)} holds the mask id {mask} at position(s) "
+                         f"{[i for i, t in enumerate(ids) if t == mask]}: a gold token must be one the sampler can "
+                         "commit as an answer.", argument="answer", value=validate.describe(answer),
+                         allowed=f"ids other than the mask id {mask}")
     if offset + len(ids) > gen_length:
         raise ArgumentError(f"answer of {len(ids)} tokens at answer_offset={offset} does not fit in gen_length="
                             f"{gen_length}.", argument="answer", value=answer,
