@@ -102,9 +102,9 @@ def _check_range(value: tuple | slice, size: int | None, name: str, where: str) 
                                 "ints or None, as in Python's slice().", argument=name, value=value,
                                 allowed="(start, stop[, step]) of ints")
     sl = slice(*[None if p is None else _int(p) for p in parts])
-    if sl.step == 0:
-        raise ArgumentError(f"{where} is invalid: the step is 0.", argument=name, value=value,
-                            allowed="a non-zero step")
+    if sl.step is not None and sl.step <= 0:  # TL slices with a positive step only (its own ValueError otherwise)
+        raise ArgumentError(f"{where} is invalid: the step is {sl.step}; TransformerLens slices take a positive step "
+                            "(reverse the result instead).", argument=name, value=value, allowed="a step >= 1")
     if size is None:
         return
     for bound in (sl.start, sl.stop):

@@ -591,3 +591,14 @@ def test_every_on_a_run_of_unknown_length_says_its_last_forward_was_not_hooked(t
                               record=[ReceivedAttention(when=steps(every=3))])
     assert fixed.record_meta["received_attention"]["steps"] == [0, 3, 6, 7]
     assert not [x for x in w if "steps(every=" in str(x.message)]
+
+
+@pytest.mark.parametrize("bad", [slice(None, None, -1), (0, 4, -2), slice(0, 4, 0)])
+def test_cache_slices_need_a_positive_step(tiny, bad):
+    from mdm_lens.errors import ArgumentError
+
+    _, cache = tiny.run_with_cache(torch.randint(4, 300, (1, 8)))
+    with pytest.raises(ArgumentError, match="TransformerLens slices take a positive step") as err:
+        cache.accumulated_resid(pos_slice=bad)
+    assert err.value.argument == "pos_slice"
+    assert cache.accumulated_resid(pos_slice=slice(0, 8, 2)).shape[-2] == 4
