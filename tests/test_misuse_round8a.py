@@ -602,3 +602,17 @@ def test_cache_slices_need_a_positive_step(tiny, bad):
         cache.accumulated_resid(pos_slice=bad)
     assert err.value.argument == "pos_slice"
     assert cache.accumulated_resid(pos_slice=slice(0, 8, 2)).shape[-2] == 4
+
+
+def test_knockout_empty_steps_and_record_layer_messages(tiny):
+    from mdm_lens import ReceivedAttention
+    from mdm_lens.errors import ArgumentError, ArgumentTypeError
+    from mdm_lens.probes import run as R
+
+    p = tiny.to_tokens("The capital is")
+    with pytest.raises(ArgumentError, match=r"steps=\[\] selects no step") as err:
+        knockout(tiny, p, gen_length=4, steps=[])
+    assert err.value.argument == "steps" and "1000000000" not in str(err.value)
+    out = tiny.generate(p, gen_length=4, steps=4, record=[ReceivedAttention(layers=[1, 2])])
+    with pytest.raises(ArgumentTypeError, match=r"expected an int layer in \[-4, 3\]"):  # the model's layers
+        R.anchors_over_steps(out, layer="x")

@@ -49,7 +49,7 @@ from torch import Tensor
 from mdm_lens.probes._checks import own_generate_keywords
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 from mdm_lens import validate
-from mdm_lens.errors import InputError, SamplerConfigError
+from mdm_lens.errors import ArgumentError, InputError, SamplerConfigError
 from mdm_lens.diffusion.rules import derived_steps
 from mdm_lens.hooks import at_steps
 
@@ -198,6 +198,9 @@ def _resolve_steps(steps: Any, n_steps: int, what: str = "step") -> list[int] | 
     if isinstance(steps, (str, int)):
         steps = [steps]
     if isinstance(steps, (list, tuple)):
+        if not steps:  # before the range check: its bound may be a placeholder (1e9 while the grid is unknown)
+            raise ArgumentError("steps=[] selects no step; leave steps=None for every step of the run.",
+                                argument="steps", value=steps, allowed="None or at least one step")
         steps = [0 if v == "first" else -1 if v == "last" else v for v in steps]
     return sorted(validate.indices(steps, n_steps, name="steps", what=what))
 

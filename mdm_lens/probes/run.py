@@ -112,8 +112,8 @@ def _record(out: Any, record: Any) -> Tensor:
 def _recorded_layer(layer: Any, rec_layers: list[int], n_layers: int | None) -> int:
     """A model layer that was recorded; a negative value counts from the end of the model's layers, as everywhere
     (-1 on a record of layers [2] of a 4-layer model is layer 3, not recorded, not layer 2)."""
-    if not validate._is_int(layer):
-        validate.index(layer, len(rec_layers), name="layer", what="layer")     # raises the typed error
+    if not validate._is_int(layer):  # raises the typed error, with the model's layer range
+        validate.index(layer, n_layers if n_layers is not None else len(rec_layers), name="layer", what="layer")
     layer = given = int(layer)
     if layer < 0:
         if n_layers is None and rec_layers != list(range(len(rec_layers))):
