@@ -616,3 +616,14 @@ def test_knockout_empty_steps_and_record_layer_messages(tiny):
     out = tiny.generate(p, gen_length=4, steps=4, record=[ReceivedAttention(layers=[1, 2])])
     with pytest.raises(ArgumentTypeError, match=r"expected an int layer in \[-4, 3\]"):  # the model's layers
         R.anchors_over_steps(out, layer="x")
+
+
+def test_sdar_stop_ids_given_as_text_are_named_whole(tmp_path):
+    from tests.families.family_checkpoints import write_sdar
+
+    sd = HookedMDM.from_pretrained(str(write_sdar(tmp_path)[0]), load_tokenizer=False)
+    from mdm_lens.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="stopping_criteria_idx='62' is invalid") as err:  # was its first char '6'
+        sd.generate(torch.tensor([[5, 6, 7]]), gen_length=8, block_length=4, stopping_criteria_idx="62")
+    assert err.value.argument == "stopping_criteria_idx"

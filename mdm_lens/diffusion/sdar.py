@@ -91,7 +91,7 @@ class SDARSettings(SamplerSettings):
         if stop is not None:
             stop = tuple(validate.integer(t, name="stopping_criteria_idx", min=0, max=model.cfg.d_vocab - 1,
                                           error=SamplerConfigError)
-                         for t in ([stop] if isinstance(stop, int) else stop))
+                         for t in ([stop] if isinstance(stop, (int, str)) else stop))  # "62" is one (bad) id
             validate.distinct_ids({"cfg.mask_token_id": model.cfg.mask_token_id,
                                    **{f"stopping_criteria_idx[{j}]": t for j, t in enumerate(stop)}},
                                   why="the mask id fills every position not yet decoded, so the first stop check "
