@@ -153,9 +153,13 @@ class AlignedBlockSampler(CanvasSampler):
     def block_plan(self, s: Any, first: int, num_blocks: int) -> Plan:
         raise NotImplementedError
 
+    def run_plan(self, s: Any, prompt_length: int) -> Plan:
+        """This prompt's layout (`steps` is per block), as `generate` runs it."""
+        return self.plan(s, prompt_length)
+
     def run_extent(self, s: Any, batch: int, prompt_length: int) -> tuple[int, int]:
-        """This layout's forwards (`steps` is per block) over the block-rounded canvas, as `generate` sizes them."""
-        return self.plan(s, prompt_length).n_steps, layout(prompt_length, s.gen_length, s.block_length)[2]
+        """The run's forwards over the block-rounded canvas, as `generate` sizes them."""
+        return self.run_plan(s, prompt_length).n_steps, layout(prompt_length, s.gen_length, s.block_length)[2]
 
     def check_prompt_ids(self, model: Any, ids: Tensor, s: Any) -> None:
         """A sampler's own checks of the prompt ids (before compute)."""
@@ -207,7 +211,7 @@ class AlignedBlockSampler(CanvasSampler):
         first, num_blocks, total = layout(prompt_length, s.gen_length, s.block_length)
         runner = StepRunner(model, fwd_hooks=obs.fwd_hooks, hook_steps=obs.hook_steps, record=obs.record,
                             cache=obs.cache)
-        plan = self.plan(s, prompt_length)
+        plan = self.run_plan(s, prompt_length)
         runner.refuse_end_relative(plan.adaptive or "")
         runner.begin(1, total, plan.n_steps, n_blocks=plan.n_blocks, phases=plan.phases)  # before compute
         generator = torch.Generator().manual_seed(obs.seed) if obs.seed is not None else None
