@@ -23,7 +23,7 @@ from mdm_lens.precision import compute_dtype
 from mdm_lens.rotary import scaled_rotary_cos_sin  # noqa: F401  (re-exported: it lived here)
 from mdm_lens.errors import HookNameError, InputError, InputTypeError, OutOfRangeError
 from mdm_lens.offload_checks import guard_views
-from mdm_lens.readonly import read_only
+from mdm_lens.readonly import ReadOnlyView, read_only
 
 ReturnType = Literal["logits", "aligned", "raw_and_aligned", "loss", "both", None]
 RETURN_TYPES = ("logits", "aligned", "raw_and_aligned", "loss", "both", None)
@@ -367,7 +367,13 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
     def _stack(self, attr: str, sub: str = "attn") -> Tensor:
         """`[n_layers, ...]` stack of a per-layer view. The layers are separate parameters, so the stack is a copy:
         it is read-only (a write raises `ReadOnlyViewError`); `blocks[l].{sub}.{attr}` writes through."""
-        stacked = torch.stack([getattr(getattr(b, sub), attr) for b in self.blocks], dim=0)
+        views = [getattr(getattr(b, sub), attr) for b in self.blocks]
+        stacked = torch.stack(views, dim=0)
+        # a layer's own view that is no parameter (a bias the checkpoint lacks) says why; pointing there would
+        # send the user to a second refusal
+        lacking = next((v.reason for v in views if isinstance(v, ReadOnlyView)), None)
+        if lacking is not None:
+            return read_only(stacked, f"model.{attr}: {lacking}")
         return read_only(stacked, f"model.{attr} stacks the layers into a new tensor; edit "
                                   f"model.blocks[layer].{sub}.{attr} (a view of the parameter) instead.")
 

@@ -264,7 +264,8 @@ def test_memory_plan_sizes_requested_caches_for_the_runs_forwards(tmp_path):
                       time_conditioning=False)
     mdlm = HookedDDiT.from_config(cfg, seed=0)
     cases = [(l2, torch.tensor([[5, 17, 33, 2, 61, 40]]), dict(gen_length=16, block_length=4, steps=4), 5 * 4),
-             (bd, torch.tensor([[1]]), dict(gen_length=39, steps=4), 10 * 4),  # 10 blocks of 4, whole windows
+             # 10 blocks of 4 over whole windows; block 0 holds 3 generated positions (first hitting: 3 steps)
+             (bd, torch.tensor([[1]]), dict(gen_length=39, steps=4), 3 + 9 * 4),
              (mdlm, torch.tensor([[1]]), dict(gen_length=10, steps=4), 5)]     # + the noise-removal forward
     for m, prompt, kw, forwards in cases:
         plan, out = _plan_and_run(m, prompt, **kw)
@@ -378,7 +379,7 @@ def test_bd3lm_block_selections_are_checked_against_this_prompts_layout(tmp_path
         bd.generate(p, gen_length=15, steps=4, seed=0, record=[ReceivedAttention(when=steps(blocks=[4]))])
     out = bd.generate(p, gen_length=15, steps=4, seed=0, record=[ReceivedAttention(when=steps(blocks=[3]))])
     assert out.record_meta["received_attention"]["steps"] == [out.n_steps - 4 + i for i in range(4)]
-    assert bd.memory_plan(p, gen_length=15, steps=4).forwards == 16
+    assert bd.memory_plan(p, gen_length=15, steps=4).forwards == 3 + 3 * 4 == out.n_steps  # first hitting: exact
 
 
 def test_balanced_device_maps_take_a_disk_budget(tmp_path, tiny):

@@ -6,6 +6,8 @@ The forward takes the conditioning scalar σ per batch row: `model(tokens, sigma
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, Literal
 
 import torch
@@ -39,6 +41,11 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
     reference zeroes it), `time_embed.hook_freqs` [batch, 256], `hook_time_embed` [batch, cond] (the embedder MLP's
     output), `hook_cond` [batch, cond] (after the outer SiLU: what every adaLN reads). Per block: see `DDiTBlock`.
     Final layer: `ln_final.hook_normalized`, `final_adaLN.hook_shift/hook_scale`, `hook_final_modulated`."""
+
+    # hooks of the conditioning path: one value per sequence ([batch, ...], no position axis); a [batch, d] adaLN
+    # term would pass a [batch, pos] shape test whenever d equals the canvas length, so callers ask by name
+    per_sequence_hooks = re.compile(r"^(hook_sigma|time_embed\.hook_freqs|hook_time_embed|hook_cond|"
+                                    r"blocks\.\d+\.adaLN\.hook_\w+|final_adaLN\.hook_\w+)$")
 
     # TL's ActivationCache helpers that assume a TL block (W_O / W_out projecting ungated head / neuron outputs, a
     # final LayerNorm followed by a linear unembedding) are wrong for DDiT: each branch is scaled by its adaLN gate

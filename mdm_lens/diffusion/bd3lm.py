@@ -117,8 +117,23 @@ class BD3LMSampler(DDiTSampler):
                                "block size is another checkpoint")
 
     def run_plan(self, s: Any, prompt_length: int) -> Plan:
-        """This prompt's layout: its blocks, `steps` per block (+1 storing it with `kv_cache`)."""
-        return self.plan(s, prompt_length)
+        """This prompt's layout, block by block: an all-prompt block samples nothing (with `kv_cache` one forward
+        stores it); a block holding generated positions runs `steps` sampling steps, or under first hitting (one
+        commit a step) min(steps, its generated positions), then with `kv_cache` one storing forward once it holds
+        no mask. First hitting's count is exact; otherwise a block may end early (it holds no mask), so the count
+        is the most the run can make."""
+        bs, total, kv = s.block_size, prompt_length + s.gen_length, int(s.kv_cache)
+        n = 0
+        for lo in range(0, total, bs):
+            gen = min(lo + bs, total) - max(lo, prompt_length)
+            if gen <= 0:
+                n += kv
+            elif s.first_hitting:
+                n += min(s.steps, gen) + kv * int(gen <= s.steps)
+            else:
+                n += s.steps + kv
+        return Plan(n, n_blocks=-(-total // bs),
+                    adaptive=None if s.first_hitting else "BD3LM ends each block when it holds no mask")
 
     def plan(self, s: Any, prompt_length: int | None = None) -> Plan:
         """The most forwards: `steps` per block (+1 storing it with `kv_cache`). With the prompt length unknown
@@ -207,7 +222,7 @@ class BD3LMSampler(DDiTSampler):
         recorder = TrajectoryRecorder(batch, x.shape[1], p_len, x.device)
         rng = Streams(generator, x.device)
         cache = model.new_kv_cache(batch) if s.kv_cache else None
-        plan = self.plan(s, p_len)
+        plan = self.run_plan(s, p_len)
         recorder.forwards = []  # one entry per step (`_note`): what `out.replay` rebuilds the step's forward from
         run = dict(step=0, n=plan.n_steps, n_blocks=plan.n_blocks, forwards=recorder.forwards)
         for b in range(run["n_blocks"]):

@@ -126,8 +126,8 @@ class MaskedCanvas:
         return tokens.masked_fill(masked, cfg.mask_token_id), masked
 
     def _select(self, act: Tensor, masked: Tensor, name: str = "logits") -> Tensor:
-        if self.positions == "all":
-            return act
+        if self.positions == "all" or self._per_sequence(name):
+            return act  # a conditioning hook (DDiT's hook_sigma, adaLN terms) has no position to select: kept whole
         keep = (masked if self.positions == "masked" else ~masked).to(act.device)
         if name.endswith(("hook_pattern", "hook_attn_scores")) and act.ndim == 4:
             # [batch, head, query, key]: the chosen positions are query rows -> [1, n_kept, head, key]
@@ -138,6 +138,10 @@ class MaskedCanvas:
                              "names_filter or use positions='all'.", argument="names_filter", value=name,
                              allowed="hooks with [batch, pos, ...] activations (or attention patterns / scores)")
         return act[keep][None]  # [1, n_kept, ...]
+
+    def _per_sequence(self, name: str) -> bool:
+        pattern = getattr(type(self.model), "per_sequence_hooks", None)
+        return pattern is not None and bool(pattern.match(name))
 
     def run_with_cache(self, tokens: Tensor, *args: Any, names_filter: Any = None, stop_at_layer: int | None = None,
                        prepend_bos: Any = None, **kwargs: Any) -> tuple[Any, dict[str, Tensor]]:

@@ -151,7 +151,31 @@ def check_sampler(model: Any, gen_kwargs: dict[str, Any]) -> None:
     name = default_sampler(model)
     if name == "diffusion_gemma":     # transformers' own settings; checked by its first call
         return
-    plan(model, **gen_kwargs)  # the sampler plug-in's own resolution, exactly as generate runs it
+    try:
+        plan(model, **gen_kwargs)  # the sampler plug-in's own resolution, exactly as generate runs it
+    except SamplerConfigError as e:
+        raise _as_sweep_error(e, name, gen_kwargs) from None
+
+
+# the sweep's length arguments under the names samplers give them (registry.own_lengths)
+SWEEP_NAMES = {"gen_length": "gen_length", "max_new_tokens": "gen_length", "steps": "steps", "n_steps": "steps",
+               "block_length": "block_length", "block_size": "block_length"}
+
+
+def _as_sweep_error(e: SamplerConfigError, sampler: str, gen_kwargs: dict[str, Any]) -> SamplerConfigError:
+    """A conflict with a setting the sweep cannot pass (Fast-dLLM v2's `small_block_size`, kept at its default)
+    names the sweep's own arguments: generate's advice to pass that setting has no sweep option to follow."""
+    if e.argument in SWEEP_NAMES or e.argument is None:
+        return e
+    passed = {SWEEP_NAMES[k]: v for k, v in gen_kwargs.items() if k in SWEEP_NAMES and v is not None}
+    blame = "block_length" if "block_length" in passed else "gen_length"
+    what = str(e).split(" You did not pass")[0]
+    return SamplerConfigError(
+        f"the sweep passes only its lengths ({', '.join(f'{k}={v}' for k, v in passed.items())}) to sampler "
+        f"{sampler!r} and keeps {e.argument} at its default, which they conflict with: {what} Choose "
+        f"{blame} (--{blame.replace('_', '-')}) so that {e.argument}={e.value!r} is valid, or run the probes from "
+        f"Python with generate's {e.argument}=.", argument=blame, value=passed.get(blame),
+        allowed=f"a {blame} under which {e.argument}={e.value!r} is valid")
 
 
 # probes a sampler's runs cannot give, and why: refused before anything is written, the other probes run
