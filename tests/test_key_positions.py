@@ -59,15 +59,17 @@ def test_reducers_place_keys_at_the_forwards_positions(bd3, kw):
         others = torch.ones(norms.shape[-1], dtype=torch.bool)
         others[keys] = False
         assert bool(norms[:, others].isnan().all())  # not a key of this forward: NaN, not a norm
-        expected = torch.zeros_like(out.records["received_attention"][s, 0, 1], dtype=torch.float64)
+        # not a key of this forward: NaN (it did not exist there), not a key that received 0
+        expected = torch.full_like(out.records["received_attention"][s, 0, 1], float("nan"), dtype=torch.float64)
         expected[:, keys] = pat.mean(1)
-        assert torch.allclose(out.records["received_attention"][s, 0, 1].double(), expected, atol=1e-6)
+        assert torch.allclose(out.records["received_attention"][s, 0, 1].double(), expected, atol=1e-6,
+                              equal_nan=True)
         masked = state.masked[0, rows]
         got = out.records["masked_ra"][s, 0, 1]
         if masked.any():
-            expected = torch.zeros_like(got, dtype=torch.float64)
+            expected = torch.full_like(got, float("nan"), dtype=torch.float64)
             expected[:, keys] = pat[:, masked].mean(1)
-            assert torch.allclose(got.double(), expected, atol=1e-6)
+            assert torch.allclose(got.double(), expected, atol=1e-6, equal_nan=True)
         else:
             assert bool(got[:, keys].isnan().all())  # no masked query at this step: undefined
     assert moved > 0  # the run really has forwards whose keys are not the canvas prefix

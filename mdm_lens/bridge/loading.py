@@ -27,8 +27,10 @@ def bridged_architecture(folder: Path, only_dispatched: bool = True) -> str | No
         return None
     try:
         raw = json.loads(path.read_text())
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return None  # the native loader reports the broken file
+    if not isinstance(raw, dict):
+        return None  # a list or a number: the native loader's ConfigError names the file and what it holds
     names = list(raw.get("architectures") or [])
     if raw.get("model_type") in MODEL_TYPES:
         names.append(MODEL_TYPES[raw["model_type"]])

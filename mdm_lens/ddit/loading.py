@@ -115,8 +115,10 @@ def load_ddit(cls: type, name_or_path: str | os.PathLike, *, dtype: Any = torch.
     autocast = validate.boolean(autocast, name="autocast")
     dtype, device = _dtype(dtype), validate.device(device, name="device")
     folder, known = resolve(name_or_path, allow_download=validate.boolean(allow_download, name="allow_download"))
+    from mdm_lens.loading import read_config_json
+
     path = folder / "config.json"
-    raw = json.loads(path.read_text())
+    raw = read_config_json(folder)
     family = research_family(raw, path)
     if family is not None:
         refuse_processing(options, family)  # before any weight is read

@@ -161,6 +161,8 @@ def _finish(runner: Any, recorder: TrajectoryRecorder, state: DenoisingState, st
             committed: Tensor, confidence: Tensor | None, progress: Any) -> None:
     state.confidence, state.committed = confidence, committed
     runner.end_step(state)
+    if "kv_cache" in state.extra:  # a cached loop's window: its rows, for out.state_at (replay stays refused)
+        recorder.note(state, canvas=False)
     recorder.record(step, block, x_in, committed, confidence)
     if progress is not None:
         progress.update(1)

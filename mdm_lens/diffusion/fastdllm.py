@@ -266,6 +266,8 @@ def _end(runner: Any, recorder: TrajectoryRecorder, state: DenoisingState, step:
          transfer: Tensor, confidence: Tensor, progress: Any) -> None:
     state.confidence, state.committed = confidence.float(), transfer
     runner.end_step(state)
+    if "kv_cache" in state.extra:  # a cached loop's window: its rows, for out.state_at (replay stays refused)
+        recorder.note(state, canvas=False)
     recorder.record(step, block, x_in, transfer, confidence.float())
     if progress is not None:
         progress.update(1)

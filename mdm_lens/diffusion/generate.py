@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from torch import Tensor
 
+from mdm_lens import validate
 from mdm_lens.diffusion import arm, diffusion_gemma, dream, llada, registry  # noqa: F401  (each registers itself)
 from mdm_lens.diffusion import llada2, sdar  # noqa: F401  (block diffusion: LLaDA2.x, SDAR)
 from mdm_lens.diffusion import fastdllm_v2  # noqa: F401  (block diffusion: Fast-dLLM v2)
@@ -82,7 +83,7 @@ def generate(model: Any, prompt: Any, *, sampler: SamplerName = "auto", attentio
     `out.replay(model, step, fwd_hooks=...)` re-runs one step's forward pass outside the loop with the same
     `model.state` and the same step-bound hooks.
     """
-    name = default_sampler(model) if sampler == "auto" else sampler
+    name = default_sampler(model) if sampler == "auto" else _sampler_name(sampler)
     plugin = registry.get(name)
     resolved = plugin.settings(model, settings)  # an unknown setting first: the clearest error
     plugin.check_model(model)
@@ -97,10 +98,17 @@ def plan(model: Any, *, sampler: SamplerName = "auto", **settings: Any) -> Plan 
     """The steps, blocks and phases a `generate` call with these settings will run (checked as `generate` checks
     them; observation arguments are ignored); None for a sampler whose length is not known in advance."""
     settings = {k: v for k, v in settings.items() if k not in OBSERVATION}
-    plugin = registry.get(default_sampler(model) if sampler == "auto" else sampler)
+    plugin = registry.get(default_sampler(model) if sampler == "auto" else _sampler_name(sampler))
     resolved = plugin.settings(model, settings)
     plugin.check_model(model)
     return plugin.plan(resolved) if isinstance(plugin, CanvasSampler) else None
+
+
+def _sampler_name(sampler: Any) -> str:
+    """A registered sampler's name; the refusal lists "auto" (the default: the model's own sampler) too."""
+    from mdm_lens.errors import SamplerConfigError
+
+    return validate.choice(sampler, ("auto", *registry.names()), name="sampler", error=SamplerConfigError)
 
 
 OBSERVATION = tuple(f.name for f in dataclasses.fields(Observation))

@@ -187,12 +187,13 @@ class TrajectoryRecorder:
         self.commit_confidence = torch.full((batch, total), float("nan"))
         self.forwards: list[dict] | None = None
 
-    def note(self, state: Any, sets: bool = False) -> None:
+    def note(self, state: Any, sets: bool = False, canvas: bool = True) -> None:
         """Keep what the step's forward read (its whole canvas, state and rows), for `replay`; `sets`: also its
-        masked / prompt / key_visible sets."""
-        keys = ("kind", "query_start", "query_end", "kv_age", "block_length", "block_cache")
+        masked / prompt / key_visible sets. `canvas=False` (LLaDA / Dream `kv_cache` loops, whose forward reads
+        the step's `x_steps` canvas): rows, block and settings only, for `state_at`."""
+        keys = ("kind", "query_start", "query_end", "kv_age", "block_length", "block_cache", "kv_cache", "refresh")
         extra = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in state.extra.items() if k in keys}
-        f = dict(x=state.x.detach().cpu().clone(), block=state.block, block_slice=state.block_slice,
+        f = dict(x=state.x.detach().cpu().clone() if canvas else None, block=state.block, block_slice=state.block_slice,
                  n_steps=state.n_steps, n_blocks=state.n_blocks, extra=extra, rows=state.rows, keys=state.keys)
         if sets:
             f.update({k: getattr(state, k).detach().cpu().clone() for k in ("masked", "prompt", "key_visible")})

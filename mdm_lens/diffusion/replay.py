@@ -107,6 +107,32 @@ def _length_state(out: Any, s: int, phase: str) -> DenoisingState:
     return state.computes(0, int(extra["query_end"])) if "query_end" in extra else state
 
 
+def _kv_cached(out: Any) -> bool:
+    return out.sampler in ("llada", "dream") and out.settings.get("kv_cache") not in (None, False)
+
+
+def _cached_state(out: Any, s: int, phase: str) -> DenoisingState:
+    """A LLaDA / Dream `kv_cache` run's state at step s: the step's canvas (`x_steps`), its block, and the rows
+    its forward computed (the block-start refresh: all; then the window), from `trajectory.forwards`."""
+    forwards = out.trajectory.forwards
+    if forwards is None or len(forwards) != out.trajectory.n_steps:
+        raise SamplerConfigError(f"this kv_cache={out.settings['kv_cache']!r} run has no record of its forwards' "
+                                 "rows (trajectory.forwards), so its states cannot be rebuilt.", argument="out",
+                                 value=out.sampler, allowed="a run made by generate() of this version")
+    if validate.choice(phase, ("cond", "uncond"), name="phase") != "cond":
+        raise SamplerConfigError(f"phase={phase!r}: a kv_cache run has one forward per step (no CFG).",
+                                 argument="phase", value=phase, allowed="'cond'")
+    f = forwards[s]
+    x, am = _canvas(out, s)
+    prompt = torch.zeros_like(x, dtype=torch.bool)
+    prompt[:, :out.prompt_length] = True
+    extra = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in f["extra"].items()}
+    extra["n_run"] = out.trajectory.n_steps  # after the run its length is known: is_last answers
+    state = DenoisingState(s, f["n_steps"], f["block"], f["n_blocks"], x.clone(), x == out.settings["mask_id"],
+                           prompt, am.bool(), f["block_slice"], extra=extra)
+    return state.computes(int(extra["query_start"]), int(extra["query_end"]), x.shape[1])
+
+
 def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
     if out.sampler in window_replay.WINDOW_SAMPLERS:  # BD3LM, Nemotron: the step's own window / cached block
         return window_replay.state_at(out, step, phase)
@@ -121,12 +147,9 @@ def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
     if out.sampler in BLOCK_SAMPLERS:
         n = out.trajectory.n_steps
         return _block_state(out, validate.index(step, n, name="step", what=f"step of this {n}-step run"), phase)
-    if out.settings.get("kv_cache") not in (None, False):  # a replay would be a fresh full forward, not the run's
-        raise SamplerConfigError(f"replay is not available for kv_cache={out.settings['kv_cache']!r} runs: their "
-                                 "window forwards attended to stale cached keys/values, which a replay (a fresh full "
-                                 "forward) would not; hook the run itself (fwd_hooks / cache=), or compare the two "
-                                 "with probes.cache_effect.", argument="out", value=out.settings["kv_cache"],
-                                 allowed="a run without kv_cache")
+    if _kv_cached(out):
+        n = out.trajectory.n_steps
+        return _cached_state(out, validate.index(step, n, name="step", what=f"step of this {n}-step run"), phase)
     n = out.trajectory.n_steps
     s = validate.index(step, n, name="step", what=f"step of this {n}-step run")
     phase = validate.choice(phase, ("cond", "uncond"), name="phase")
@@ -171,6 +194,12 @@ def step_inputs(out: Any, model: Any, step: int, phase: str = "cond") -> tuple[D
 def _inputs(out: Any, model: Any, step: int, phase: str) -> tuple[DenoisingState, Tensor, dict, ContextManager]:
     """`step_inputs` and the context the forward runs in (a rebuilt KV cache attached; else nothing)."""
     out.check_model(model)
+    if _kv_cached(out):  # a replay would be a fresh full forward, not the run's
+        raise SamplerConfigError(f"replay is not available for kv_cache={out.settings['kv_cache']!r} runs: their "
+                                 "window forwards attended to stale cached keys/values, which a replay (a fresh full "
+                                 "forward) would not; hook the run itself (fwd_hooks / cache=), or compare the two "
+                                 "with probes.cache_effect. out.state_at(step) gives each step's state.",
+                                 argument="out", value=out.settings["kv_cache"], allowed="a run without kv_cache")
     state = state_at(out, step, phase)
     device = model.input_device
     for name in ("x", "masked", "prompt", "key_visible", "query_position", "slot"):

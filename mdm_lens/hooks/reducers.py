@@ -188,8 +188,11 @@ class ReceivedAttention(Reducer):
             else:
                 current[layer] = _ran(c.result, layer)
         self._consumers = {}
-        stacked = place_keys(torch.stack([current[l] for l in self.layers], dim=1), state)  # [b, layer, head, key]
-        self._rows.append({self.name: self._pad(stacked, dim=-1).cpu()})
+        # [b, layer, head, key]; a position that is no key of this forward (a later block, an ARM prefix's future,
+        # a slid window's past) received nothing because it did not exist: NaN, which the probes read as invisible
+        # (a 0 would enter their z-scores and floors as a key that got no attention)
+        stacked = place_keys(torch.stack([current[l] for l in self.layers], dim=1), state, fill=float("nan"))
+        self._rows.append({self.name: self._pad(stacked, dim=-1, value=float("nan")).cpu()})
         self.steps_seen.append(state.step)
 
     def empty_results(self) -> dict[str, Tensor]:

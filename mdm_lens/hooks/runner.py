@@ -60,16 +60,16 @@ class StepRunner:
         # hooks are checked as records and caches are: a hook bound only to phases the run never has would
         # silently never fire (one listing several phases passes when one of them runs)
         self.n_steps = n_steps
-        self.default_steps.check(n_steps, n_blocks, phases, what="hook_steps")
+        self.default_steps.check(n_steps, n_blocks, phases, what="hook_steps", unknown=self.unknown_length)
         if self._hook_steps[1] is not None:
             _check_hook_steps(*self._hook_steps)
         for h in self.user_hooks:
-            h.when.check(n_steps, n_blocks, phases, what=f"the hook on {h.name[0]}")
+            h.when.check(n_steps, n_blocks, phases, what=f"the hook on {h.name[0]}", unknown=self.unknown_length)
         for r in self.reducers:
-            r.when.check(n_steps, n_blocks, phases, what=f"record {r.name!r}")
+            r.when.check(n_steps, n_blocks, phases, what=f"record {r.name!r}", unknown=self.unknown_length)
             r.begin(self.model, batch, max_pos, n_steps)
         if self.cache is not None:
-            self.cache.when.check(n_steps, n_blocks, phases, what="cache")
+            self.cache.when.check(n_steps, n_blocks, phases, what="cache", unknown=self.unknown_length)
             self.cache.begin(self.model, batch, max_pos, n_steps)
 
     def refuse_end_relative(self, why: str) -> None:

@@ -64,10 +64,14 @@ class Steps:
         return set(out)
 
     def check(self, n_steps: int, n_blocks: int | None = None, phases: Sequence[str] | None = None, *,
-              what: str = "steps") -> None:
+              what: str = "steps", unknown: str | None = None) -> None:
         """Refuse, before any compute, a selection that can never fire in this run: a step out of range or named
         twice, a block the run does not have, or only phases the sampler does not run (None: not known); explicit
-        steps that `every=` would drop (the parts are intersected: such a step never fires)."""
+        steps that `every=` would drop (the parts are intersected: such a step never fires). `unknown`: why the
+        run's length is decided as it runs; `n_steps` is then the most forwards it can make, and the range error
+        says so (its steps counted from the end were refused before)."""
+        if unknown is not None:
+            self._check_bound(n_steps, what, unknown)
         chosen = self.resolve(n_steps)
         if chosen is not None and self.every is not None:
             grid = [k for k in range(n_steps) if k % self.every == 0 or k == n_steps - 1]
@@ -90,6 +94,14 @@ class Steps:
                 f"{what}: phases={self.phases} never run under these settings; this run's forward passes are "
                 f"{tuple(phases)} (LLaDA runs 'uncond' only with cfg_scale > 0; DiffusionGemma's prompt pass is "
                 "'encoder').", argument="phases", value=self.phases, allowed=f"a subset of {tuple(phases)}")
+
+    def _check_bound(self, n_steps: int, what: str, unknown: str) -> None:
+        for j, s in enumerate(self.indices):
+            if isinstance(s, int) and not isinstance(s, bool) and s >= n_steps:
+                raise SamplerConfigError(
+                    f"{what}: steps[{j}]={s} is invalid: expected a step in [0, {n_steps - 1}]. This run makes at "
+                    f"most {n_steps} forwards and decides how many as it runs ({unknown}), so steps counted from "
+                    "the end are refused too.", argument=f"steps[{j}]", value=s, allowed=f"steps in [0, {n_steps - 1}]")
 
     def matches(self, step: int, n_steps: int, block: int = 0, phase: str = "cond") -> bool:
         return (phase in self.phases and self._matches_step(step, n_steps)

@@ -52,8 +52,10 @@ def _missing_or_malformed(e: Exception, raw: dict, path: Path) -> ConfigError:
     return ConfigError(f"{path} has a setting of the wrong type or form ({type(e).__name__}: {e}).")
 
 
-def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMConfig, str]:
-    path = folder / "config.json"
+def read_config_json(folder: Path) -> dict[str, Any]:
+    """A checkpoint folder's config.json as a dict: a missing file, bad JSON (or not UTF-8) and a JSON value
+    that is not an object are typed errors naming the file, for every loader (HookedMDM's and HookedDDiT's)."""
+    path = Path(folder) / "config.json"
     if not path.exists():
         raise CheckpointNotFoundError(f"{folder} has no config.json; it is not a checkpoint folder.")
     try:
@@ -62,6 +64,12 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
         raise ConfigError(f"{path} is not valid JSON: {e}.") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} holds a {type(raw).__name__}, not a JSON object of settings.")
+    return raw
+
+
+def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMConfig, str]:
+    path = folder / "config.json"
+    raw = read_config_json(folder)
     try:
         if raw.get("model_type") == "mdm_lens":
             check_native_raw(raw, path)

@@ -76,6 +76,33 @@ def _check_routing(config: dict[str, Any]) -> None:
                           f"topk_group={chosen} chosen groups (num_experts={n}, n_group={groups}).")
 
 
+# keys the reference's LLaDA2MoeGate never reads: it scores with sigmoid and always holds an `expert_bias` buffer
+# (added to the selection scores). Their values are checked, and one that says otherwise is warned about, never
+# silently honoured or silently ignored.
+IGNORED_ROUTER_KEYS: dict[str, tuple[tuple[Any, ...], Any]] = {
+    "score_function": (("sigmoid", "softmax"), "sigmoid"),
+    "moe_router_enable_expert_bias": ((True, False), True),
+}
+
+
+def _check_ignored_router_keys(config: dict[str, Any], folder: Path) -> None:
+    import warnings
+
+    from mdm_lens.loading.rnd1 import ReferenceConfigWarning
+
+    for key, (allowed, used) in IGNORED_ROUTER_KEYS.items():
+        if key not in config:
+            continue
+        value = config[key]
+        if not any(value is a if isinstance(a, bool) else (type(value) is str and value == a) for a in allowed):
+            raise ConfigError(f"{folder / 'config.json'}: LLaDA2 {key}={value!r} is invalid: expected one of "
+                              f"{list(allowed)} (the reference's gate ignores the key and runs {key}={used!r}).")
+        if value != used:
+            warnings.warn(f"{folder / 'config.json'}: LLaDA2 {key}={value!r}, which the reference's router "
+                          f"(LLaDA2MoeGate) ignores: it runs {key}={used!r} (sigmoid scores, the expert_bias "
+                          "buffer added for selection); so does mdm_lens.", ReferenceConfigWarning, stacklevel=4)
+
+
 def config_from_llada2(config: dict[str, Any], name: str, folder: Path) -> MDMConfig:
     from mdm_lens.loading.family_parts import dense_width, in_vocab, mask_token_id
     from mdm_lens.loading.llada22 import apply_edit_tokens, check_llada22
@@ -87,6 +114,7 @@ def config_from_llada2(config: dict[str, Any], name: str, folder: Path) -> MDMCo
         raise ConfigError(f"LLaDA2 rope_scaling={_get(config, 'rope_scaling')} is not implemented (plain RoPE only).")
     if _get(config, "use_sliding_window"):
         raise ConfigError("LLaDA2 use_sliding_window=true is not implemented.")
+    _check_ignored_router_keys(config, folder)
     d_model, n_heads = _positive(config, "hidden_size"), _positive(config, "num_attention_heads")
     n_kv = _positive(config, "num_key_value_heads")
     d_head = _get(config, "head_dim") or d_model // n_heads

@@ -86,7 +86,13 @@ class _CanvasDraw:
         return [float(np.mean(by[s])) if s in by else 0.0 for s in step_list]
 
     def n_cut(self) -> int:
-        return 0 if self.ko is None else len(self.ko.knocked_by_step)
+        return cut_forwards(self.ko)
+
+
+def cut_forwards(ko: Any) -> int:
+    """The forwards in which the knockout removed at least one key (at some layer): a hooked forward whose
+    condition found no target (no anchor passed the rule) ran but cut nothing, and is not counted."""
+    return 0 if ko is None else sum(max(v) > 0 for v in ko.knocked_by_step.values())
 
 
 def _unchanged(scores: Tensor, hook: Any) -> None:

@@ -30,7 +30,7 @@ from mdm_lens.diffusion.own_forwards import OWN_FORWARDS, is_denoising_forward, 
 
 from . import _causal as C
 from ._knockout_hooks import _GoldScorer, readout, readout_hook
-from .knockout_bd import sampled_knockout
+from .knockout_bd import cut_forwards, sampled_knockout
 
 NOT_APPLICABLE = ("teacher-forced metrics (tf_*) and the per-step committed metric are NaN on sampler={sampler!r}: "
                   "they re-run a step's forward with the gold answer placed in the canvas, and {why}")
@@ -50,12 +50,11 @@ def not_applicable(sampler: str, generate_kwargs: dict) -> str:
 
 class ForwardSteps:
     """Numbers the run's denoising forwards in the order they ran (run step → knockout step) and gates hooks to the
-    chosen ones; `cut` holds the knockout steps at which a gated hook fired."""
+    chosen ones."""
 
     def __init__(self, model: Any, chosen: list[int] | None):
         self.model, self.chosen = model, None if chosen is None else set(chosen)
         self.ordinal_of: dict[int, int] = {}   # run step → knockout step
-        self.cut: set[int] = set()
 
     def ordinal(self) -> int | None:
         st = self.model.state
@@ -68,7 +67,6 @@ class ForwardSteps:
             k = self.ordinal()
             if k is None or (self.chosen is not None and k not in self.chosen):
                 return None
-            self.cut.add(k)
             return fn(x, hook)
         return gated
 
@@ -132,7 +130,7 @@ class _WindowDraw:
                 for k in step_list]
 
     def n_cut(self) -> int:
-        return len(self.steps.cut)
+        return cut_forwards(self.ko)
 
 
 def grid_size(model: Any, sampler: str, prompt_length: int, g: int, ns: int) -> int:

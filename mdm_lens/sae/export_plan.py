@@ -92,6 +92,9 @@ def read_data(data: Any, skip_bad: bool, limit: int | None) -> Source:
         if not items:
             raise InputError(f"{data}: no usable items.", argument="data", value=str(data), allowed="a jsonl with items")
         return Source("jsonl", items, str(data), tuple(read.skipped))
+    if isinstance(data, (list, tuple)) and not data:
+        raise InputError(f"data={validate.describe(data)} is empty: expected at least one prompt.", argument="data",
+                         value=data, allowed="a non-empty list of text prompts or token ids, or a jsonl path")
     if isinstance(data, Tensor):
         data = validate.tensor(data, name="data", ndim=(1, 2), dtype="int")
         rows = [data.tolist()] if data.ndim == 1 else data.tolist()

@@ -96,7 +96,8 @@ def test_patterns_equal_eager_output_attentions():
         ours = cache[f"blocks.{layer}.attn.hook_pattern"]
         assert ours.shape == (2, 4, 8, 15)  # absolute keys: 7 prompt + 8 canvas
         n = eager.shape[-1]  # sliding layers keep only the last window-1 prompt keys
-        assert (ours[..., -n:] - eager).abs().max().item() <= 1e-5
+        # fp32 softmax over differently ordered reductions (SDPA-style vs eager matmul): a few 1e-6 per weight
+        assert (ours[..., -n:] - eager).abs().max().item() <= 5e-5
         assert ours[..., : 15 - n].abs().sum().item() == 0.0
     assert [a.shape[-1] for a in out.attentions] == [11, 15, 15]  # the window really bites on layer 0
     assert cache["encoder.0.attn.hook_pattern"].shape == (2, 4, 7, 7)
