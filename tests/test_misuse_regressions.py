@@ -47,12 +47,12 @@ def test_a_run_is_refused_with_another_model(twins):
     from mdm_lens.lens import lens_trace
 
     for call in (lambda: out.replay(arm, 0), lambda: lens_trace(arm, out)):
-        with pytest.raises(InputError, match="not by this model"):
+        with pytest.raises(InputError, match="not by the model given"):
             call()
     other = HookedMDM.from_config(MDMConfig(d_model=16, n_layers=1, n_heads=2, d_mlp=16, d_vocab=20,
                                             mask_token_id=19, n_ctx=40), seed=0)
     cached = other.generate(torch.tensor([[3, 4, 5]]), gen_length=4, steps=4, kv_cache="dual")
-    with pytest.raises(InputError, match="not by this model"):
+    with pytest.raises(InputError, match="not by the model given"):
         cache_effect(mdm, cached)
     out.replay(mdm, 0)  # the model that ran it is fine
 

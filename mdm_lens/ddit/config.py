@@ -32,7 +32,13 @@ def ddit_config(family: str, *, d_vocab: int, n_ctx: int, d_model: int, cond_dim
     mask = d_vocab - 1 if family == "mdlm" else None
     facts = dict(cond_dim=cond_dim, time_conditioning=bool(time_conditioning), uniform_state=family == "duo",
                  parameterization="subs" if family == "mdlm" else "log_softmax", gen_length=min(n_ctx, 32), **extra)
+    # BD3LM's forward runs its block-causal mask (blocks of block_size from position 0): the probes read the mask a
+    # clean forward ran under from `attention` / `extra["block_length"]`, as for the other block-causal families
+    block_causal = family == "bd3lm" and "block_size" in extra
+    if block_causal:
+        facts["block_length"] = extra["block_size"]
     return MDMConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_mlp=4 * d_model, d_vocab=d_vocab,
-                     n_ctx=n_ctx, rope_theta=10000.0, norm_eps=1e-5, attention="bidirectional",
+                     n_ctx=n_ctx, rope_theta=10000.0, norm_eps=1e-5,
+                     attention="block_causal" if block_causal else "bidirectional",
                      mask_token_id=mask, family=family, model_name=model_name, dtype=dtype, device=device,
                      extra=facts, normalization_type="LN", act_fn="gelu_new")

@@ -30,6 +30,7 @@ The reference runs in bf16 with its block mask cast to bf16; here the model's dt
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ from mdm_lens import validate
 from mdm_lens.diffusion.blockwise import (AlignedBlockSampler, BlockRecorder, block_length_for, end_step, layout,
                                           sample_tokens,
                                           transfer_schedule)
+from mdm_lens.diffusion.arguments import ReferenceQuirkWarning
 from mdm_lens.diffusion.canvas import Plan
 from mdm_lens.diffusion.registry import SamplerSettings, register, resolved
 from mdm_lens.diffusion.state import DenoisingState
@@ -89,6 +91,11 @@ class LLaDA2Settings(SamplerSettings):
         top_p = None if self.top_p is None else validate.number(self.top_p, name="top_p", min=0, min_open=True,
                                                                 error=SamplerConfigError)
         eos_early_stop = validate.boolean(self.eos_early_stop, name="eos_early_stop")
+        if self.steps is not None and steps > gen_length // minimal_topk:
+            # the reference's cap, kept; a value the user chose is never lowered without a word
+            warnings.warn(f"steps={steps} is lowered to {gen_length // minimal_topk} = gen_length ({gen_length}) // "
+                          f"minimal_topk ({minimal_topk}), as the reference's generate caps it; out.settings['steps'] "
+                          "shows the value used.", ReferenceQuirkWarning, stacklevel=5)
         if eos_early_stop and model.cfg.eos_token_id is None:
             raise SamplerConfigError("eos_early_stop=True but the model's EOS id is unknown (cfg.eos_token_id is "
                                      "None).", argument="eos_early_stop", value=True,

@@ -104,8 +104,9 @@ class GenerateOutput:
         from mdm_lens.errors import InputError
 
         if self.model_key is not None and model_key(model) != self.model_key:
-            raise InputError(f"{argument} was made by {self.model_name!r} {self.model_key[1:]}, not by this model "
-                             f"{model.cfg.model_name!r} {model_key(model)[1:]}: pass the model that ran it.",
+            raise InputError(f"{argument}: the run was made by {self.model_name!r} {self.model_key[1:]}, not by "
+                             f"the model given, {model.cfg.model_name!r} {model_key(model)[1:]}: pass the model that "
+                             "ran it.",
                              argument=argument, value=self.model_name, allowed="a run of this model")
 
     @property

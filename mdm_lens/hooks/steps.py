@@ -74,7 +74,8 @@ class Steps:
             self._check_bound(n_steps, what, unknown)
         chosen = self.resolve(n_steps)
         if chosen is not None and self.every is not None:
-            grid = [k for k in range(n_steps) if k % self.every == 0 or k == n_steps - 1]
+            # a run of unknown length has no known last step: n_steps is its bound, not a step every= adds
+            grid = [k for k in range(n_steps) if k % self.every == 0 or (k == n_steps - 1 and unknown is None)]
             off = sorted(k for k in chosen if k not in grid)
             if off:
                 shown = grid if len(grid) <= 12 else grid[:6] + ["…"] + grid[-3:]

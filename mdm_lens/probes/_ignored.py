@@ -21,3 +21,13 @@ def refuse_ignored(name: str, value: Any, neutral: Any, *, by: str, by_value: An
         raise ArgumentError(f"{name}={validate.describe(value)} is ignored with {by}={by_value!r}: {why}. Pass "
                             f"{name}={neutral!r} (or drop it), or change {by}.", argument=name, value=value,
                             allowed=f"{neutral!r} when {by}={by_value!r}")
+
+
+def refuse_prompt_length(model: Any, prompt_length: Any) -> None:
+    """`prompt_length` splits a block-diffusion (DiffusionGemma) sequence into encoder and decoder rows; any other
+    model's clean forward has one query per position, so a value there would be silently ignored."""
+    from ._runtools import is_block_diffusion
+
+    if prompt_length is not None and not is_block_diffusion(model):
+        refuse_ignored("prompt_length", prompt_length, None, by="model", by_value=model.cfg.family,
+                       why="only a block-diffusion model (DiffusionGemma) splits its rows at the prompt length")

@@ -15,7 +15,7 @@ from mdm_lens import validate
 from mdm_lens.errors import ArgumentError
 
 from . import floating
-from ._ignored import refuse_ignored
+from ._ignored import refuse_ignored, refuse_prompt_length
 from ._results import ResultMixin
 from ._runtools import _attention_mask, _tokens, is_block_diffusion, is_causal, layer_list, sequence_view
 
@@ -26,10 +26,7 @@ __all__ = ["final_attention", "absorption_by_layer", "AbsorptionByLayer", "absor
 # §1.b / §3.3 full-sequence attention and absorption
 # ----------------------------------------------------------------------------------------------
 
-def _no_prompt_length(model: Any, prompt_length: Any) -> None:
-    if prompt_length is not None and not is_block_diffusion(model):
-        refuse_ignored("prompt_length", prompt_length, None, by="model", by_value=model.cfg.family,
-                       why="only a block-diffusion model (DiffusionGemma) splits its rows at the prompt length")
+_no_prompt_length = refuse_prompt_length
 
 
 @torch.no_grad()

@@ -147,6 +147,6 @@ def knockout_windowed(model: Any, prompt: Tensor, sampler: str, **kw: Any) -> di
     nt = np.array([p["nt"] for p in r["per"]], dtype=float)
     never = [k for k, col in zip(kw["step_list"], nt.T) if np.isnan(col).all()]
     if never:
-        r["notes"].append(f"steps {never} were not reached (the runs had fewer denoising forwards than the "
-                          f"{len(kw['step_list'])}-step grid): nothing was cut there, n_targets NaN")
+        r["notes"].append(f"steps {never} were not reached (every condition's run ended before its denoising "
+                          f"forward {min(never)}): nothing was cut there, n_targets NaN")
     return r

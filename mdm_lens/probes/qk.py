@@ -187,14 +187,16 @@ def decompose(q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch pos 
               anchor: int | Int[Tensor, "batch"] | Int[Tensor, "batch head"],
               query_mask: Bool[Tensor, "batch pos"] | None = None,
               key_visible: Bool[Tensor, "batch pos"] | None = None, causal: bool = False,
-              v: Float[Tensor, "batch pos kv_head d"] | None = None, share: float = 0.8) -> QKDecomposition:
+              v: Float[Tensor, "batch pos kv_head d"] | None = None, share: float = 0.8,
+              block_length: int | None = None) -> QKDecomposition:
     """Shapley norm/angle split of the anchor key's QK advantage, per head (§3.6).
 
     N = (1/√d) mean_{i∈Q'} mean_{j∈R_i} (a* − a_j)(b_i* + b_ij)/2,
     G = (1/√d) mean_{i∈Q'} mean_{j∈R_i} (b_i* − b_ij)(a* + a_j)/2,
     Δ = N + G = (1/√d) mean_i mean_{j∈R_i} (q_i·k* − q_i·k_j).
 
-    R_i = keys visible to i (``key_visible``, ``causal``) other than j*; Q' = the query set (default
+    R_i = keys visible to i (``key_visible``, ``causal``, and with ``block_length`` B the block-causal mask:
+    j // B <= i // B) other than j*; Q' = the query set (default
     the visible positions) restricted to queries that see j* and have R_i ≠ ∅.
     Unbatched ``[pos, head, d]`` inputs are accepted.  ``anchor`` is a position (negative counts from the
     end) or an int tensor ``[batch]`` / ``[batch, head]``; it must be a visible key.  NaN/inf in q, k or v
@@ -218,7 +220,8 @@ def decompose(q: Float[Tensor, "batch pos head d"], k: Float[Tensor, "batch pos 
     cos = torch.where(q_norm[..., None] > 0, bij / q_norm[..., None].clamp_min(1e-300), torch.zeros_like(bij))
 
     kv_vis = None if key_visible is None else key_visible.bool()[:, None, :]
-    vis = visibility_mask(n_pos, n_pos, kv_vis, causal, device=q.device).expand(batch, n_heads, n_pos, n_pos)
+    vis = visibility_mask(n_pos, n_pos, kv_vis, causal, device=q.device,
+                          block_length=block_length).expand(batch, n_heads, n_pos, n_pos)
     anc = torch.as_tensor(anchor, device=q.device).long()
     anc = (anc[:, None] if anc.ndim == 1 else anc).expand(batch, n_heads)
     if key_visible is not None and not bool(key_visible.bool().gather(1, anc).all()):

@@ -37,7 +37,7 @@ from ._runtools import (_attention_mask, _batch, _nonempty, _optional_length, _t
                         is_block_diffusion, is_causal, layer_list, readout_shift, sequence_view, step_canvas,
                         step_forward_kwargs)
 from . import floating, qk
-from ._ignored import refuse_ignored
+from ._ignored import refuse_ignored, refuse_prompt_length
 from ._results import ResultMixin, to_numpy
 
 __all__ = ["final_attention", "absorption_by_layer", "AbsorptionByLayer", "anchors_over_steps", "StepAnchors",
@@ -263,9 +263,10 @@ def qk_at_layer(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, anchor
     an int / ``[batch]`` / ``[batch, head]`` tensor, or None → detected on the head-mean pattern of the
     same layer over the query set: ``rule="top1"`` (most received key) or e.g. ``"zscore"`` (the most
     received zscore anchor, top-1 where there is none).  ``query``: "all", "masked", "unmasked" or a mask.
-    Block-diffusion models (``prompt_length`` required): the queries are the decoder's (the answer rows;
-    "all" = every answer row, or a mask inside them; a clean forward has no masked rows), the keys those the
-    layer lets them see.
+    Block-diffusion models (DiffusionGemma; ``prompt_length`` required, refused elsewhere): the queries are the
+    decoder's (the answer rows; "all" = every answer row, or a mask inside them; a clean forward has no masked
+    rows), the keys those the layer lets them see. Block-causal models (SDAR, LLaDA2.x, Fast-dLLM v2, BD3LM): R_i
+    holds the keys query i sees under the block mask the clean forward ran (`cfg.extra["block_length"]`).
     """
     tokens = _tokens(tokens, device=model.input_device)
     l = validate.index(layer, model.cfg.n_layers, name="layer", what="layer")
@@ -282,6 +283,7 @@ def qk_at_layer(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, anchor
         anchor = validate.index(anchor, tokens.shape[1], name="anchor", what="position")
     if is_block_diffusion(model):
         return _qk_block_diffusion(model, tokens, l, anchor, query, am, rule, share, prompt_length)
+    refuse_prompt_length(model, prompt_length)
     qm_check = _query_mask(model, tokens, query, kv)                       # validate before the forward
     if qm_check is not None and not bool(qm_check.any(-1).all()):
         raise ArgumentError(f"query={query if isinstance(query, str) else 'mask'!r} selects no query position in "
@@ -325,8 +327,12 @@ def qk_from_activations(model: Any, rot_q: Tensor, rot_k: Tensor, v: Tensor, pat
     causal = is_causal(model)
     if anchor is None or isinstance(anchor, str):
         anchor = _anchor_from_pattern(pattern, query_mask, key_visible, causal, anchor or rule)
+    # a block-causal model's clean forward ran under its block mask: R_i holds only the keys query i could see
+    # (DiffusionGemma's encoder/decoder visibility comes in key_visible from its sequence view instead)
+    block = (model.cfg.extra.get("block_length") if getattr(model.cfg, "attention", None) == "block_causal"
+             and not is_block_diffusion(model) else None)
     return qk.decompose(rot_q, rot_k, anchor, query_mask=query_mask, key_visible=key_visible, causal=causal, v=v,
-                        share=share)
+                        share=share, block_length=block)
 
 
 # ----------------------------------------------------------------------------------------------
