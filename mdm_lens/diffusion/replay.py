@@ -62,17 +62,22 @@ def _canvas(out: Any, s: int) -> tuple[Tensor, Tensor]:
 BLOCK_SAMPLERS = ("llada2", "sdar", "fastdllm_v2")
 
 
-def _block_state(out: Any, s: int, phase: str) -> DenoisingState:
-    """The block sampler's own state at step s (module docstring), from the forwards the trajectory kept."""
+def _recorded_forward(out: Any, s: int, phase: str) -> dict:
+    """Step s's forward as the run recorded it (`trajectory.forwards[s]`), on a run of one forward per step."""
     forwards = out.trajectory.forwards
     if forwards is None or len(forwards) != out.trajectory.n_steps:
-        raise SamplerConfigError(f"this sampler={out.sampler!r} run has no record of its forwards' canvases "
-                                 "(trajectory.forwards), so a replay cannot rebuild them.", argument="out",
+        raise SamplerConfigError(f"this sampler={out.sampler!r} run has no record of its forwards "
+                                 "(trajectory.forwards), so its steps' states cannot be rebuilt.", argument="out",
                                  value=out.sampler, allowed="a run made by generate() of this version")
     if validate.choice(phase, ("cond", "uncond"), name="phase") != "cond":
         raise SamplerConfigError(f"phase={phase!r}: sampler={out.sampler!r} runs one forward per step (no CFG).",
                                  argument="phase", value=phase, allowed="'cond'")
-    f = forwards[s]
+    return forwards[s]
+
+
+def _block_state(out: Any, s: int, phase: str) -> DenoisingState:
+    """The block sampler's own state at step s (module docstring), from the forwards the trajectory kept."""
+    f = _recorded_forward(out, s, phase)
     if f["extra"].get("block_cache") == "window":
         raise SamplerConfigError(
             f"step {s} of this fastdllm_v2 use_block_cache=True run is a sub-block forward: it attended to the "
@@ -114,15 +119,7 @@ def _kv_cached(out: Any) -> bool:
 def _cached_state(out: Any, s: int, phase: str) -> DenoisingState:
     """A LLaDA / Dream `kv_cache` run's state at step s: the step's canvas (`x_steps`), its block, and the rows
     its forward computed (the block-start refresh: all; then the window), from `trajectory.forwards`."""
-    forwards = out.trajectory.forwards
-    if forwards is None or len(forwards) != out.trajectory.n_steps:
-        raise SamplerConfigError(f"this kv_cache={out.settings['kv_cache']!r} run has no record of its forwards' "
-                                 "rows (trajectory.forwards), so its states cannot be rebuilt.", argument="out",
-                                 value=out.sampler, allowed="a run made by generate() of this version")
-    if validate.choice(phase, ("cond", "uncond"), name="phase") != "cond":
-        raise SamplerConfigError(f"phase={phase!r}: a kv_cache run has one forward per step (no CFG).",
-                                 argument="phase", value=phase, allowed="'cond'")
-    f = forwards[s]
+    f = _recorded_forward(out, s, phase)
     x, am = _canvas(out, s)
     prompt = torch.zeros_like(x, dtype=torch.bool)
     prompt[:, :out.prompt_length] = True
