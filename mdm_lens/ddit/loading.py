@@ -115,7 +115,7 @@ def load_ddit(cls: type, name_or_path: str | os.PathLike, *, dtype: Any = torch.
     autocast = validate.boolean(autocast, name="autocast")
     dtype, device = _dtype(dtype), validate.device(device, name="device")
     folder, known = resolve(name_or_path, allow_download=validate.boolean(allow_download, name="allow_download"))
-    from mdm_lens.loading import read_config_json
+    from mdm_lens.loading.config_json import read_config_json
 
     path = folder / "config.json"
     raw = read_config_json(folder)

@@ -15,7 +15,6 @@ from typing import Any, Sequence
 
 from torch import Tensor
 
-from mdm_lens import validate
 from mdm_lens.diffusion import arm, diffusion_gemma, dream, llada, registry  # noqa: F401  (each registers itself)
 from mdm_lens.diffusion import llada2, sdar  # noqa: F401  (block diffusion: LLaDA2.x, SDAR)
 from mdm_lens.diffusion import fastdllm_v2  # noqa: F401  (block diffusion: Fast-dLLM v2)
@@ -107,8 +106,9 @@ def plan(model: Any, *, sampler: SamplerName = "auto", **settings: Any) -> Plan 
 def _sampler_name(sampler: Any) -> str:
     """A registered sampler's name; the refusal lists "auto" (the default: the model's own sampler) too."""
     from mdm_lens.errors import SamplerConfigError
+    from mdm_lens.validate import choice
 
-    return validate.choice(sampler, ("auto", *registry.names()), name="sampler", error=SamplerConfigError)
+    return choice(sampler, ("auto", *registry.names()), name="sampler", error=SamplerConfigError)
 
 
 OBSERVATION = tuple(f.name for f in dataclasses.fields(Observation))

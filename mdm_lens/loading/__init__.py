@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from mdm_lens.config import MDMConfig
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentError, ArgumentTypeError, CheckpointError, CheckpointNotFoundError, ConfigError
+from mdm_lens.loading.config_json import read_config_json  # noqa: F401  (public here too)
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, CheckpointError, ConfigError
 from mdm_lens.offload_checks import mark_offloaded, require_resident
 from mdm_lens.loading.dreamon import apply_dreamon_tokens
 from mdm_lens.loading.diagnose import causes, listing, mismatch_report
@@ -50,21 +51,6 @@ def _missing_or_malformed(e: Exception, raw: dict, path: Path) -> ConfigError:
         return ConfigError(f"{path} lacks the required key{'s' if len(missing) > 1 else ''} "
                            f"{', '.join(map(str, missing))}: add it to config.json.")
     return ConfigError(f"{path} has a setting of the wrong type or form ({type(e).__name__}: {e}).")
-
-
-def read_config_json(folder: Path) -> dict[str, Any]:
-    """A checkpoint folder's config.json as a dict: a missing file, bad JSON (or not UTF-8) and a JSON value
-    that is not an object are typed errors naming the file, for every loader (HookedMDM's and HookedDDiT's)."""
-    path = Path(folder) / "config.json"
-    if not path.exists():
-        raise CheckpointNotFoundError(f"{folder} has no config.json; it is not a checkpoint folder.")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}.") from e
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path} holds a {type(raw).__name__}, not a JSON object of settings.")
-    return raw
 
 
 def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMConfig, str]:

@@ -23,11 +23,10 @@ def refuse_ignored(name: str, value: Any, neutral: Any, *, by: str, by_value: An
                             allowed=f"{neutral!r} when {by}={by_value!r}")
 
 
-def refuse_prompt_length(model: Any, prompt_length: Any) -> None:
+def refuse_prompt_length(model: Any, prompt_length: Any, block_diffusion: bool) -> None:
     """`prompt_length` splits a block-diffusion (DiffusionGemma) sequence into encoder and decoder rows; any other
-    model's clean forward has one query per position, so a value there would be silently ignored."""
-    from ._runtools import is_block_diffusion
-
-    if prompt_length is not None and not is_block_diffusion(model):
+    model's clean forward has one query per position, so a value there would be silently ignored.
+    `block_diffusion`: `_runtools.is_block_diffusion(model)` (passed in: this leaf module imports no probe)."""
+    if prompt_length is not None and not block_diffusion:
         refuse_ignored("prompt_length", prompt_length, None, by="model", by_value=model.cfg.family,
                        why="only a block-diffusion model (DiffusionGemma) splits its rows at the prompt length")

@@ -26,7 +26,8 @@ __all__ = ["final_attention", "absorption_by_layer", "AbsorptionByLayer", "absor
 # §1.b / §3.3 full-sequence attention and absorption
 # ----------------------------------------------------------------------------------------------
 
-_no_prompt_length = refuse_prompt_length
+def _no_prompt_length(model: Any, prompt_length: Any) -> None:
+    refuse_prompt_length(model, prompt_length, is_block_diffusion(model))
 
 
 @torch.no_grad()

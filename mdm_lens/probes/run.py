@@ -283,7 +283,7 @@ def qk_at_layer(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, anchor
         anchor = validate.index(anchor, tokens.shape[1], name="anchor", what="position")
     if is_block_diffusion(model):
         return _qk_block_diffusion(model, tokens, l, anchor, query, am, rule, share, prompt_length)
-    refuse_prompt_length(model, prompt_length)
+    refuse_prompt_length(model, prompt_length, is_block_diffusion(model))
     qm_check = _query_mask(model, tokens, query, kv)                       # validate before the forward
     if qm_check is not None and not bool(qm_check.any(-1).all()):
         raise ArgumentError(f"query={query if isinstance(query, str) else 'mask'!r} selects no query position in "
