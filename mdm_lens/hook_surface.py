@@ -69,7 +69,7 @@ def _refuse_steps(when: Any, name: str) -> None:
                             allowed="a hook bound to every step (no @ steps(...)) outside generate")
 
 
-def _check_incl_bwd(kwargs: dict[str, Any]) -> None:
+def _check_incl_bwd(model: Any, kwargs: dict[str, Any]) -> None:
     """TL's `incl_bwd=True` calls `.backward()` on the forward's output, which needs one scalar: refused up front
     for logits, per-token losses and `return_type="both"` (a tuple), instead of a raw error after the forward."""
     if not validate.boolean(kwargs.get("incl_bwd", False), name="incl_bwd"):
@@ -82,6 +82,11 @@ def _check_incl_bwd(kwargs: dict[str, Any]) -> None:
                          f"outside that block{hint}.", argument="incl_bwd",
                          value=True, allowed="incl_bwd=False under no_grad / inference_mode")
     rt, per_token = kwargs.get("return_type", "logits"), kwargs.get("loss_per_token", False)
+    if getattr(model, "readout_hook", None) is not None and rt != "loss":  # HookedDDiT: its forward has no loss
+        raise InputError(f"incl_bwd=True needs a scalar output to call backward() on, and a DDiT forward returns "
+                         f"logits (return_type={rt!r}; it has no 'loss'): run run_with_hooks(..., "
+                         "reset_hooks_end=False) with your own scalar and call .backward() on it.",
+                         argument="incl_bwd", value=True, allowed="incl_bwd=False on a DDiT model")
     if rt != "loss" or per_token is not False:
         got = f"return_type={rt!r}" + (f", loss_per_token={per_token!r}" if per_token is not False else "")
         raise InputError(f"incl_bwd=True needs a scalar output to call backward() on, got {got}: pass "
@@ -255,7 +260,7 @@ class CheckedHookSurface(HookedRootModule):
         names_filter = self._check_names_filter(names_filter)
         validate.boolean(remove_batch_dim, name="remove_batch_dim")
         validate.boolean(return_cache_object, name="return_cache_object")
-        _check_incl_bwd(kwargs)
+        _check_incl_bwd(self, kwargs)
         self._check_cache_placement(model_args, kwargs)
         if remove_batch_dim and model_args and isinstance(model_args[0], Tensor) and model_args[0].ndim == 2 \
                 and model_args[0].shape[0] != 1:

@@ -156,6 +156,11 @@ def explicit_mask(attn_mask: Any, tokens: Tensor) -> Bool[Tensor, "batch 1 query
                          value=attn_mask, allowed=f"[{n}, {n}] or [batch|1, 1, {n}, {n}]")
     # A query that sees no key is allowed only as Dream's pair mask makes pads: the position is hidden both as a
     # query and as a key, so nothing ever reads its (undefined) output. Any other blind row is a mistake.
+    dead = (~attn_mask.flatten(1).any(-1)).nonzero().flatten().tolist()
+    if dead:  # every position a "pad": no query of that row attends to anything, so nothing it computes is defined
+        raise InputError(f"attn_mask hides every key from every query of batch row {dead[0]}: its attention (and "
+                         "every activation after it) would be undefined. Let every query see at least one key.",
+                         argument="attn_mask", value=attn_mask, allowed="at least one True per batch row")
     blind = (~attn_mask.any(-1) & attn_mask.any(-2)).nonzero().tolist()
     if blind:
         raise InputError(f"attn_mask hides every key from query position {blind[0][-1]} (batch {blind[0][0]}): its "

@@ -266,7 +266,7 @@ def test_a_conflicting_checkpoint_value_says_where_it_comes_from():
     with pytest.raises(SamplerConfigError) as e:
         model.generate(PROMPT, sampler="fastdllm_v2", small_block_size=1, max_new_tokens=6)
     assert e.value.argument == "block_size" and e.value.value == 3
-    assert "its value comes from the checkpoint" in str(e.value)
+    assert "it took 3, the checkpoint's value (model.cfg) or else the sampler's own default" in str(e.value)
 
 
 # --- U3: a bad block length in a saved config is refused at load, naming the key ----------------------------------

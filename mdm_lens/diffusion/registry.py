@@ -268,7 +268,7 @@ def unpassed(sampler: Sampler, error: ArgumentError, given: dict[str, Any]) -> A
     if (default is None or default is dataclasses.MISSING) and error.value is None:
         return error  # the checkpoint names no value (nothing conflicts): the error already asks for one
     source = (f"its default is {default!r}" if default is not None and default is not dataclasses.MISSING
-              else "its value comes from the checkpoint (model.cfg)")
+              else f"it took {error.value!r}, the checkpoint's value (model.cfg) or else the sampler's own default")
     note = (f" You did not pass {name}: {source}, which conflicts with the settings given "
             f"({', '.join(f'{k}={v!r}' for k, v in given.items()) or 'none'}); pass {name}= explicitly"
             + (f" ({error.allowed})." if error.allowed else "."))

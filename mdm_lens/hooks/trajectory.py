@@ -143,6 +143,10 @@ class TrajectoryCache:
 
     def __getitem__(self, key: int | tuple[int, str]) -> ActivationCache:
         step, phase = key if isinstance(key, tuple) and len(key) == 2 else (key, None)
+        if isinstance(step, str):  # TransformerLens' cache[name, layer] habit: here the step comes first
+            raise ArgumentTypeError(f"cache[{validate.describe(key)}]: a trajectory cache is indexed by step first, "
+                                    f"then hook name: write cache[step][{step!r}] (or cache[step, phase][...]).",
+                                    argument="step", value=step, allowed="an int step")
         store = self._store(phase)
         steps = sorted(store)
         if not validate._is_int(step):

@@ -8,7 +8,6 @@ ever executed: `auto_map`/remote code is ignored, tensors come from safetensors 
 
 from __future__ import annotations
 
-import json
 import re
 import os
 from pathlib import Path
@@ -284,7 +283,7 @@ def load_pretrained(cls: type, name_or_path: str | os.PathLike, *, dtype: torch.
     else:
         plans = {"llada": llada_plan, **dict.fromkeys(FAMILY_ARCHES, family_plan)}
         plan = plans.get(family, hf_plan)(cfg, reader.keys())
-    raw = {} if family == "mdm_lens" else json.loads((folder / "config.json").read_text())
+    raw = read_config_json(folder)  # read_config checked it; the diagnosis reads which keys it names
     state = build_state_dict(plan, reader, expected, source_shapes(cfg, plan, expected), dtype, device,
                              tied_hint=_tying_hint(cfg, family, folder), cause=causes(cfg, family, raw, reader.keys()),
                              place=placer)

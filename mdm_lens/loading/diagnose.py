@@ -17,7 +17,7 @@ INLINE = 40  # names listed in the message itself; longer lists are written to a
 # the config.json key each family reads for its expert count and its layer count
 EXPERT_KEYS = {"llada2_moe": "num_experts", "lladamoe": "num_experts",
                "sdar_moe": "num_experts (or its alias num_local_experts)"}
-LAYER_KEYS = {"llada": "n_layers"}
+LAYER_KEYS = {"llada": "n_layers", "mdm_lens": "n_layers"}
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")
 

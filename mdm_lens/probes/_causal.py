@@ -14,7 +14,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentError, InputError, NonFiniteError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputError, NonFiniteError
 
 from . import floating
 from .run import is_causal, readout_shift
@@ -106,7 +106,13 @@ def metric_value(metric: Metric, logits: Float[Tensor, "n vocab"], target: Tenso
     ``logit_diff`` = mean(logit_target − logit_counter), ``logprob`` = mean log softmax(logits)_target,
     ``prob`` = mean softmax(logits)_target; a callable gets the logits itself."""
     if callable(metric):
-        return float(metric(logits))
+        value = metric(logits)
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool)) and not (
+                isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point()):
+            raise ArgumentTypeError(f"metric returned {validate.describe(value)}: a callable metric maps the readout "
+                                    "logits [n, vocab] to one number (a float or a 0-d / one-element float tensor).",
+                                    argument="metric", value=metric, allowed="a callable returning a scalar")
+        return float(value)
     lf = logits.float()
     if metric == "logit_diff":
         return float((lf.gather(-1, target[:, None]) - lf.gather(-1, counter[:, None])).mean())

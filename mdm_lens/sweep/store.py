@@ -91,8 +91,9 @@ class SweepStore:
             if old != fingerprint:
                 if not force and self._any_done():
                     diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
-                    raise ArgumentError(f"{self.root} holds a sweep made with other arguments (differs in: "
-                                        f"{', '.join(diff)}); use --force to overwrite it, or another --out.",
+                    raise ArgumentError(f"{self.root} holds a run made with other arguments (differs in: "
+                                        f"{', '.join(diff)}); pass force=True (CLI: --force) to overwrite it, or "
+                                        "another out= (CLI: --out).",
                                         argument="out", value=str(self.root))
                 wipe = True
         if wipe:
