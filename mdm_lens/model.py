@@ -289,6 +289,11 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
         else:
             positions, arange = inputs.position_ids(position_ids, tokens), False
         cos, sin = self._rotary(positions, arange)
+        if block_length is not None and self.cfg.attention == "causal":
+            # ANDed with the causal mask a block mask changes nothing: accepting it would answer a question not asked
+            raise InputError(f"block_length={block_length!r} has no effect on a causal model ({self.cfg.model_name}): "
+                             "every query already sees only earlier keys. Drop it.", argument="block_length",
+                             value=block_length, allowed="None on a causal model")
         if block_length is None:
             block_length = self.cfg.extra.get("block_length")
         if block_length is not None:

@@ -230,7 +230,10 @@ def llada21_sample(runner: Any, model: Any, x: Tensor, prompt_length: int, s: LL
                 break
             if step >= plan.n_steps:
                 raise SamplerConfigError(f"block {nb - first} is still changing after {plan.n_steps} forwards: the "
-                                         f"model keeps sampling the mask token {mask_id} itself.",
+                                         f"model keeps sampling the mask token {mask_id} itself. The reference's "
+                                         "editing loop has no step bound (it would never end here), so the run is "
+                                         "stopped; no setting bounds it (max_post_steps counts forwards after the "
+                                         "block holds no mask). A trained model does not sample its mask token.",
                                          argument="editing_threshold", value=s.editing_threshold)
             state = DenoisingState(step, plan.n_steps, nb - first, plan.n_blocks, x.clone(), x == mask_id,
                                    prompt_index, key_visible, blk)

@@ -63,7 +63,8 @@ BLOCK_SAMPLERS = ("llada2", "sdar", "fastdllm_v2")
 
 
 def _recorded_forward(out: Any, s: int, phase: str) -> dict:
-    """Step s's forward as the run recorded it (`trajectory.forwards[s]`), on a run of one forward per step."""
+    """Step s's forward as the run recorded it (`trajectory.forwards[s]`), on a run of one forward per step. The
+    states rebuilt from it count the run's forwards (`n_steps`): during an adaptive run its hooks saw the bound."""
     forwards = out.trajectory.forwards
     if forwards is None or len(forwards) != out.trajectory.n_steps:
         raise SamplerConfigError(f"this sampler={out.sampler!r} run has no record of its forwards "
@@ -94,7 +95,7 @@ def _block_state(out: Any, s: int, phase: str) -> DenoisingState:
     extra["replay_rows"] = (0, int(extra["query_end"]))
     extra.pop("unknown_length", None)  # after the run its length is known: is_last answers from n_run
     extra["n_run"] = out.trajectory.n_steps
-    state = DenoisingState(s, f["n_steps"], f["block"], f["n_blocks"], x.clone(), masked.clone(), prompt.clone(),
+    state = DenoisingState(s, out.trajectory.n_steps, f["block"], f["n_blocks"], x.clone(), masked.clone(), prompt.clone(),
                            visible.clone(), f["block_slice"], extra=extra)
     return state.computes(0, int(extra["query_end"]))
 
@@ -106,7 +107,7 @@ def _length_state(out: Any, s: int, phase: str) -> DenoisingState:
                                  argument="phase", value=phase, allowed="'cond'")
     f = out.trajectory.forwards[s]
     extra = dict(f["extra"], n_run=out.trajectory.n_steps)
-    state = DenoisingState(s, f["n_steps"], f["block"], f["n_blocks"], f["x"].clone(), f["masked"].clone(),
+    state = DenoisingState(s, out.trajectory.n_steps, f["block"], f["n_blocks"], f["x"].clone(), f["masked"].clone(),
                            f["prompt"].clone(), torch.ones_like(f["masked"]), f["block_slice"], extra=extra,
                            slot=f["slot"].clone(), n_original=out.trajectory.length.n_original)
     return state.computes(0, int(extra["query_end"])) if "query_end" in extra else state
@@ -125,7 +126,7 @@ def _cached_state(out: Any, s: int, phase: str) -> DenoisingState:
     prompt[:, :out.prompt_length] = True
     extra = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in f["extra"].items()}
     extra["n_run"] = out.trajectory.n_steps  # after the run its length is known: is_last answers
-    state = DenoisingState(s, f["n_steps"], f["block"], f["n_blocks"], x.clone(), x == out.settings["mask_id"],
+    state = DenoisingState(s, out.trajectory.n_steps, f["block"], f["n_blocks"], x.clone(), x == out.settings["mask_id"],
                            prompt, am.bool(), f["block_slice"], extra=extra)
     return state.computes(int(extra["query_start"]), int(extra["query_end"]), x.shape[1])
 

@@ -77,8 +77,9 @@ def state_at(out: Any, step: int, phase: str = "cond") -> DenoisingState:
     prompt[:, :out.prompt_length] = True
     extra = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in f["extra"].items()}
     extra["n_run"] = n
-    state = DenoisingState(step, f["n_steps"], f["block"], f["n_blocks"], x, masked, prompt, torch.ones_like(prompt),
-                           f["block_slice"], extra=extra)
+    # after the run its length is known: the rebuilt state counts the forwards it made (its hooks saw the bound)
+    state = DenoisingState(step, out.trajectory.n_steps, f["block"], f["n_blocks"], x, masked, prompt,
+                           torch.ones_like(prompt), f["block_slice"], extra=extra)
     state.query_rows, state.key_cols, state.key_index = f["rows"], f["keys"], f.get("key_index")
     return state
 

@@ -170,8 +170,9 @@ class TrajectoryCache:
         """`[step, ...]` over the cached steps (of `phase`), rows in position order (module docstring).
 
         Rows that all start at position 0 stack as they are (`pad_value` right-pads prefixes of different lengths,
-        e.g. ARM's); rows that start elsewhere are refused unless `align=True`, which returns the canvas-shaped
-        tensor with NaN where a step computed no row."""
+        e.g. ARM's), and so do rows that are the same positions (and keys) at every step (row k is position
+        `rows_of(step).start + k`); rows that start elsewhere are refused unless `align=True`, which returns the
+        canvas-shaped tensor with NaN where a step computed no row."""
         if name not in self.names:
             raise InputError(f"{name!r} was not cached; cached names: {self.names}.")
         validate.boolean(align, name="align")
@@ -192,7 +193,11 @@ class TrajectoryCache:
                                  argument="align", value=align, allowed="False for these steps")
             return aligned(name, tensors, [where[s] for s in steps], steps)
         moved = [(s, where[s][0]) for s in steps if s in where and where[s][0].start != 0]
-        if moved:
+        # every step computed the same rows against the same keys: row k is position rows.start + k throughout
+        same = all(s in where for s in steps) and len({(where[s][0].start, where[s][0].stop, where[s][1].start,
+                                                         where[s][1].stop) for s in steps}) == 1 \
+            and not set(steps) & set(self._key_index.get(self._phase(phase), {}))
+        if moved and not same:
             shown = ", ".join(f"step {s}: [{r.start}, {r.stop})" for s, r in
                               [(s, where[s][0]) for s in steps][:6]) + (" …" if len(steps) > 6 else "")
             raise InputError(f"{name}: the cached steps computed rows at different canvas positions ({shown}), so "

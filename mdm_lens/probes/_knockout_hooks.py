@@ -248,12 +248,18 @@ class _GoldScorer:
         self.lp[st.step], self.rank[st.step] = lp, rank
 
     def at_commit(self, commit_step: Tensor) -> tuple[Tensor, Tensor]:
-        """(log-prob, rank) ``[batch, pos]`` read at the step that committed each position (NaN if none)."""
+        """(log-prob, rank) ``[batch, pos]`` read at the step that committed each position (NaN if none). A step
+        that ran no forward (MDLM's ``ddpm_cache`` reusing its p(x0)) committed from the latest forward before it,
+        so it is read there."""
         lp = torch.full(self.gold.shape, torch.nan, dtype=torch.float64)
         rank = lp.clone()
-        for s in self.lp:
-            at = commit_step.cpu() == s
-            lp[at], rank[at] = self.lp[s][at], self.rank[s][at]
+        cs = commit_step.cpu()
+        scored = sorted(self.lp)
+        for s in sorted(set(cs[cs >= 0].tolist())):
+            source = s if s in self.lp else max((f for f in scored if f <= s), default=None)
+            if source is not None:
+                at = cs == s
+                lp[at], rank[at] = self.lp[source][at], self.rank[source][at]
         return lp, rank
 
 

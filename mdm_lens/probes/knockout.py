@@ -90,7 +90,7 @@ class KnockoutResult(ResultMixin):
     value: Tensor                   # [condition]  the chosen metric
     effect: Tensor                  # [condition]  value − value of "clean"
     answer_logprob: Tensor          # [condition]  sampled: Σ_answer log p(gold) at each position's commit step
-    answer_rank: Tensor             # [condition]  sampled: mean rank of the gold tokens there (0 = argmax)
+    answer_rank: Tensor             # [condition]  sampled: mean rank of the gold tokens there, mask id left out
     exact_match: Tensor             # [condition]  generated answer == gold
     tf_answer_logprob: Tensor       # [condition, step]  teacher-forced, gold placed in the canvas
     tf_answer_rank: Tensor          # [condition, step]
@@ -398,8 +398,10 @@ def _condition_notes(names: list[str], per: list[dict], value: Tensor) -> list[s
                        "than there are targets, so it cut fewer keys (compare n_targets)")
         nt = torch.as_tensor(p.get("nt", []), dtype=torch.float64).nan_to_num(0.0)
         if name != "clean" and nt.numel() and not bool((nt > 0).any()):
-            why.append(f"nothing cut: the {name} condition found no target key at any scored step (e.g. no anchor "
-                       "passed the rule), so it is the clean run")
+            cause = ("no listed position was a visible key of a scored forward (targets=[] is the no-op control)"
+                     if name == "targets" else "e.g. no anchor passed the rule")
+            why.append(f"nothing cut: the {name} condition found no target key at any scored step ({cause}), so it "
+                       "is the clean run")
         if p.get("kept", 0) > 0:
             why.append(f"{p['kept']:g} query rows kept their scores: every visible key was a target (softmax "
                        "over no key is undefined)")

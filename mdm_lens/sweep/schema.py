@@ -162,7 +162,9 @@ METRICS: dict[str, dict[str, tuple[str, str]]] = {
                  "effect": ("nats", "value − value of clean: knockout − clean (< 0: the knockout lowers the gold "
                                     "answer's log-prob)"),
                  "answer_logprob": ("nats", "Σ over answer tokens of log p(gold) at the step that committed it"),
-                 "answer_rank": ("rank", "mean rank of the gold tokens there (0 = argmax)"),
+                 "answer_rank": ("rank", "mean rank of the gold tokens there among the tokens a sampler can commit "
+                                 "(the mask id, never committed, is left out; 0 = argmax of those); "
+                                 "`answer_logprob` is the full softmax's"),
                  "exact_match": ("fraction", "generated answer equals the gold"),
                  "tf_answer_logprob": ("nats", "teacher-forced gold log-prob at a step"),
                  "tf_answer_rank": ("rank", "teacher-forced gold rank at a step"),

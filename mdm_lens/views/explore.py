@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens import validate
-from mdm_lens.errors import InputError
+from mdm_lens.errors import ArgumentTypeError, InputError
 from mdm_lens.hooks.record_steps import empty_reason, record_steps
 
 __all__ = ["explore", "Explorer", "step_mapping"]
@@ -321,6 +321,10 @@ def explore(runs: Any, models: Any = None, *, item: int = 0, labels: Sequence[st
     models = [models] * len(runs) if not isinstance(models, (list, tuple)) else list(models)
     if single and isinstance(lens_top1, (list, tuple)) and len(lens_top1) == 1:
         lens_top1 = lens_top1[0]  # one run, its lens given as a one-entry list
+    if not single and lens_top1 is not None and not isinstance(lens_top1, (list, tuple)):
+        raise ArgumentTypeError(f"lens_top1={validate.describe(lens_top1)} is invalid with {len(runs)} runs: expected "
+                                "a list with one [step, layer, pos] token-id tensor (or None) per run.",
+                                argument="lens_top1", value=lens_top1, allowed="a list of tensors, one per run")
     lenses = [lens_top1] * len(runs) if single or lens_top1 is None else list(lens_top1)
     for name, seq in (("models", models), ("lens_top1", lenses)):
         if len(seq) != len(runs):
