@@ -105,3 +105,40 @@ def test_an_item_whose_prompt_fits_but_not_with_its_answer_is_flagged_before_the
     assert problems(n - 8, 8) == []                                   # exactly fills the context
     assert problems(n - 8, 9) == [f"{n - 8} prompt tokens + gen_length 9 exceed the model's context of {n}"]
     assert problems(n, 1) != [] and problems(4, 8) == []
+
+
+# --- blind list M (audit/2026-12-05c/blindM.json) survivors ------------------------------------------------------
+
+@pytest.mark.parametrize("href", ["javascript:alert(1)", "JavaScript:alert(1)", "JAVASCRIPT:x"])
+def test_report_markdown_drops_javascript_links_and_keeps_the_rest(href):
+    from mdm_lens.views.report import markdown_lite
+
+    html = markdown_lite(f"see [the docs](https://example.org/a) and [this]({href}) here")
+    assert '<a href="https://example.org/a">the docs</a>' in html
+    assert "javascript" not in html.lower() and "this" in html
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_dream_origin_commits_every_mask_at_its_last_step(steps):
+    # the reference forces p_transfer = 1 at the last step; 1 − s/t there leaves masks (eps = 0.9: 90 % of them)
+    import torch
+
+    from mdm_lens import MDMConfig
+
+    m = HookedMDM.from_config(MDMConfig(d_model=32, n_layers=2, n_heads=4, d_mlp=64, d_vocab=50, n_ctx=64,
+                                        mask_token_id=49, pad_token_id=0, eos_token_id=2, logit_shift=True,
+                                        model_name="dream-like"), seed=0)
+
+    def no_mask(module, args, out):
+        out = out.clone()
+        out[..., 49] = -1e4
+        return out
+
+    handle = m.unembed.register_forward_hook(no_mask)
+    try:
+        out = m.generate(torch.tensor([[1, 5, 6, 7]]), sampler="dream", gen_length=12, steps=steps, eps=0.9,
+                         alg="origin", seed=0)
+    finally:
+        handle.remove()
+    assert not (out.tokens == 49).any()
+    assert (out.trajectory.commit_step[0, 4:] >= 0).all() and (out.trajectory.commit_step[0, 4:] < steps).all()
