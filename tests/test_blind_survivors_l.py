@@ -142,3 +142,12 @@ def test_dream_origin_commits_every_mask_at_its_last_step(steps):
         handle.remove()
     assert not (out.tokens == 49).any()
     assert (out.trajectory.commit_step[0, 4:] >= 0).all() and (out.trajectory.commit_step[0, 4:] < steps).all()
+
+
+def test_report_markdown_escapes_html_in_every_block():
+    from mdm_lens.views.report import markdown_lite
+
+    html = markdown_lite("a <script>x()</script> & b\n\n- item <b>\n\n## head <i>\n\n1. one <u>")
+    assert "<script>" not in html and "&lt;script&gt;" in html and "&amp;" in html
+    for tag in ("b", "i", "u"):  # the text holds no bold / italic markup: any raw tag came through unescaped
+        assert f"&lt;{tag}&gt;" in html and f"<{tag}>" not in html, tag
