@@ -65,8 +65,10 @@ def test_replay_is_the_forward_the_sampler_ran(models, monkeypatch, name):
         assert torch.allclose(replayed[:, lo:hi], logits, atol=1e-5, rtol=0)
         assert tokens.shape[1] == hi - lo
         again = out.state_at(s)
-        assert (again.step, again.n_steps, again.block, again.n_blocks, again.block_slice) == (
-            state.step, state.n_steps, state.block, state.n_blocks, state.block_slice)
+        assert (again.step, again.block, again.n_blocks, again.block_slice) == (
+            state.step, state.block, state.n_blocks, state.block_slice)
+        # the run's hooks saw the bound; the rebuilt state counts the forwards the run made
+        assert again.n_steps == out.trajectory.n_steps <= state.n_steps
         assert torch.equal(again.x, state.x) and torch.equal(again.masked, state.masked)
         assert torch.equal(again.prompt, state.prompt) and torch.equal(again.key_visible, state.key_visible)
         assert again.extra["kind"] == state.extra["kind"] and again.extra["replay_rows"] == (0, hi)

@@ -32,7 +32,9 @@ def build_map(root: Path, out: Path, pytest_args: list[str] = ()) -> dict[str, d
     for path in data.measured_files():
         rel = os.path.relpath(path, root)
         by_line = data.contexts_by_lineno(path)
-        table[rel] = {str(n): sorted({c.split("|")[0] for c in ctx if c}) for n, ctx in by_line.items()}
+        # coverage's context is "<node id>|run" (or |setup, |teardown): split at the LAST bar, since a parametrize
+        # id may hold one itself ("int32|I32"), which a first-bar split cut into a test id pytest cannot find
+        table[rel] = {str(n): sorted({c.rsplit("|", 1)[0] for c in ctx if c}) for n, ctx in by_line.items()}
     out.write_text(json.dumps(table))
     return table
 
