@@ -11,6 +11,7 @@ import torch
 
 from mdm_lens import HookedMDM, steps
 from mdm_lens.errors import ArgumentTypeError, InputError
+from tests.test_misuse_round9 import _no_mask
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +27,6 @@ def test_block_length_on_a_causal_model_is_refused():
             arm(tok, block_length=bl)
         assert err.value.argument == "block_length"
     assert arm(tok).isfinite().all()
-
-
-def _no_mask(model):
-    def hook(module, args, out):
-        out = out.clone()
-        out[..., model.cfg.mask_token_id] = -1e4
-        return out
-    return model.unembed.register_forward_hook(hook)
 
 
 def test_a_rebuilt_state_counts_the_forwards_an_adaptive_run_made(tmp_path):
