@@ -258,7 +258,8 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
                 left padding follows the family's reference (LLaDA keeps absolute positions, Dream counts
                 real tokens). A row of zeros is an error; leading pad ids without a mask get a warning.
             attn_mask: an explicit boolean visibility mask `[query, key]` or `[batch|1, 1, query, key]`
-                (e.g. `masks.block_causal`), ANDed with padding and, for causal models, the causal mask.
+                (e.g. `masks.block_causal`), ANDed with padding and, for causal models, the causal mask; on a
+                block-causal model it replaces the default block mask (pass `block_length=` too to AND both).
             position_ids: rotary positions `[batch|1, pos]`; default from `cfg.position_policy`.
             return_type: "logits" (raw: logit i from hidden state i, TL convention), "aligned" (logit i
                 predicts token i; differs from raw only for `cfg.logit_shift` models such as Dream),
@@ -266,7 +267,7 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
                 "both" (TL's tuple: raw logits, loss) or None.
             block_length: block-causal attention (block diffusion: SDAR, LLaDA2): blocks of this length
                 aligned at position 0, each query sees its own block and every earlier one. None = the
-                family default `cfg.extra["block_length"]` (None for the other families: no block mask); a
+                family default `cfg.extra["block_length"]` (none with `attn_mask`, or in other families); a
                 length ≥ the sequence length is full bidirectional attention.
             targets, loss_per_token, weighting, p_mask: the loss's arguments (return_type "loss"/"both" only;
                 see `mdm_lens.loss`): an MDM scores the clean `targets` at the input's mask-token positions
@@ -289,12 +290,11 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
         else:
             positions, arange = inputs.position_ids(position_ids, tokens), False
         cos, sin = self._rotary(positions, arange)
-        if block_length is not None and self.cfg.attention == "causal":
-            # ANDed with the causal mask a block mask changes nothing: accepting it would answer a question not asked
+        if block_length is not None and self.cfg.attention == "causal":  # ANDed with causal it changes nothing
             raise InputError(f"block_length={block_length!r} has no effect on a causal model ({self.cfg.model_name}): "
                              "every query already sees only earlier keys. Drop it.", argument="block_length",
                              value=block_length, allowed="None on a causal model")
-        if block_length is None:
+        if block_length is None and attn_mask is None:  # an explicit attn_mask is the whole mask asked for
             block_length = self.cfg.extra.get("block_length")
         if block_length is not None:
             block_length = validate.integer(block_length, name="block_length", min=1, error=InputError)

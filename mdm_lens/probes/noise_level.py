@@ -150,6 +150,12 @@ def noise_level(model: Any, tokens: Any, levels: Sequence[float] | Tensor, *, qu
     lv = validate.tensor(torch.as_tensor(levels, dtype=torch.float32), name="levels", ndim=1)
     if lv.numel() == 0:
         raise ArgumentError("levels is empty.", argument="levels", value=levels, allowed="one value or more")
+    if not model.cfg.extra.get("time_conditioning", True) and lv.numel() > 1:
+        import warnings
+
+        warnings.warn(f"{model.cfg.model_name}: time_conditioning is off, so the network zeroes σ and every level "
+                      "gives the same row (result.meaning says so); compare levels on a time-conditioned model.",
+                      UserWarning, stacklevel=2)
     # the library's layer selection: negatives count from the end, an empty or repeated selection is refused
     layers = validate.indices(layers, model.cfg.n_layers, name="layers", what="layer")
     qmask = _query_mask(model, tokens, queries)

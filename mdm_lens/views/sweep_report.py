@@ -70,11 +70,19 @@ class Sweep:
 
 
 def _read(name: str, path: Path) -> pd.DataFrame:
-    df = pd.read_parquet(path)
+    try:
+        df = pd.read_parquet(path)
+    except Exception as e:  # pyarrow's errors share no public base class: a truncated or foreign file
+        raise InputError(f"{path} is not a readable table ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                         "rerun the sweep into a fresh folder, or remove the file.", argument="folder",
+                         value=str(path), allowed="a finished sweep's tables") from None
     try:
         known = schema.table_columns(name)
     except ArgumentError:            # a table this version does not describe: as it is
         return df
+    if "value" in known and "value" not in df.columns:  # every section reads it: name the table, not a KeyError
+        raise InputError(f"{path} has no 'value' column (columns: {list(df.columns)}): not a table this sweep "
+                         "wrote.", argument="folder", value=str(path), allowed="a finished sweep's tables")
     cols = [c for c in df.columns if c in known]
     try:
         return df if not cols else df.assign(**schema.conform(name, df[cols]))
