@@ -58,3 +58,14 @@ def test_the_sweep_report_names_an_unreadable_table(tmp_path, damage):
     with pytest.raises(InputError, match="absorption.parquet") as err:
         _read("absorption", path)
     assert err.value.argument == "folder"
+
+
+def test_an_unnamed_at_steps_hook_says_to_name_it():
+    from mdm_lens.errors import ArgumentTypeError
+    from mdm_lens.hooks import at_steps
+
+    m = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    with pytest.raises(ArgumentTypeError, match="has no hook name: build it with name="):
+        m.generate(torch.tensor([[10, 11, 12, 13]]), steps=4, gen_length=8, fwd_hooks=[at_steps(lambda z, hook: z, [1])])
+    m.generate(torch.tensor([[10, 11, 12, 13]]), steps=4, gen_length=8,
+               fwd_hooks=[at_steps(lambda z, hook: z, [1], name="blocks.0.attn.hook_z")])

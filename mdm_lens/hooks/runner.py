@@ -238,6 +238,11 @@ def _entry(h: Any, default: Steps) -> StepHook:
         if isinstance(fn, BoundHook):
             return StepHook(name, fn.fn, fn.when)
         return StepHook(name, fn, default)
+    if isinstance(h, BoundHook):  # at_steps(fn, steps) without name=: a function still to be paired with its hook
+        raise ArgumentTypeError("fwd_hooks entry at_steps(fn, steps) has no hook name: build it with name= "
+                                "(at_steps(fn, steps, name='blocks.0.attn.hook_z')) or pair it with one "
+                                "(('blocks.0.attn.hook_z', at_steps(fn, steps))).", argument="fwd_hooks", value=h,
+                                allowed="(name, fn), (name, at_steps(fn, steps)) or at_steps(fn, steps, name=...)")
     raise ArgumentTypeError(f"fwd_hooks entries must be (name, fn) pairs or at_steps(...) hooks, got "
                             f"{validate.describe(h)}.", argument="fwd_hooks", value=h,
                             allowed="(name, callable) or StepHook")
