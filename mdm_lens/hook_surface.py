@@ -69,6 +69,13 @@ def _refuse_steps(when: Any, name: str) -> None:
                             allowed="a hook bound to every step (no @ steps(...)) outside generate")
 
 
+def _while_live(fn: Callable, live: list[bool]) -> Callable:
+    """A backward hook that runs `fn` only while its `hooks()` context has not reset it (`live[0]`)."""
+    def hook(grad: Any, hook: Any = None) -> Any:
+        return fn(grad, hook=hook) if live[0] else None
+    return hook
+
+
 def _check_incl_bwd(model: Any, kwargs: dict[str, Any]) -> None:
     """TL's `incl_bwd=True` calls `.backward()` on the forward's output, which needs one scalar: refused up front
     for logits, per-token losses and `return_type="both"` (a tuple), instead of a raw error after the forward."""
@@ -223,8 +230,16 @@ class CheckedHookSurface(HookedRootModule):
         for name, _ in fwd_hooks + bwd_hooks:
             if isinstance(name, str):
                 self.check_hook_name(name)
-        with super().hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts) as model:
-            yield model
+        # PyTorch captures a module's full backward hooks in the graph at forward time, so a reset alone would not
+        # stop a later .backward() from running them (and applying their edits); once reset they do nothing
+        live = [True]
+        if reset_hooks_end:
+            bwd_hooks = [(name, _while_live(fn, live)) for name, fn in bwd_hooks]
+        try:
+            with super().hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts) as model:
+                yield model
+        finally:
+            live[0] = not reset_hooks_end
 
     def _check_names_filter(self, names_filter: NamesFilter) -> NamesFilter:
         if names_filter is None or callable(names_filter):

@@ -69,3 +69,24 @@ def test_an_unnamed_at_steps_hook_says_to_name_it():
         m.generate(torch.tensor([[10, 11, 12, 13]]), steps=4, gen_length=8, fwd_hooks=[at_steps(lambda z, hook: z, [1])])
     m.generate(torch.tensor([[10, 11, 12, 13]]), steps=4, gen_length=8,
                fwd_hooks=[at_steps(lambda z, hook: z, [1], name="blocks.0.attn.hook_z")])
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_a_reset_backward_hook_does_not_run_on_a_later_backward(reset):
+    # misuse17 S3: PyTorch keeps a module's full backward hooks in the graph, so the reset hook still edited grads
+    m = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    clean = torch.randint(5, 300, (1, 10), generator=torch.Generator().manual_seed(0))
+    x = clean.clone()
+    x[0, 5:] = m.cfg.mask_token_id
+    fired = []
+
+    def zero(grad, hook):
+        fired.append(hook.name)
+        return grad * 0
+
+    loss = m.run_with_hooks(x, return_type="loss", targets=clean, bwd_hooks=[("blocks.0.hook_resid_pre", zero)],
+                            reset_hooks_end=reset)
+    loss.backward()
+    m.reset_hooks()
+    assert fired == ([] if reset else ["blocks.0.hook_resid_pre"])
+    assert (float(m.embed.W_E.grad.norm()) > 0) == reset  # the zeroing edit applies only while the hook lives
