@@ -95,17 +95,14 @@ def _block_state(out: Any, s: int, phase: str) -> DenoisingState:
     extra["replay_rows"] = (0, int(extra["query_end"]))
     extra.pop("unknown_length", None)  # after the run its length is known: is_last answers from n_run
     extra["n_run"] = out.trajectory.n_steps
-    state = DenoisingState(s, out.trajectory.n_steps, f["block"], f["n_blocks"], x.clone(), masked.clone(), prompt.clone(),
-                           visible.clone(), f["block_slice"], extra=extra)
+    state = DenoisingState(s, out.trajectory.n_steps, f["block"], f["n_blocks"], x.clone(), masked.clone(),
+                           prompt.clone(), visible.clone(), f["block_slice"], extra=extra)
     return state.computes(0, int(extra["query_end"]))
 
 
 def _length_state(out: Any, s: int, phase: str) -> DenoisingState:
     """A variable-length run's state at step s: its canvas that step (the window it forwarded) and slot map."""
-    if validate.choice(phase, ("cond", "uncond"), name="phase") != "cond":
-        raise SamplerConfigError(f"phase={phase!r}: sampler={out.sampler!r} runs one forward per step (no CFG).",
-                                 argument="phase", value=phase, allowed="'cond'")
-    f = out.trajectory.forwards[s]
+    f = _recorded_forward(out, s, phase)
     extra = dict(f["extra"], n_run=out.trajectory.n_steps)
     state = DenoisingState(s, out.trajectory.n_steps, f["block"], f["n_blocks"], f["x"].clone(), f["masked"].clone(),
                            f["prompt"].clone(), torch.ones_like(f["masked"]), f["block_slice"], extra=extra,
@@ -126,8 +123,8 @@ def _cached_state(out: Any, s: int, phase: str) -> DenoisingState:
     prompt[:, :out.prompt_length] = True
     extra = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in f["extra"].items()}
     extra["n_run"] = out.trajectory.n_steps  # after the run its length is known: is_last answers
-    state = DenoisingState(s, out.trajectory.n_steps, f["block"], f["n_blocks"], x.clone(), x == out.settings["mask_id"],
-                           prompt, am.bool(), f["block_slice"], extra=extra)
+    state = DenoisingState(s, out.trajectory.n_steps, f["block"], f["n_blocks"], x.clone(),
+                           x == out.settings["mask_id"], prompt, am.bool(), f["block_slice"], extra=extra)
     return state.computes(int(extra["query_start"]), int(extra["query_end"]), x.shape[1])
 
 
