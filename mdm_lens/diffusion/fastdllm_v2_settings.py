@@ -39,16 +39,17 @@ class FastDLLMv2Settings(SamplerSettings):
         err = SamplerConfigError
         bs = validate.integer(model.cfg.extra.get("block_length", BD_SIZE) if self.block_size is None
                               else self.block_size, name="block_size", min=1, error=err)
-        sbs = validate.integer(self.small_block_size, name="small_block_size", min=1, max=bs, error=err)
-        if bs % sbs:
-            raise err(f"block_size={bs} is not a multiple of small_block_size={sbs}: the reference never decodes the "
-                      "block's tail and loops forever.", argument="small_block_size", value=sbs,
-                      allowed=f"a divisor of {bs}")
+        # block_size first: it is wrong whatever small_block_size is, so blaming that default would mislead.
         if REFERENCE_MASK_BLOCK % bs:
             raise err(f"block_size={bs} does not divide {REFERENCE_MASK_BLOCK}: the reference's denoising forwards "
                       f"mask over {REFERENCE_MASK_BLOCK}-token blocks (no block_size is passed), which then hides keys "
                       "inside the block; not reproduced.", argument="block_size", value=bs,
                       allowed=f"a divisor of {REFERENCE_MASK_BLOCK}")
+        sbs = validate.integer(self.small_block_size, name="small_block_size", min=1, max=bs, error=err)
+        if bs % sbs:
+            raise err(f"block_size={bs} is not a multiple of small_block_size={sbs}: the reference never decodes the "
+                      "block's tail and loops forever.", argument="small_block_size", value=sbs,
+                      allowed=f"a divisor of {bs}")
         vocab = model.cfg.d_vocab
         stop = self.stop_token
         if stop is None:
