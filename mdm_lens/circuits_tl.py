@@ -28,14 +28,31 @@ from transformer_lens.utilities import composition_scores
 from mdm_lens import validate
 
 
+class CircuitMatrix(FactoredMatrix):
+    """TL's `FactoredMatrix`, whose out-of-range index error names its own shape: the factor views check the index
+    first, and their error named a factor's shape (`model.OV[9]`: W_V's `[4, 4, 128, 32]`)."""
+
+    def __getitem__(self, idx: Any) -> Any:
+        from mdm_lens.errors import ArgumentError
+
+        try:
+            out = super().__getitem__(idx)
+        except ArgumentError as e:  # a factor view's OutOfRangeError / InputTypeError
+            shape = tuple(self.shape)
+            raise type(e)(f"index {idx!r} is invalid for a FactoredMatrix of shape {shape} (axes in TransformerLens "
+                          "order, e.g. [layer, head, d_model, d_model]; negative values count from the end).",
+                          argument="index", value=idx, allowed=f"indices within {shape}") from None
+        return CircuitMatrix(out.A, out.B) if type(out) is FactoredMatrix else out
+
+
 def qk_circuit(model: Any) -> FactoredMatrix:
     """`W_Q @ W_Kᵀ` per layer and query head, `[n_layers, n_heads, d_model, d_model]` (before rotary)."""
-    return FactoredMatrix(model.W_Q, model.W_K.transpose(-2, -1))
+    return CircuitMatrix(model.W_Q, model.W_K.transpose(-2, -1))
 
 
 def ov_circuit(model: Any) -> FactoredMatrix:
     """`W_V @ W_O` per layer and head, `[n_layers, n_heads, d_model, d_model]`."""
-    return FactoredMatrix(model.W_V, model.W_O)
+    return CircuitMatrix(model.W_V, model.W_O)
 
 
 def all_composition_scores(model: Any, mode: Literal["Q", "K", "V"]

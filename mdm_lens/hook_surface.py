@@ -7,6 +7,8 @@ Both are `HookedRootModule`s; this base makes every way in (`add_hook`, `hooks()
 from __future__ import annotations
 
 import difflib
+import fnmatch
+import functools
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence, Union
 
@@ -67,6 +69,22 @@ def _refuse_steps(when: Any, name: str) -> None:
                             "model.generate(..., fwd_hooks=[...]) (or out.replay), or drop the steps to hook every "
                             "forward.", argument=name, value=when,
                             allowed="a hook bound to every step (no @ steps(...)) outside generate")
+
+
+GLOB_CHARS = "*?["
+
+
+def is_glob(name: Any) -> bool:
+    """A hook name written as a shell glob ("blocks.*.attn.hook_pattern")."""
+    return isinstance(name, str) and any(c in name for c in GLOB_CHARS)
+
+
+def _glob_match(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def _any_match(name: str, wanted: tuple) -> bool:
+    return any(w(name) if callable(w) else w == name for w in wanted)
 
 
 def _while_live(fn: Callable, live: list[bool]) -> Callable:
@@ -171,9 +189,21 @@ class CheckedHookSurface(HookedRootModule):
             raise HookNameError(f"no hook point named {name!r}.{hint} List them with `list(model.hook_dict)`; "
                                 f"{self.hook_name_hint}")
 
-    def add_hook(self, name, hook, dir="fwd", is_permanent=False, level=None, prepend=False) -> None:  # type: ignore[override]
-        if isinstance(name, str):
+    def name_filter(self, name: Any) -> Any:
+        """A hook name as TL takes it: a checked name, or for a shell glob ("blocks.*.hook_resid_pre", as
+        `generate` takes) the filter function TL applies to every hook point; a glob matching none is an error."""
+        if not is_glob(name):
             self.check_hook_name(name)
+            return name
+        if not fnmatch.filter(list(self.hook_dict), name):
+            raise HookNameError(f"the glob {name!r} matches no hook point; list them with `list(model.hook_dict)`; "
+                                f"{self.hook_name_hint}")
+        return functools.partial(_glob_match, pattern=name)
+
+    def add_hook(self, name, hook, dir="fwd", is_permanent=False, level=None, prepend=False) -> None:  # type: ignore[override]
+        validate.choice(dir, ("fwd", "bwd"), name="dir")
+        if isinstance(name, str):
+            name = self.name_filter(name)
         elif not callable(name):
             raise ArgumentTypeError(f"hook name {validate.describe(name)} is invalid: expected a hook name (str) or a "
                                     "filter function on names.", argument="name", value=name,
@@ -227,9 +257,8 @@ class CheckedHookSurface(HookedRootModule):
         bwd_hooks = hook_list(bwd_hooks, "bwd_hooks")
         validate.boolean(reset_hooks_end, name="reset_hooks_end")
         validate.boolean(clear_contexts, name="clear_contexts")
-        for name, _ in fwd_hooks + bwd_hooks:
-            if isinstance(name, str):
-                self.check_hook_name(name)
+        fwd_hooks = [(self.name_filter(n) if isinstance(n, str) else n, fn) for n, fn in fwd_hooks]
+        bwd_hooks = [(self.name_filter(n) if isinstance(n, str) else n, fn) for n, fn in bwd_hooks]
         # PyTorch captures a module's full backward hooks in the graph at forward time, so a reset alone would not
         # stop a later .backward() from running them (and applying their edits); once reset they do nothing
         live = [True]
@@ -241,16 +270,28 @@ class CheckedHookSurface(HookedRootModule):
         finally:
             live[0] = not reset_hooks_end
 
+    def run_with_hooks(self, *model_args: Any, fwd_hooks: Any = [], bwd_hooks: Any = [],  # noqa: B006 (TL's)
+                       reset_hooks_end: bool = True, clear_contexts: bool = False, **model_kwargs: Any) -> Any:
+        """TL's `run_with_hooks`; backward hooks under `torch.no_grad()` / `inference_mode()` are refused (the
+        output has no graph, so no backward could ever reach them)."""
+        if hook_list(bwd_hooks, "bwd_hooks") and (not torch.is_grad_enabled() or torch.is_inference_mode_enabled()):
+            mode = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+            raise InputError(f"bwd_hooks were given, but run_with_hooks was called under {mode}: the output has no "
+                             "graph, so they could never run. Call it outside that block.", argument="bwd_hooks",
+                             value=mode, allowed="no bwd_hooks under no_grad / inference_mode")
+        return super().run_with_hooks(*model_args, fwd_hooks=fwd_hooks, bwd_hooks=bwd_hooks,
+                                      reset_hooks_end=reset_hooks_end, clear_contexts=clear_contexts, **model_kwargs)
+
     def _check_names_filter(self, names_filter: NamesFilter) -> NamesFilter:
         if names_filter is None or callable(names_filter):
             return names_filter
         if isinstance(names_filter, str):
-            self.check_hook_name(names_filter)
-            return names_filter
+            return self.name_filter(names_filter)
         if isinstance(names_filter, (list, tuple)) and all(isinstance(n, str) for n in names_filter):
-            for n in names_filter:
-                self.check_hook_name(n)
-            return list(names_filter)
+            wanted = [self.name_filter(n) for n in names_filter]
+            if not any(callable(w) for w in wanted):
+                return wanted
+            return functools.partial(_any_match, wanted=tuple(wanted))
         raise ArgumentTypeError(f"names_filter={validate.describe(names_filter)} is invalid: expected None, a hook "
                                 "name, a list of hook names, or a function name -> bool.", argument="names_filter",
                                 value=names_filter, allowed="None, str, list of str or callable")
@@ -262,7 +303,7 @@ class CheckedHookSurface(HookedRootModule):
         from mdm_lens.cache_args import check_slice
 
         if kwargs.get("device") is not None:
-            validate.device(kwargs["device"], name="device")
+            validate.storage_device(kwargs["device"], name="device")
         if kwargs.get("pos_slice") is not None:
             tokens = model_args[0] if model_args else kwargs.get("tokens", kwargs.get("input"))
             size = int(tokens.shape[-1]) if isinstance(tokens, Tensor) and tokens.ndim in (1, 2) else None

@@ -248,6 +248,15 @@ def device(value: Any, *, name: str = "device") -> torch.device:
     return dev
 
 
+def storage_device(value: Any, *, name: str = "device", what: str = "cached activations") -> torch.device:
+    """`device`, and one that holds values: 'meta' keeps shapes only, so whatever is stored there is lost."""
+    dev = device(value, name=name)
+    if dev.type == "meta":
+        raise _fail(ArgumentError, name, value, "expected a device that holds values, such as 'cpu' or 'cuda'",
+                    f"'meta' holds shapes but no values, so the {what} would be lost")
+    return dev
+
+
 def _leaves(value: Any) -> Iterable[Any]:
     for v in value:
         if isinstance(v, (list, tuple)):

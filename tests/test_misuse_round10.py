@@ -3,7 +3,10 @@ before its fix."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from mdm_lens.errors import SamplerConfigError
 from test_fastdllm_v2 import planted_model
@@ -16,3 +19,208 @@ def test_fastdllm_v2_blames_a_block_size_that_does_not_divide_32_before_the_smal
     with pytest.raises(SamplerConfigError) as e:
         model.generate([[20, 21]], sampler="fastdllm_v2", block_size=3, max_new_tokens=16, stop_token=1)
     assert e.value.argument == "block_size" and e.value.value == 3 and "divide 32" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from mdm_lens import HookedMDM
+
+    return HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+
+
+def test_at_steps_with_an_empty_list_is_refused_as_hook_steps_is():
+    # steps() of nothing is "every step": an explicit [] must not mean that (misuse18 S1)
+    from mdm_lens import at_steps
+
+    for named in ({"name": "blocks.0.hook_resid_pre"}, {}):
+        with pytest.raises(SamplerConfigError, match="selects no step"):
+            at_steps(lambda x, hook: None, [], **named)
+    assert at_steps(lambda x, hook: None, None, name="blocks.0.hook_resid_pre").when.indices == ()
+
+
+def test_a_hook_or_cache_named_on_a_step_that_ran_no_forward_is_warned_about():
+    # MDLM's ddpm_cache reuses p(x0) at steps where nothing changed: a hook / cache pinned there did nothing
+    # (misuse18 S2); the warning names exactly the steps that ran no forward
+    import warnings
+
+    from mdm_lens import at_steps, steps
+    from mdm_lens.ddit import HookedDDiT, ddit_config
+    from mdm_lens.hooks.runner import StepsNotReachedWarning
+
+    cfg = ddit_config("mdlm", d_vocab=40, n_ctx=32, d_model=32, cond_dim=16, n_layers=2, n_heads=2,
+                      time_conditioning=False)
+    m = HookedDDiT.from_config(cfg, seed=0, init_std=0.2)
+    p = torch.tensor([[3, 14, 15]])
+    ran = []
+    m.generate(p, gen_length=4, steps=16, seed=0, fwd_hooks=[("hook_embed", lambda x, hook: ran.append(m.state.step))])
+    idle = sorted(set(range(16)) - set(ran))
+    assert idle and ran  # the run has steps with and without a forward
+    asked = [idle[0], ran[0]]
+    fired = []
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = m.generate(p, gen_length=4, steps=16, seed=0, cache="blocks.0.hook_resid_post" @ steps(*asked),
+                         fwd_hooks=[at_steps(lambda x, hook: fired.append(m.state.step), asked,
+                                             name="blocks.0.hook_resid_pre")])
+    got = [str(x.message) for x in w if issubclass(x.category, StepsNotReachedWarning)]
+    assert fired == [ran[0]] and out.cache.steps == [ran[0]]
+    assert len(got) == 2 and all(f"steps [{idle[0]}] ran no forward" in g for g in got)
+    assert got[0].startswith("the hook on blocks.0.hook_resid_pre") and got[1].startswith("cache")
+    with warnings.catch_warnings(record=True) as w:  # every step (no explicit step list): nothing to say
+        warnings.simplefilter("always")
+        m.generate(p, gen_length=4, steps=16, seed=0, fwd_hooks=[("hook_embed", lambda x, hook: None)])
+    assert not [x for x in w if issubclass(x.category, StepsNotReachedWarning)]
+
+
+def test_generate_warns_about_leading_pads_without_a_mask_as_the_forward_does(tiny):
+    import warnings
+
+    prompt = torch.tensor([[35, 28, 107, 29, 36], [0, 0, 0, 0, 35]])  # to_tokens left-pads with the pad id 0
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        tiny.generate(prompt, steps=2, gen_length=2)
+    assert any("start with the pad id 0 but no attention_mask" in str(x.message) for x in w)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        tiny.generate(prompt, attention_mask=(prompt != 0).long(), steps=2, gen_length=2)
+    assert not any("pad id" in str(x.message) for x in w)
+
+
+def test_caches_refuse_the_meta_device(tiny):
+    from mdm_lens import TrajectoryCache
+    from mdm_lens.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="holds shapes but no values") as e:
+        TrajectoryCache("blocks.0.hook_resid_post", device="meta")
+    assert e.value.argument == "device"
+    with pytest.raises(ArgumentError, match="holds shapes but no values"):
+        tiny.run_with_cache(torch.tensor([[5, 6, 7]]), device="meta")
+    assert TrajectoryCache("blocks.0.hook_resid_post", device="cpu").device == torch.device("cpu")
+
+
+def test_backward_hooks_under_no_grad_are_refused(tiny):
+    from mdm_lens.errors import InputError
+
+    toks = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    x = toks.clone()
+    x[0, 3:] = tiny.cfg.mask_token_id
+    hook = [("blocks.1.hook_resid_post", lambda g, hook: None)]
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode(), pytest.raises(InputError, match="could never run") as e:
+            tiny.run_with_hooks(x, return_type="loss", targets=toks, reset_hooks_end=False, bwd_hooks=hook)
+        assert e.value.argument == "bwd_hooks"
+    assert not any(hp.bwd_hooks for hp in tiny.hook_dict.values())
+    got = []  # with gradients on, the same call works and the hook runs on backward
+    loss = tiny.run_with_hooks(x, return_type="loss", targets=toks, reset_hooks_end=False,
+                               bwd_hooks=[("blocks.1.hook_resid_post", lambda g, hook: got.append(g.shape))])
+    loss.backward()
+    tiny.reset_hooks()
+    assert got == [torch.Size([1, 6, tiny.cfg.d_model])]
+    with torch.no_grad():  # forward hooks alone are fine there
+        tiny.run_with_hooks(x, fwd_hooks=[("blocks.1.hook_resid_post", lambda a, hook: None)])
+
+
+def test_sweep_run_names_data_that_is_not_a_path(tmp_path, tiny):
+    import mdm_lens.sweep as SW
+    from mdm_lens.errors import ArgumentTypeError
+
+    for data in ([{"id": "a", "prompt": "where was garvin born ?"}], None, 123):
+        with pytest.raises(ArgumentTypeError, match="path of a .jsonl file") as e:
+            SW.run(tiny, data, ["absorption"], tmp_path / "o")
+        assert e.value.argument == "data"
+
+
+def test_globs_work_in_run_with_hooks_add_hook_and_run_with_cache(tiny):
+    from mdm_lens.errors import HookNameError
+
+    p = torch.tensor([[5, 6, 7, 8]])
+    seen = []
+    tiny.run_with_hooks(p, fwd_hooks=[("blocks.*.hook_resid_pre", lambda x, hook: seen.append(hook.name))])
+    assert seen == [f"blocks.{i}.hook_resid_pre" for i in range(tiny.cfg.n_layers)]
+    _, cache = tiny.run_with_cache(p, names_filter=["hook_embed", "blocks.[12].attn.hook_pattern"])
+    assert sorted(cache.keys()) == ["blocks.1.attn.hook_pattern", "blocks.2.attn.hook_pattern", "hook_embed"]
+    _, cache = tiny.run_with_cache(p, names_filter="blocks.?.ln1.hook_scale")
+    assert len(cache.keys()) == tiny.cfg.n_layers
+    seen.clear()
+    tiny.add_hook("blocks.[03].hook_resid_post", lambda x, hook: seen.append(hook.name))
+    try:
+        tiny(p)
+    finally:
+        tiny.reset_hooks()
+    assert seen == ["blocks.0.hook_resid_post", "blocks.3.hook_resid_post"]
+    edited = tiny.run_with_hooks(p, fwd_hooks=[("blocks.*.hook_resid_post", lambda x, hook: x * 0)])
+    by_name = tiny.run_with_hooks(p, fwd_hooks=[(f"blocks.{i}.hook_resid_post", lambda x, hook: x * 0)
+                                                for i in range(tiny.cfg.n_layers)])
+    torch.testing.assert_close(edited, by_name, atol=0, rtol=0)
+    for bad in (lambda: tiny.run_with_hooks(p, fwd_hooks=[("blocks.*.hook_nope", lambda x, hook: None)]),
+                lambda: tiny.run_with_cache(p, names_filter="nope.*"),
+                lambda: tiny.add_hook("zz*", lambda x, hook: None)):
+        with pytest.raises(HookNameError, match="matches no hook point"):
+            bad()
+    assert not any(hp.fwd_hooks for hp in tiny.hook_dict.values())
+
+
+def test_add_hook_names_the_allowed_directions(tiny):
+    from mdm_lens.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="'fwd', 'bwd'") as e:
+        tiny.add_hook("blocks.0.hook_resid_pre", lambda x, hook: None, dir="backward")
+    assert e.value.argument == "dir"
+
+
+def test_a_circuit_index_error_names_the_circuits_shape(tiny):
+    from mdm_lens.errors import InputTypeError, OutOfRangeError
+
+    n, h, d = tiny.cfg.n_layers, tiny.cfg.n_heads, tiny.cfg.d_model
+    with pytest.raises(OutOfRangeError, match=rf"shape \({n}, {h}, {d}, {d}\)"):
+        tiny.OV[n]
+    with pytest.raises(OutOfRangeError, match=rf"shape \({h}, {d}, {d}\)"):
+        tiny.QK[0][h]
+    with pytest.raises(InputTypeError):
+        tiny.OV["a"]
+    torch.testing.assert_close(tiny.OV[1][2].AB, tiny.W_V[1, 2] @ tiny.W_O[1, 2])
+
+
+def test_a_choice_that_allows_none_lists_none_in_its_refusal():
+    from mdm_lens.diffusion.ddit import DuoSettings
+
+    with pytest.raises(SamplerConfigError, match="'ancestral', 'greedy', None"):
+        DuoSettings(noise_removal="foo").resolve(None)
+
+
+def _fastdllm(eos: int | None):
+    from mdm_lens import HookedMDM, MDMConfig
+
+    cfg = MDMConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=64, d_vocab=64, mask_token_id=63,
+                    attention="bidirectional", logit_shift=True, n_ctx=128, pad_token_id=0, eos_token_id=eos,
+                    family="fastdllm_v2", extra={"block_length": 8})
+    return HookedMDM.from_config(cfg, seed=1, init_std=0.5)  # seed 0's top token is the mask id
+
+
+def test_export_refuses_two_spellings_of_one_length_with_different_values(tmp_path):
+    # gen_length / block_length and sampler_kwargs' max_new_tokens / block_size are one setting each on Fast-dLLM v2;
+    # the export's names silently won (misuse18 S4)
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.sae import export_activations
+
+    model, prompt = _fastdllm(eos=62), [[5, 17, 33, 2, 61, 40, 9, 12, 44, 3]]
+    for kw, argument in ((dict(gen_length=16, sampler_kwargs={"max_new_tokens": 24}), "gen_length"),
+                         (dict(gen_length=16, block_length=8, sampler_kwargs={"block_size": 16}), "block_length")):
+        with pytest.raises(ArgumentError, match="different values") as e:
+            export_activations(model, prompt, "blocks.1.hook_resid_post", out=tmp_path / argument, **kw)
+        assert e.value.argument == argument
+    ds = export_activations(model, prompt, "blocks.1.hook_resid_post", out=tmp_path / "same", positions="all",
+                            gen_length=16, sampler_kwargs={"max_new_tokens": 16, "threshold": 1.0})
+    manifest = json.loads((tmp_path / "same" / "manifest.json").read_text())
+    assert manifest["arguments"]["settings"]["max_new_tokens"] == 16
+    run = model.generate(prompt, max_new_tokens=16, threshold=1.0, progress=False)
+    assert max(ds["step"]) + 1 == run.trajectory.n_steps
+
+
+def test_export_says_a_missing_sampler_setting_goes_in_sampler_kwargs(tmp_path):
+    from mdm_lens.sae import export_activations
+
+    with pytest.raises(SamplerConfigError, match=r"sampler_kwargs=\{'stop_token': \.\.\.\}") as e:
+        export_activations(_fastdllm(eos=None), [[5, 17, 33, 2]], "blocks.1.hook_resid_post", out=tmp_path / "x",
+                           gen_length=16)
+    assert e.value.argument == "stop_token"

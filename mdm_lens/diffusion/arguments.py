@@ -14,6 +14,7 @@ from torch import Tensor
 from mdm_lens import validate
 from mdm_lens.diffusion.registry import DEFAULT  # noqa: F401  (public: mdm_lens.diffusion.DEFAULT)
 from mdm_lens.errors import ArgumentTypeError, InputError, SamplerConfigError
+from mdm_lens.inputs import warn_leading_pads
 
 
 class IdleStepsWarning(UserWarning):
@@ -79,7 +80,8 @@ def one_unpadded_row(sampler: str, ids: Tensor, am: Tensor, reason: str) -> None
 
 def prompt_tokens(model: Any, prompt: Any, attention_mask: Any) -> tuple[Tensor, Tensor]:
     """The prompt as `[batch, pos]` ids and a left-padded 0/1 attention mask, checked."""
-    if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], str)):
+    text = isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], str))
+    if text:
         if isinstance(prompt, str) and not prompt:
             raise InputError("prompt='' is empty; give at least one token.", argument="prompt", value=prompt,
                              allowed="a non-empty text or token ids")
@@ -109,6 +111,8 @@ def prompt_tokens(model: Any, prompt: Any, attention_mask: Any) -> tuple[Tensor,
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         raise InputError(f"prompt of shape {tuple(ids.shape)} is empty; give at least one token per row.",
                          argument="prompt", value=ids, allowed="a [batch >= 1, pos >= 1] prompt")
+    if attention_mask is None and not text:
+        warn_leading_pads(ids, model.cfg)  # as the forward warns: leading pads would be attended
     return ids.long(), check_padding(am.to(ids.device).long())
 
 

@@ -294,8 +294,8 @@ class DuoSettings(DDiTSettings):
     def resolve(self, model: Any) -> "DuoSettings":
         return dataclasses.replace(self, **self.checked(
             model, use_float64=validate.boolean(self.use_float64, name="use_float64"),
-            noise_removal=None if self.noise_removal is None else validate.choice(
-                self.noise_removal, ("ancestral", "greedy"), name="noise_removal", error=SamplerConfigError),
+            noise_removal=validate.choice(self.noise_removal, ("ancestral", "greedy", None), name="noise_removal",
+                                          error=SamplerConfigError),
             p_nucleus=R.apply(self, "p_nucleus")))
 
 

@@ -62,7 +62,8 @@ def boolean(**kw: Any) -> Rule:
 
 
 def choice(options: tuple, *, none: bool = False, **kw: Any) -> Rule:
-    check = _or_none(none, lambda v, name: validate.choice(v, options, name=name, error=SamplerConfigError))
+    listed = tuple(options) + ((None,) if none else ())  # the refusal lists None too when None is allowed
+    check = _or_none(none, lambda v, name: validate.choice(v, listed, name=name, error=SamplerConfigError))
     return Rule(check, f"one of {options}" + (" or None" if none else ""), ("nope", 3), **kw)
 
 

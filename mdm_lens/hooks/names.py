@@ -6,6 +6,7 @@ import fnmatch
 from typing import Any
 
 from mdm_lens.errors import HookNameError
+from mdm_lens.hook_surface import is_glob
 
 
 def expand_names(model: Any, names: Any) -> list[str]:
@@ -14,7 +15,7 @@ def expand_names(model: Any, names: Any) -> list[str]:
     if callable(names):
         out = [n for n in all_names if names(n)]
     elif isinstance(names, str):
-        if any(c in names for c in "*?["):
+        if is_glob(names):
             out = fnmatch.filter(all_names, names)
         else:
             model.check_hook_name(names)

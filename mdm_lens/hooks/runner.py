@@ -48,6 +48,7 @@ class StepRunner:
         # each selection matched and each step's block, for the after-run warning on a selection that fired nowhere
         self.fired: dict[int, int] = {}
         self.block_of: dict[int, int] = {}
+        self.skipped: dict[str, list[int]] = {}  # hook / cache → steps it names that ran no forward
 
     def begin(self, batch: int, max_pos: int, n_steps: int, *, n_blocks: int | None = None,
               phases: Sequence[str] | None = None) -> None:
@@ -177,14 +178,25 @@ class StepRunner:
         """Step `step` ran no forward (an MDLM `ddpm_cache` / BD3LM step that sampled again from an earlier step's
         p(x0), the canvas unchanged): a reducer scheduled there records no row, and its meta lists the step under
         "no_forward" so that readers say why the row is missing rather than that the reducer was not passed."""
+        n = getattr(self, "n_steps", step + 1)
         for r in self.reducers:
-            if r.when.matches(step, getattr(self, "n_steps", step + 1), block, "cond"):
+            if r.when.matches(step, n, block, "cond"):
                 r.no_forward.append(step)
+        # a hook or cache that names this step explicitly has nothing to act on: said after the run (as for an
+        # unreached block), so an empty cache row or an unfired edit is never taken for a result
+        named = [(f"the hook on {h.name[0]}", h.when) for h in self.user_hooks]
+        named += [("cache", self.cache.when)] if self.cache is not None else []
+        for what, when in named:
+            if when.indices and when.matches(step, n, block, "cond"):
+                self.skipped.setdefault(what, []).append(step)
 
     def records(self) -> tuple[dict[str, Tensor], dict[str, dict]]:
         """The reducers' records and meta, read once a run has ended (every sampler calls it last): also where a
         block selection that fired nowhere is warned about."""
         self.warn_unfired_blocks()
+        for what, skipped in self.skipped.items():
+            warnings.warn(f"{what}: steps {skipped} ran no forward (they reused an earlier step's p(x0), the canvas "
+                          "unchanged), so nothing was hooked or cached there.", StepsNotReachedWarning, stacklevel=5)
         records, meta = {}, {}
         for r in self.reducers:
             for key, value in r.results().items():

@@ -228,6 +228,8 @@ def at_steps(fn: Callable, step_list: Iterable[StepSpec] | Steps | None = None, 
     elif _is_int(step_list) or isinstance(step_list, str):
         when = steps(step_list, every=every, blocks=blocks)
     elif isinstance(step_list, (list, tuple, range)):
+        if len(step_list) == 0:  # as hook_steps=[]: steps() of nothing would read "every step"
+            as_steps(step_list, name="step_list")
         when = steps(*step_list, every=every, blocks=blocks)
     else:
         raise ArgumentTypeError(f"at_steps: step_list={validate.describe(step_list)} must be a step, a list of "

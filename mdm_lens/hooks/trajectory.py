@@ -55,7 +55,7 @@ class TrajectoryCache:
                                     allowed="str, list of str or callable")
         self.names_arg, self.when = names, as_steps(steps, name="steps")
         self.budget_bytes = validate.integer(budget_bytes, name="budget_bytes", min=1)
-        self.device = None if device is None else validate.device(device, name="device")
+        self.device = None if device is None else validate.storage_device(device, name="device")
         self.names: list[str] = []
         self._phases: dict[str, dict[int, dict[str, Tensor]]] = {}
         # per phase and step: (query rows, key columns, canvas width, non-pad set [batch, pos]) of its forward

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.diffusion import registry
-from mdm_lens.errors import ArgumentTypeError, InputError, SamplerConfigError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputError, SamplerConfigError
 from mdm_lens.hooks.names import expand_names
 from mdm_lens.hooks.steps import Steps
 from mdm_lens.sweep import manifest as SM
@@ -178,9 +178,23 @@ def make_plan(model: Any, hooks: Any, when: Steps, n_steps: int | None, gen_leng
 
     sampler = default_sampler(model)
     plugin = registry.get(sampler)
-    given = dict(sampler_kwargs, **_lengths(plugin, n_steps=n_steps, gen_length=gen_length,
-                                            block_length=block_length))
-    resolved = plugin.settings(model, given)  # the sampler's own checks, as generate runs them
+    given, lengths = dict(sampler_kwargs), {}
+    for name, value in (("n_steps", n_steps), ("gen_length", gen_length), ("block_length", block_length)):
+        for key, own in _lengths(plugin, **{name: value}).items():
+            lengths[key] = name
+            if key in given and given[key] != own:  # two spellings of one setting: neither may win silently
+                raise ArgumentError(f"{name}={own!r} and sampler_kwargs[{key!r}]={given[key]!r} set the same "
+                                    f"setting of sampler {sampler!r} to different values; give one of them.",
+                                    argument=name, value=own, allowed=f"unset, or {given[key]!r}")
+            given[key] = own
+    try:
+        resolved = plugin.settings(model, given)  # the sampler's own checks, as generate runs them
+    except SamplerConfigError as e:  # "pass stop_token=": here a sampler setting goes in sampler_kwargs
+        if e.argument not in SAMPLER_KEYS or e.argument in lengths:
+            raise
+        raise SamplerConfigError(f"{e} (export_activations takes the sampler's settings in sampler_kwargs: "
+                                 f"sampler_kwargs={{{e.argument!r}: ...}}.)", argument=e.argument, value=e.value,
+                                 allowed=e.allowed) from None
     plugin.check_model(model)
     if not isinstance(plugin, CanvasSampler):
         raise SamplerConfigError(f"the export runs canvas samplers (LLaDA, Dream and their kin); {sampler!r} is not "

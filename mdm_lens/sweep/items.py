@@ -24,12 +24,13 @@ A malformed line raises :class:`mdm_lens.errors.InputError` naming the file and 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mdm_lens import validate
-from mdm_lens.errors import InputError
+from mdm_lens.errors import ArgumentTypeError, InputError
 from mdm_lens.items import gold_set
 
 __all__ = ["SweepItem", "ReadResult", "read_items", "parse_item"]
@@ -231,6 +232,11 @@ def read_items(path: str | Path, skip_bad: bool = False) -> ReadResult:
     """Read every line of a UTF-8 jsonl file (blank lines ignored; a leading BOM and CRLF endings accepted); ids
     must be unique. A bad line (not UTF-8, not json, not an item, a duplicate id) raises `InputError` naming the
     file and line, or with `skip_bad` is recorded in `skipped` with its reason."""
+    if not isinstance(path, (str, os.PathLike)):  # a list of items in memory: the sweep reads (and resumes) a file
+        raise ArgumentTypeError(f"data={validate.describe(path)} is invalid: expected the path of a .jsonl file of "
+                                "items (one json object per line, e.g. {\"id\": \"q1\", \"prompt\": ...}); write "
+                                "items held in memory to such a file first.", argument="data", value=path,
+                                allowed="a str or os.PathLike path to a .jsonl file")
     path = Path(path)
     if validate.path_kind(path, name="data") == "dir":
         raise InputError(f"--data {str(path)!r} is a directory: expected a .jsonl file.", argument="data",
