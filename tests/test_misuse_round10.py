@@ -224,3 +224,18 @@ def test_export_says_a_missing_sampler_setting_goes_in_sampler_kwargs(tmp_path):
         export_activations(_fastdllm(eos=None), [[5, 17, 33, 2]], "blocks.1.hook_resid_post", out=tmp_path / "x",
                            gen_length=16)
     assert e.value.argument == "stop_token"
+
+
+def test_noise_level_refuses_a_repeated_level():
+    from mdm_lens.ddit import HookedDDiT, ddit_config
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.probes.noise_level import noise_level
+
+    cfg = ddit_config("mdlm", d_vocab=40, n_ctx=16, d_model=32, cond_dim=16, n_layers=2, n_heads=2,
+                      time_conditioning=True)
+    m = HookedDDiT.from_config(cfg, seed=0)
+    toks = torch.tensor([[3, 5, 7, 9, cfg.mask_token_id, cfg.mask_token_id]])
+    with pytest.raises(ArgumentError, match=r"repeats \[0\.5\]") as e:
+        noise_level(m, toks, levels=[0.5, 2.0, 0.5])
+    assert e.value.argument == "levels"
+    assert noise_level(m, toks, levels=[0.5, 2.0]).anchor_share.shape[0] == 2

@@ -150,6 +150,11 @@ def noise_level(model: Any, tokens: Any, levels: Sequence[float] | Tensor, *, qu
     lv = validate.tensor(torch.as_tensor(levels, dtype=torch.float32), name="levels", ndim=1)
     if lv.numel() == 0:
         raise ArgumentError("levels is empty.", argument="levels", value=levels, allowed="one value or more")
+    values = lv.tolist()
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:  # as a repeated layer or step: a second row of the same level is no new measurement
+        raise ArgumentError(f"levels={values} repeats {repeated}; give each level once.", argument="levels",
+                            value=values, allowed="distinct levels")
     if not model.cfg.extra.get("time_conditioning", True) and lv.numel() > 1:
         import warnings
 
