@@ -1,0 +1,47 @@
+"""Blind list N: the mutations the whole suite let through, each pinned with a planted case and its exact answer."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import torch
+
+from mdm_lens import HookedMDM
+from mdm_lens.hooks.reducers import ReceivedAttention
+
+
+def test_an_arm_runs_key_at_prompt_plus_s_is_invisible_at_step_s_even_in_a_record_without_nan():
+    # At ARM step s the forward's input is prompt + s tokens: key prompt + s does not exist yet. The reducer writes
+    # NaN there, but the documented rule (j < prompt_length + s) must hold on its own, e.g. for a record that
+    # stores 0 at absent keys (an older record, a user's reducer): survivor run-step-visibility-includes-future-key.
+    from mdm_lens.probes import run as R
+
+    arm = HookedMDM.from_pretrained("mdm-lens/tiny-arm")
+    P, G = 5, 4
+    out = arm.generate(torch.tensor([[7, 8, 9, 10, 11]]), steps=G, gen_length=G, record=[ReceivedAttention()])
+    out.records["received_attention"] = out.records["received_attention"].nan_to_num(0.0)
+    res = R.anchors_over_steps(out, layer=-1)
+    keys = torch.arange(P + G)
+    want = torch.stack([keys < P + s for s in res.steps])[None]          # [batch, step, key]
+    assert res.steps == list(range(G)) and torch.equal(res.key_visible, want)
+    assert not res.anchors[..., P + torch.tensor(res.steps)[:, None] <= keys].any()
+
+
+def test_the_first_sweep_folder_holding_a_table_provides_it(tmp_path):
+    # "the first folder holding a table provides it" (a knockout sweep on fewer items beside the main one):
+    # survivor sweep-report-table-from-last-folder read the last folder's table
+    from mdm_lens.views.sweep_report import Sweep
+
+    roots = []
+    for i, value in enumerate((0.25, 0.75)):
+        root = tmp_path / f"s{i}"
+        root.mkdir()
+        (root / "manifest.json").write_text(json.dumps({"model": {"id": "org/model"}}))
+        pd.DataFrame({"item_id": ["a"], "value": [value]}).to_parquet(root / "mytable.parquet")
+        roots.append(root)
+    (roots[1] / "only_here.parquet").write_bytes((roots[1] / "mytable.parquet").read_bytes())
+    sweep = Sweep(roots)
+    assert sweep.table("mytable")["value"].tolist() == [0.25]
+    assert sweep.table("only_here")["value"].tolist() == [0.75]
+    assert sweep.table("absent") is None
