@@ -45,3 +45,33 @@ def test_the_first_sweep_folder_holding_a_table_provides_it(tmp_path):
     assert sweep.table("mytable")["value"].tolist() == [0.25]
     assert sweep.table("only_here")["value"].tolist() == [0.75]
     assert sweep.table("absent") is None
+
+
+def test_the_explorers_inline_data_cannot_close_its_script_element():
+    # a token string or title holding "</script>" must not end the JSON <script> early (the page would break and
+    # the rest would be read as HTML): survivor explore-json-script-close-unescaped
+    from mdm_lens.views.explore import Explorer
+
+    ex = Explorer(data=[{"tokens": ["a", "</script><b>x</b>"]}], title="t </script>", notes=["</p>"])
+    html = ex.fragment()
+    script = html.split('type="application/json"', 1)[1].split(">", 1)[1]
+    body = script.split("</script>", 1)[0]  # where the browser ends the element
+    assert json.loads(body) == {"runs": [{"tokens": ["a", "</script><b>x</b>"]}], "title": "t </script>",
+                                "notes": ["</p>"]}
+
+
+def test_prompt_length_zero_is_refused_off_diffusion_gemma_as_any_other_value():
+    # 0 is a value, not "unset": on a model whose clean forward has one query per position it would be ignored
+    # (survivor ignored-prompt-length-zero-passes)
+    import pytest
+
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.probes import run as R
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    toks = torch.tensor([[7, 8, 9, 10, model.cfg.mask_token_id]])
+    for call in (lambda: R.absorption_by_layer(model, toks, prompt_length=0),
+                 lambda: R.qk_at_layer(model, toks, layer=1, prompt_length=0)):
+        with pytest.raises(ArgumentError, match="prompt_length=0 is ignored") as e:
+            call()
+        assert e.value.argument == "prompt_length"
