@@ -34,12 +34,12 @@ def hook_list(hooks: Any, name: str) -> list[tuple[Any, Callable]]:
     out = []
     for i, pair in enumerate(hooks):
         pair = _step_hook_pair(pair, f"{name}[{i}]")
-        ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and (isinstance(pair[0], str) or callable(pair[0])) \
-            and callable(pair[1])
+        ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and (
+            isinstance(pair[0], str) or callable(pair[0]) or _names(pair[0])) and callable(pair[1])
         if not ok:
             raise ArgumentTypeError(f"{name}[{i}]={validate.describe(pair)} is invalid: expected a pair (hook name or "
-                                    "filter function, hook function).", argument=f"{name}[{i}]", value=pair,
-                                    allowed="a (str | callable, callable) pair")
+                                    "filter function or list of names, hook function).", argument=f"{name}[{i}]",
+                                    value=pair, allowed="a (str | list of str | callable, callable) pair")
         out.append((pair[0], pair[1]))
     return out
 
@@ -77,6 +77,11 @@ GLOB_CHARS = "*?["
 def is_glob(name: Any) -> bool:
     """A hook name written as a shell glob ("blocks.*.attn.hook_pattern")."""
     return isinstance(name, str) and any(c in name for c in GLOB_CHARS)
+
+
+def _names(value: Any) -> bool:
+    """A non-empty list / tuple of hook names (or globs): one hook for each hook point they name."""
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(n, str) for n in value)
 
 
 def _glob_match(name: str, pattern: str) -> bool:
@@ -191,7 +196,11 @@ class CheckedHookSurface(HookedRootModule):
 
     def name_filter(self, name: Any) -> Any:
         """A hook name as TL takes it: a checked name, or for a shell glob ("blocks.*.hook_resid_pre", as
-        `generate` takes) the filter function TL applies to every hook point; a glob matching none is an error."""
+        `generate` takes) or a list of names / globs the filter function TL applies to every hook point; a glob
+        matching none is an error."""
+        if _names(name):
+            wanted = tuple(self.name_filter(n) for n in name)
+            return functools.partial(_any_match, wanted=wanted)
         if not is_glob(name):
             self.check_hook_name(name)
             return name
@@ -202,12 +211,12 @@ class CheckedHookSurface(HookedRootModule):
 
     def add_hook(self, name, hook, dir="fwd", is_permanent=False, level=None, prepend=False) -> None:  # type: ignore[override]
         validate.choice(dir, ("fwd", "bwd"), name="dir")
-        if isinstance(name, str):
+        if isinstance(name, str) or _names(name):
             name = self.name_filter(name)
         elif not callable(name):
-            raise ArgumentTypeError(f"hook name {validate.describe(name)} is invalid: expected a hook name (str) or a "
-                                    "filter function on names.", argument="name", value=name,
-                                    allowed="a str or a callable")
+            raise ArgumentTypeError(f"hook name {validate.describe(name)} is invalid: expected a hook name (str), a "
+                                    "non-empty list of names, or a filter function on names.", argument="name",
+                                    value=name, allowed="a str, a list of str or a callable")
         if dir == "fwd" and callable(hook):
             hook = shape_checked(hook)
         super().add_hook(name, hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
@@ -257,8 +266,8 @@ class CheckedHookSurface(HookedRootModule):
         bwd_hooks = hook_list(bwd_hooks, "bwd_hooks")
         validate.boolean(reset_hooks_end, name="reset_hooks_end")
         validate.boolean(clear_contexts, name="clear_contexts")
-        fwd_hooks = [(self.name_filter(n) if isinstance(n, str) else n, fn) for n, fn in fwd_hooks]
-        bwd_hooks = [(self.name_filter(n) if isinstance(n, str) else n, fn) for n, fn in bwd_hooks]
+        fwd_hooks = [(n if callable(n) else self.name_filter(n), fn) for n, fn in fwd_hooks]
+        bwd_hooks = [(n if callable(n) else self.name_filter(n), fn) for n, fn in bwd_hooks]
         # PyTorch captures a module's full backward hooks in the graph at forward time, so a reset alone would not
         # stop a later .backward() from running them (and applying their edits); once reset they do nothing
         live = [True]
@@ -287,11 +296,9 @@ class CheckedHookSurface(HookedRootModule):
             return names_filter
         if isinstance(names_filter, str):
             return self.name_filter(names_filter)
-        if isinstance(names_filter, (list, tuple)) and all(isinstance(n, str) for n in names_filter):
+        if _names(names_filter):
             wanted = [self.name_filter(n) for n in names_filter]
-            if not any(callable(w) for w in wanted):
-                return wanted
-            return functools.partial(_any_match, wanted=tuple(wanted))
+            return wanted if not any(callable(w) for w in wanted) else self.name_filter(names_filter)
         raise ArgumentTypeError(f"names_filter={validate.describe(names_filter)} is invalid: expected None, a hook "
                                 "name, a list of hook names, or a function name -> bool.", argument="names_filter",
                                 value=names_filter, allowed="None, str, list of str or callable")

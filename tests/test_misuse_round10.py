@@ -239,3 +239,201 @@ def test_noise_level_refuses_a_repeated_level():
         noise_level(m, toks, levels=[0.5, 2.0, 0.5])
     assert e.value.argument == "levels"
     assert noise_level(m, toks, levels=[0.5, 2.0]).anchor_share.shape[0] == 2
+
+
+# --- misuse19 ---------------------------------------------------------------------------------------------------
+
+def test_a_negative_cache_step_counts_from_the_end_of_the_run_as_steps_does(tiny):
+    from mdm_lens import steps
+    from mdm_lens.errors import ArgumentTypeError, InputError, OutOfRangeError
+
+    p = torch.tensor([[1, 5, 32, 49, 50, 34, 117, 43]])
+    out = tiny.generate(p, steps=4, gen_length=4, cache="blocks.0.hook_resid_post" @ steps(1, 2))
+    same = tiny.generate(p, steps=4, gen_length=4, cache="blocks.0.hook_resid_post" @ steps(-2))
+    assert out.cache.steps == [1, 2] and same.cache.steps == [2]
+    name = "blocks.0.hook_resid_post"
+    torch.testing.assert_close(out.cache[-2][name], out.cache[2][name], atol=0, rtol=0)
+    torch.testing.assert_close(out.cache[-3][name], out.cache[1][name], atol=0, rtol=0)
+    with pytest.raises(InputError, match=r"step 3 was not cached; cached steps: \[1, 2\]"):
+        out.cache[-1]  # the run's last step, which was not cached (not the last cached one)
+    with pytest.raises(OutOfRangeError, match="the run had 4 step"):
+        out.cache[-5]
+    with pytest.raises(ArgumentTypeError, match=r"write cache\[1\]\['blocks.0.hook_resid_post'\]"):
+        out.cache[1, name]
+
+
+def test_an_adaptive_runs_cache_counts_negative_steps_from_the_forwards_it_made():
+    # Fast-dLLM v2 decides its length as it runs: -1 is its last forward, not the planned bound
+    from test_fastdllm_v2 import planted_model
+
+    model = planted_model()
+    out = model.generate([[20, 21]], sampler="fastdllm_v2", block_size=4, small_block_size=4, max_new_tokens=8,
+                         threshold=0.0, stop_token=1, cache="blocks.0.hook_resid_post")
+    n = out.trajectory.n_steps
+    assert out.cache.n_run == n and out.cache.steps[-1] == n - 1
+    torch.testing.assert_close(out.cache[-1]["blocks.0.hook_resid_post"],
+                               out.cache[n - 1]["blocks.0.hook_resid_post"], atol=0, rtol=0)
+
+
+def test_sigma_on_a_model_that_zeroes_it_warns_once_outside_a_sampler():
+    import warnings
+
+    from mdm_lens.ddit import HookedDDiT, ddit_config
+
+    cfg = ddit_config("mdlm", d_vocab=40, n_ctx=16, d_model=32, cond_dim=16, n_layers=2, n_heads=2,
+                      time_conditioning=False)
+    m = HookedDDiT.from_config(cfg, seed=0, init_std=0.2)
+    x = torch.tensor([[3, 5, 7, 9, 39, 39]])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a, b = m(x, sigma=0.01), m(x, sigma=50.0)
+        m(x)
+        m.generate(torch.tensor([[3, 5]]), gen_length=4, steps=4)
+    said = [str(i.message) for i in w if "sigma= has no effect" in str(i.message)]
+    assert torch.equal(a, b) and len(said) == 1 and w[0].filename == __file__
+    on = HookedDDiT.from_config(ddit_config("mdlm", d_vocab=40, n_ctx=16, d_model=32, cond_dim=16, n_layers=2,
+                                            n_heads=2, time_conditioning=True), seed=0, init_std=0.2)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert not torch.equal(on(x, sigma=0.01), on(x, sigma=50.0))
+    assert not w
+
+
+def test_masked_kl_says_why_it_is_nan_when_nothing_was_masked(tiny):
+    from mdm_lens.lens import masked_kl
+
+    with pytest.warns(UserWarning, match="no position of the 1 row"):
+        kl = masked_kl(tiny, torch.tensor([[1]]), mask_rate=1.0)
+    assert kl.isnan().all() and kl.shape == (tiny.cfg.n_layers,)
+
+
+def test_an_undefined_comparison_states_no_verdict():
+    import math
+
+    from mdm_lens.views.stats import Interval, compare
+
+    none = compare(Interval(math.nan, math.nan, math.nan, 0, None, 3, 0.95), "m more", "m less", "m as uniform")
+    one = compare(Interval(0.5, math.nan, math.nan, 1, None, 0, 0.95), "m more", "m less", "m as uniform")
+    assert none.startswith("undecided whether m as uniform: no item has a value")
+    assert one.startswith("undecided whether m as uniform: too few items for an interval")
+    tie = compare(Interval(0.1, -0.2, 0.4, 20, None, 0, 0.95), "m more", "m less", "m as uniform")
+    assert tie.startswith("m as uniform (tie")
+
+
+@pytest.fixture(scope="module")
+def saved_lens(tiny, tmp_path_factory):
+    from mdm_lens.lens import train_tuned_lens
+
+    ids = torch.randint(5, 300, (4, 12), generator=torch.Generator().manual_seed(0))
+    ids[:, 0] = 1
+    folder = tmp_path_factory.mktemp("lens")
+    train_tuned_lens(tiny, ids, n_steps=1).save(folder)
+    return folder
+
+
+@pytest.mark.parametrize("damage", ["short_bias", "one_elem_bias", "json_cut", "json_list", "json_no_key",
+                                    "weights_cut"])
+def test_tuned_lens_load_names_the_damaged_file(tiny, saved_lens, tmp_path, damage):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mdm_lens.errors import InputError
+    from mdm_lens.lens import TunedLens
+
+    folder = tmp_path / "lens"
+    shutil.copytree(saved_lens, folder)
+    weights, config = folder / "tuned_lens.safetensors", folder / "tuned_lens.json"
+    if damage in ("short_bias", "one_elem_bias"):  # (1,) would broadcast silently under copy_
+        sd = load_file(str(weights))
+        sd["bias.0"] = sd["bias.0"][:3 if damage == "short_bias" else 1].clone()
+        save_file(sd, str(weights))
+        match = r"bias\.0 has shape \((3|1),\), expected \(128,\)"
+    elif damage == "json_cut":
+        config.write_text("{truncated")
+        match = "tuned_lens.json is not valid JSON"
+    elif damage == "json_list":
+        config.write_text("[1, 2]")
+        match = "tuned_lens.json is not a tuned-lens config"
+    elif damage == "json_no_key":
+        cfg = json.loads(config.read_text())
+        del cfg["d_model"]
+        config.write_text(json.dumps(cfg))
+        match = "is not a tuned-lens config"
+    else:
+        weights.write_bytes(weights.read_bytes()[:40])
+        match = "tuned_lens.safetensors is not a readable safetensors file"
+    with pytest.raises(InputError, match=match):
+        TunedLens.load(folder, tiny)
+    assert TunedLens.load(saved_lens, tiny).layers  # the undamaged copy still loads
+
+
+def test_lists_of_hook_names_work_in_run_with_hooks_hooks_and_add_hook(tiny):
+    names = ["blocks.0.hook_resid_pre", "blocks.2.hook_resid_pre"]
+    x = torch.tensor([[5, 6, 7, 8]])
+    seen = []
+    tiny.run_with_hooks(x, fwd_hooks=[(names, lambda t, hook: seen.append(hook.name))])
+    with tiny.hooks(fwd_hooks=[(names, lambda t, hook: seen.append(hook.name))]):
+        tiny(x)
+    tiny.add_hook(names, lambda t, hook: seen.append(hook.name))
+    try:
+        tiny(x)
+    finally:
+        tiny.reset_hooks()
+    assert seen == names * 3
+    from mdm_lens.errors import ArgumentTypeError, HookNameError
+
+    with pytest.raises(HookNameError):
+        tiny.run_with_hooks(x, fwd_hooks=[(["blocks.0.hook_resid_pre", "nope"], lambda t, hook: None)])
+    with pytest.raises(ArgumentTypeError):
+        tiny.add_hook([], lambda t, hook: None)
+    assert not any(hp.fwd_hooks for hp in tiny.hook_dict.values())
+
+
+def test_diffusion_ce_score_says_it_needs_one_hook_point(tiny):
+    from mdm_lens.errors import ArgumentTypeError
+    from mdm_lens.sae import diffusion_ce_score
+
+    class SAE(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W_enc = torch.nn.Parameter(torch.randn(128, 16))
+            self.W_dec = torch.nn.Parameter(torch.randn(16, 128))
+
+        def encode(self, x):
+            return torch.relu(x @ self.W_enc)
+
+        def decode(self, f):
+            return f @ self.W_dec
+
+    ids = torch.randint(5, 300, (2, 12))
+    for name in ("blocks.*.hook_resid_post", ["blocks.1.hook_resid_post"]):
+        with pytest.raises(ArgumentTypeError, match="must name one hook point") as e:
+            diffusion_ce_score(tiny, SAE(), name, ids)
+        assert e.value.argument == "hook_name"
+
+
+def test_the_report_says_a_path_is_missing_or_a_file(tmp_path):
+    from mdm_lens.errors import InputError
+    from mdm_lens.views.sweep_report import load_sweeps
+
+    with pytest.raises(InputError, match="does not exist"):
+        load_sweeps(tmp_path / "nope")
+    (tmp_path / "afile").write_text("hi")
+    with pytest.raises(InputError, match="is a file, not a folder"):
+        load_sweeps(tmp_path / "afile")
+    with pytest.raises(InputError, match="is not a sweep folder"):
+        load_sweeps(tmp_path)  # an existing folder with no sweep keeps its own message
+
+
+def test_explore_takes_one_label_as_a_str_for_one_run(tiny):
+    from mdm_lens.errors import ArgumentTypeError
+    from mdm_lens.hooks.reducers import ReceivedAttention
+    from mdm_lens.views import explore
+
+    out = tiny.generate(torch.tensor([[1, 5, 32, 49]]), steps=2, gen_length=2, record=[ReceivedAttention()])
+    assert explore(out, tiny, labels="tiny").data[0]["label"] == "tiny"
+    with pytest.raises(ArgumentTypeError, match="one str for 2 runs"):
+        explore([out, out], tiny, labels="tiny")
+    with pytest.raises(ArgumentTypeError, match="title"):
+        explore(out, tiny, title=5)

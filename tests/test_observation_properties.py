@@ -344,7 +344,9 @@ def test_trajectory_cache_arguments(budget, names, device):
 def test_cache_lookup_is_a_cached_step_or_a_typed_error(llada, key):
     out = llada.generate(torch.tensor([[5, 6]]), steps=3, gen_length=3, cache="hook_embed" @ steps(0, 2))
     step, phase = key if isinstance(key, tuple) else (key, None)
-    valid = isinstance(step, int) and phase in (None, "cond") and step in (0, 2, -1, -2)
+    # a negative step counts from the end of the 3-step run (as steps(-1)): -1 is step 2, -3 step 0; -2 (step 1)
+    # was not cached
+    valid = isinstance(step, int) and phase in (None, "cond") and step in (0, 2, -1, -3)
     try:
         out.cache[key]
     except MDMLensError:

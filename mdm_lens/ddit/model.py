@@ -21,7 +21,8 @@ from mdm_lens.precision import compute_dtype
 from mdm_lens.ddit.components import (AdaLN, DDiTBlock, DDiTEmbed, TimestepEmbedder, WeightLayerNorm, modulate,
                                       rotary_tables)
 from mdm_lens.tokenization import TokenizerMethods
-from mdm_lens.ddit.outputs import RETURN_TYPES, check_sigma, check_tokens, finish, refuse_keywords
+from mdm_lens.ddit.outputs import (RETURN_TYPES, check_sigma, check_tokens, finish, refuse_keywords,
+                                   warn_sigma_ignored)
 from mdm_lens.ddit.unsupported import UNSUPPORTED_ATTRIBUTES, refused_attribute
 
 FORWARD_KEYWORDS = ("tokens", "sigma", "return_type", "attention_mask")
@@ -180,6 +181,8 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
         refuse_keywords(unknown, FORWARD_KEYWORDS, self.cfg)
         return_type = validate.choice(return_type, RETURN_TYPES, name="return_type")
         tokens = check_tokens(tokens, self.cfg, attention_mask)
+        if sigma is not None and self.state is None and not self.cfg.extra["time_conditioning"]:
+            warn_sigma_ignored(self)
         sigma = check_sigma(self.step_sigma() if sigma is None else sigma, tokens.shape[0], self.cfg, tokens.device)
         c = self.conditioning(sigma)  # fp32 (float64 models: float64): the references compute it outside autocast
         resid = self.hook_embed(self.embed(tokens))

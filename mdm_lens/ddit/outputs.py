@@ -79,6 +79,20 @@ def sigma_tensor(sigma: Any) -> Tensor:
     return sigma
 
 
+def warn_sigma_ignored(model: Any) -> None:
+    """A `sigma=` passed by hand to a model whose network zeroes σ (`time_conditioning` off, as the reference)
+    changes nothing: said once per model, as `noise_level` says it (a sampler's own σ, under `model.state`, is
+    not a user's choice and is not warned about)."""
+    if getattr(model, "_sigma_warned", False):
+        return
+    model._sigma_warned = True
+    import warnings
+
+    warnings.warn(f"{model.cfg.model_name}: time_conditioning is off, so the network zeroes σ and sigma= has no "
+                  "effect on the logits (as in the reference); use a time-conditioned checkpoint to vary it.",
+                  UserWarning, stacklevel=5)  # past forward and nn.Module.__call__
+
+
 def check_sigma(sigma: Any, batch: int, cfg: MDMConfig, device: torch.device) -> Float[Tensor, "batch"]:
     """σ as a `[batch]` tensor in fp32 (float64 for a float64 model, `mdm_lens.precision`): a number or 0-d tensor
     is broadcast; finite and ≥ 0."""

@@ -98,6 +98,10 @@ class GenerateOutput:
     # row's answer length from `prompt_length` (None: all generated tokens are answer)
     answer_length: list[int] | None = None
 
+    def __post_init__(self) -> None:
+        if hasattr(self.cache, "n_run"):  # negative cache indices count from the end of the run as it ran
+            self.cache.n_run = self.trajectory.n_steps
+
     def check_model(self, model: Any, *, argument: str = "out") -> None:
         """Refuse a model other than the one this run was made with (its replay or lens would be numbers of another
         model on this run's canvases)."""

@@ -3,6 +3,7 @@
     cache = TrajectoryCache("blocks.0.attn.hook_pattern", steps(0, -1))
     out = model.generate(prompt, ..., cache=cache)          # or cache="blocks.0.attn.hook_pattern" @ steps(0, -1)
     out.cache[0]                  # TransformerLens ActivationCache of step 0
+    out.cache[-1]                 # of the run's last step (negative steps count from the run's end, as steps(-1))
     out.cache.stack("blocks.0.attn.hook_pattern")     # [step, batch, head, query, key]
     out.cache[0, "uncond"]        # the CFG pass of step 0, for a request with steps(phases=("cond", "uncond"))
 
@@ -66,6 +67,9 @@ class TrajectoryCache:
         self._key_index: dict[str, dict[int, Tensor]] = {}
         self.estimated_bytes = 0
         self.model: Any = None
+        # the run's number of steps, for negative indices (as steps(-1), state_at(-1)): the plan's at `begin`,
+        # the run's actual count once its GenerateOutput holds this cache (adaptive runs stop early)
+        self.n_run: int | None = None
 
     @classmethod
     def from_request(cls, request: Any) -> "TrajectoryCache":
@@ -78,6 +82,7 @@ class TrajectoryCache:
     def begin(self, model: Any, batch: int, max_pos: int, n_steps: int) -> None:
         self.model = model
         self.names = expand_names(model, self.names_arg)
+        self.n_run = n_steps
         # blocks are only known during the run: an upper bound; each cached phase is a forward of its own
         n_cached = self.when.max_count(n_steps) * len(self.when.phases)
         dtype_bytes = torch.finfo(model.cfg.dtype).bits // 8
@@ -147,17 +152,23 @@ class TrajectoryCache:
             raise ArgumentTypeError(f"cache[{validate.describe(key)}]: a trajectory cache is indexed by step first, "
                                     f"then hook name: write cache[step][{step!r}] (or cache[step, phase][...]).",
                                     argument="step", value=step, allowed="an int step")
+        if isinstance(phase, str) and phase in self.names:  # cache[step, name]: the name goes in the step's cache
+            raise ArgumentTypeError(f"cache[{validate.describe(key)}]: the second index is a phase, and {phase!r} "
+                                    f"is a hook name: write cache[{step!r}][{phase!r}].", argument="phase",
+                                    value=phase, allowed=f"a phase ({', '.join(map(repr, self.when.phases))})")
         store = self._store(phase)
         steps = sorted(store)
         if not validate._is_int(step):
             raise ArgumentTypeError(f"cache[{validate.describe(step)}]: a step is an int (negative counts from the "
-                                    "last cached step).", argument="step", value=step, allowed="an int")
+                                    "run's last step).", argument="step", value=step, allowed="an int")
         step = int(step)
-        if step < 0:
-            if not -len(steps) <= step:
-                raise OutOfRangeError(f"cache[{step}]: {len(steps)} step(s) were cached ({steps}).",
-                                      argument="step", value=step, allowed=f"[-{len(steps)}, -1] or a cached step")
-            step = steps[step]
+        if step < 0:  # from the end of the run, as steps(-1), state_at and tracer.iter count (not of the cached)
+            n = self.n_run
+            if n is None or not -n <= step:
+                raise OutOfRangeError(f"cache[{step}]: the run had {n if n is not None else 'no'} step(s); cached "
+                                      f"steps: {steps}.", argument="step", value=step,
+                                      allowed=f"[-{n}, -1] or a cached step" if n else "a cached step")
+            step += n
         if step not in store:
             raise InputError(f"step {step} was not cached; cached steps: {steps}.", argument="step", value=step,
                              allowed=f"one of {steps}")

@@ -167,25 +167,37 @@ class TunedLens(nn.Module):
         folder = Path(folder)
         if not (folder / WEIGHTS).is_file() or not (folder / CONFIG).is_file():
             raise CheckpointNotFoundError(f"{folder} has no {WEIGHTS} + {CONFIG} (written by TunedLens.save).")
-        cfg = json.loads((folder / CONFIG).read_text())
-        if cfg.get("format") != "mdm_lens.tuned_lens":
-            raise InputError(f"{folder / CONFIG} is not a tuned-lens config.", argument="folder", value=str(folder),
-                             allowed="a folder written by TunedLens.save")
+        bad = dict(argument="folder", value=str(folder), allowed="a folder written by TunedLens.save")
+        try:
+            cfg = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # e.g. a copy cut short: name the file
+            raise InputError(f"{folder / CONFIG} is not valid JSON ({type(e).__name__}: {e}); save the lens "
+                             "again.", **bad) from None
+        keys = ("d_model", "n_layers", "layers", "model_name")
+        if not isinstance(cfg, dict) or cfg.get("format") != "mdm_lens.tuned_lens" or any(k not in cfg for k in keys):
+            raise InputError(f"{folder / CONFIG} is not a tuned-lens config (it needs format "
+                             f"'mdm_lens.tuned_lens' and {', '.join(keys)}).", **bad)
         lens = cls(cfg["d_model"], cfg["n_layers"], cfg["layers"], model_name=cfg["model_name"])
         lens.training_info = dict(cfg.get("training", {}))
         lens.model_identity = cfg.get("model_identity")  # absent in files written before identities were saved
         lens.strict = validate.boolean(strict, name="strict")
         if "loss" in lens.training_info:  # NaN (a batch with no masked position) is stored as null
             lens.training_info["loss"] = [math.nan if x is None else x for x in lens.training_info["loss"]]
-        tensors = load_file(str(folder / WEIGHTS))
+        try:
+            tensors = load_file(str(folder / WEIGHTS))
+        except Exception as e:  # safetensors' errors share no public base class: a truncated or foreign file
+            raise InputError(f"{folder / WEIGHTS} is not a readable safetensors file ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200]}); save the lens again.", **bad) from None
         want = {f"{k}.{l}" for l in lens.layers for k in ("delta", "bias")}
         if set(tensors) != want:
-            raise InputError(f"{folder / WEIGHTS} holds {sorted(tensors)}, expected {sorted(want)}.",
-                             argument="folder", value=str(folder), allowed="a folder written by TunedLens.save")
+            raise InputError(f"{folder / WEIGHTS} holds {sorted(tensors)}, expected {sorted(want)}.", **bad)
         with torch.no_grad():
             for i, l in enumerate(lens.layers):
-                lens.delta[i].copy_(tensors[f"delta.{l}"])
-                lens.bias[i].copy_(tensors[f"bias.{l}"])
+                for name, param in ((f"delta.{l}", lens.delta[i]), (f"bias.{l}", lens.bias[i])):
+                    if tuple(tensors[name].shape) != tuple(param.shape):  # copy_ would broadcast or raise raw
+                        raise InputError(f"{folder / WEIGHTS}: {name} has shape {tuple(tensors[name].shape)}, "
+                                         f"expected {tuple(param.shape)} (d_model {lens.d_model}).", **bad)
+                    param.copy_(tensors[name])
         lens.check_finite()
         if model is not None:
             check_model(model)
@@ -276,7 +288,14 @@ def masked_kl(model: Any, tokens: Any, *, lens: TunedLens | None = None, attenti
             for j, l in enumerate(layers):
                 total[j] += float(_layer_kl(model, lens, cache[resid_name(l)], l, target, src)) * n
         count += n
-    return total / count if count else torch.full((len(layers),), float("nan"), dtype=torch.float64)
+    if count:
+        return total / count
+    import warnings  # the NaN's reason: a mean over no position, not a diverged lens
+
+    warnings.warn(f"masked_kl: no position of the {tokens.shape[0]} row(s) was masked (rows too short or all "
+                  "BOS / padding, or a low mask_rate with this seed), so the mean KL is undefined: NaN for every "
+                  "layer. Give longer rows or a higher mask_rate.", UserWarning, stacklevel=2)
+    return torch.full((len(layers),), float("nan"), dtype=torch.float64)
 
 
 def train_tuned_lens(model: Any, tokens: Any, *, attention_mask: Any = None, layers: Any = None, n_steps: int = 300,

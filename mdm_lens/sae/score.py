@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentError, InputError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputError
+from mdm_lens.hook_surface import is_glob
 from mdm_lens.sae.canvas import MaskedCanvas, maskable_positions, not_pad
 from mdm_lens.sae.splice import _check_sae, _splice
 
@@ -53,6 +54,11 @@ def diffusion_ce_score(model: Any, sae: Any, hook_name: str, tokens: Tensor, *,
     tokens = validate.tensor(torch.as_tensor(tokens), name="tokens", ndim=(1, 2), dtype="int")
     if tokens.ndim == 1:
         tokens = tokens[None]
+    if not isinstance(hook_name, str) or is_glob(hook_name):  # one activation is spliced
+        raise ArgumentTypeError(f"hook_name={validate.describe(hook_name)} must name one hook point: the score "
+                                "splices and zero-ablates one activation (globs and lists, which sae_hook and "
+                                "run_with_hooks take, are not accepted here).", argument="hook_name",
+                                value=hook_name, allowed="one hook name, e.g. 'blocks.1.hook_resid_post'")
     model.check_hook_name(hook_name) if hasattr(model, "check_hook_name") else None
     if hook_name not in model.hook_dict:
         raise InputError(f"hook_name={hook_name!r} is not a hook point of this model.", argument="hook_name",

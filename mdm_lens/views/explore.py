@@ -330,6 +330,17 @@ def explore(runs: Any, models: Any = None, *, item: int = 0, labels: Sequence[st
         if len(seq) != len(runs):
             raise InputError(f"{name} has {len(seq)} entries for {len(runs)} runs.", argument=name, value=len(seq),
                              allowed=f"one per run ({len(runs)})")
+    if isinstance(labels, str):  # one label: its characters are no list of labels
+        if not single:
+            raise ArgumentTypeError(f"labels={labels!r} is one str for {len(runs)} runs: give a list of str, one "
+                                    "per run.", argument="labels", value=labels, allowed="a list of str, one per run")
+        labels = [labels]
+    if labels is not None and (not isinstance(labels, (list, tuple)) or not all(isinstance(x, str) for x in labels)):
+        raise ArgumentTypeError(f"labels={validate.describe(labels)} is invalid: expected a list of str, one per "
+                                "run.", argument="labels", value=labels, allowed="a list of str")
+    if title is not None and not isinstance(title, str):
+        raise ArgumentTypeError(f"title={validate.describe(title)} is invalid: expected a str or None.",
+                                argument="title", value=title, allowed="a str or None")
     labels = list(labels) if labels is not None else [
         getattr(r, "model_name", "") or f"run {i}" for i, r in enumerate(runs)]
     if len(labels) != len(runs):

@@ -186,7 +186,9 @@ def compare(iv: Interval, positive: str, negative: str, tie: str, digits: int = 
         return f"{negative}: Δ = {body}"
     if iv.verdict == "tie":
         return f"{tie} (tie: the interval holds 0): Δ = {body}"
-    return f"{tie}: undecided, too few items for an interval (Δ = {body})"
+    # no verdict: the tie wording is the question, not the answer (with n = 0 there is no data at all)
+    why = "no item has a value" if iv.n == 0 or iv.n_other == 0 else "too few items for an interval"
+    return f"undecided whether {tie}: {why} (Δ = {body})"
 
 
 class Claims:

@@ -110,6 +110,10 @@ def find_sweeps(folder: str | Path, exclude: Sequence[Path] = ()) -> tuple[list[
     subfolders left out with the reason: (name, why). Subfolders with neither ``sweep.json`` nor
     ``manifest.json`` (a report, figures) are not sweeps and are not listed."""
     folder = Path(folder)
+    if not folder.is_dir():  # a typo in the path is not a missing sweep
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise InputError(f"{folder} {what}: give a sweep folder (the --out of `mdm-lens sweep`) or a folder of "
+                         "them.", argument="folder", value=str(folder), allowed="an existing sweep folder")
     if (folder / "manifest.json").exists():
         why = _why_not_a_sweep(folder)
         if why:
