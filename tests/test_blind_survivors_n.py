@@ -75,3 +75,19 @@ def test_prompt_length_zero_is_refused_off_diffusion_gemma_as_any_other_value():
         with pytest.raises(ArgumentError, match="prompt_length=0 is ignored") as e:
             call()
         assert e.value.argument == "prompt_length"
+
+
+def test_schema_conform_refuses_a_column_declared_only_for_another_table():
+    # every table's columns are its own: a column the schema declares for another table (a qk column in the
+    # absorption table) must not reach the file undocumented (survivor schema-conform-accepts-other-tables-columns)
+    import pytest
+
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.sweep import schema
+
+    own, other = set(schema.table_columns("absorption")), set(schema.table_columns("qk"))
+    foreign = sorted(other - own)[0]
+    df = pd.DataFrame({"item_id": ["a"], "value": [0.5], foreign: [1]})
+    with pytest.raises(ArgumentError, match=f"has columns \\['{foreign}'\\]"):
+        schema.conform("absorption", df)
+    assert schema.conform("absorption", df.drop(columns=[foreign]))["value"].tolist() == [0.5]
