@@ -38,8 +38,8 @@ def realistic_(model: nn.Module, seed: int = 0, bias_std: float | None = None) -
     """Redraw, in place, every norm weight (log-normal around 1, sign kept positive as in trained models), every
     bias parameter and every registered router/expert bias buffer (normal, `bias_std`, default 0.1 or the largest
     matrix std, whichever is larger). Matrices are left as they are. Returns `model`."""
-    validate.integer(seed, name="seed", min=0)
-    gen = torch.Generator().manual_seed(seed + 7919)  # other draws than the matrices' under the same seed
+    validate.seed(seed)
+    gen = torch.Generator().manual_seed((seed + 7919) % 2**64)  # other draws than the matrices' under the same seed
     with torch.no_grad():
         if bias_std is None:
             stds = [float(p.float().std()) for n, p in model.named_parameters()

@@ -122,7 +122,7 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
         weights and normal(0, init_std) biases (`init="normal"`, for planted cases that need unit norms)."""
         init = validate.choice(init, ("normal", "realistic"), name="init")
         model = cls(cfg, tokenizer=tokenizer)
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        gen = None if seed is None else torch.Generator().manual_seed(validate.seed(seed, min=None))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith(".w"):
@@ -390,9 +390,8 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
     b_K = property(lambda self: self._stack("b_K"))
     b_V = property(lambda self: self._stack("b_V"))
     b_O = property(lambda self: self._stack("b_O"))
-    W_in = property(lambda self: self._stack("W_in", "mlp"))
-    W_gate = property(lambda self: self._stack("W_gate", "mlp"))
-    W_out = property(lambda self: self._stack("W_out", "mlp"))
+    W_in, W_gate, W_out, b_in, b_out = (property(lambda self, a=a: self._stack(a, "mlp"))
+                                        for a in ("W_in", "W_gate", "W_out", "b_in", "b_out"))
 
     OV = property(lambda self: _circuits().ov_circuit(self), doc="TL FactoredMatrix W_V W_O [layer, head, d, d]")
     QK = property(lambda self: _circuits().qk_circuit(self), doc="TL FactoredMatrix W_Q W_Kᵀ, before rotary")

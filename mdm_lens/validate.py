@@ -248,6 +248,14 @@ def device(value: Any, *, name: str = "device") -> torch.device:
     return dev
 
 
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64): beyond, a raw "Overflow" ValueError
+
+
+def seed(value: Any, *, name: str = "seed", min: int | None = 0) -> int:
+    """A seed torch's generators take: an int in [min, 2**64 - 1] (`min=None`: down to -2**63, as torch)."""
+    return integer(value, name=name, min=-(2**63) if min is None else min, max=SEED_MAX)
+
+
 def storage_device(value: Any, *, name: str = "device", what: str = "cached activations") -> torch.device:
     """`device`, and one that holds values: 'meta' keeps shapes only, so whatever is stored there is lost."""
     dev = device(value, name=name)

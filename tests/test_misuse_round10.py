@@ -437,3 +437,109 @@ def test_explore_takes_one_label_as_a_str_for_one_run(tiny):
         explore([out, out], tiny, labels="tiny")
     with pytest.raises(ArgumentTypeError, match="title"):
         explore(out, tiny, title=5)
+
+
+# --- misuse20 ---------------------------------------------------------------------------------------------------
+
+def test_retrieval_scores_say_why_nothing_was_counted_and_top_refuses_nan_heads(tiny):
+    import warnings
+
+    from mdm_lens.errors import InputError
+    from mdm_lens.probes import retrieval as RT
+    from mdm_lens.zoo import data as D, tokenizer as ZT
+
+    tok = ZT.load_tokenizer()
+    items = [RT.from_qa_item(it, tok) for it in D.make_dataset(2, seed=1234, n_distractors=2)]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        sc = RT.retrieval_scores(tiny, items, method="copy@commit")
+    assert not sc.correct.any() and sc.n_counted == 0 and sc.scores.isnan().all()  # the tiny model misses both
+    assert "2 of 2 item(s) were answered wrongly" in sc.notes[0] and "every head's score is NaN" in sc.notes[-1]
+    assert any("no item was counted" in str(x.message) for x in w)
+    with pytest.raises(InputError, match="no head was scored"):
+        sc.top(3)
+    mixed = RT.retrieval_scores(tiny, [RT.from_qa_item(it, tok) for it in D.make_dataset(6, seed=0, n_distractors=2)],
+                                method="copy@commit")
+    wrong = int((~mixed.correct).sum())
+    assert 0 < mixed.n_counted and mixed.notes == [f"{wrong} of 6 item(s) were answered wrongly: not counted "
+                                                   "(only_correct=True)"]
+    scored = int((~mixed.scores.isnan()).sum())
+    assert len(mixed.top(scored)) == scored
+    with pytest.raises(Exception, match="expected an int in"):
+        mixed.top(scored + 1)
+
+
+def test_diffusion_ce_score_refuses_a_repeated_seed_or_mask_rate(tiny):
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.sae import diffusion_ce_score
+
+    class Identity:
+        W_dec = torch.eye(128)
+
+        def encode(self, x):
+            return x
+
+        def decode(self, f):
+            return f
+
+    tok = torch.randint(10, 300, (2, 8), generator=torch.Generator().manual_seed(0))
+    for kw, name in ((dict(seeds=(0, 0)), "seeds"), (dict(mask_rates=(0.5, 0.5)), "mask_rates")):
+        with pytest.raises(ArgumentError, match="repeats a value") as e:
+            diffusion_ce_score(tiny, Identity(), "blocks.1.hook_resid_post", tok, **kw)
+        assert e.value.argument == name
+
+
+def test_a_trajectory_cache_iterates_its_steps_and_answers_in(tiny):
+    from mdm_lens import steps
+
+    p = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    out = tiny.generate(p, steps=4, gen_length=4, cache="blocks.0.hook_resid_post" @ steps(0, 3))
+    assert list(out.cache) == [0, 3] and len(out.cache) == 2
+    assert "blocks.0.hook_resid_post" in out.cache and "blocks.1.hook_resid_post" not in out.cache
+    assert 3 in out.cache and -1 in out.cache and -4 in out.cache
+    assert 1 not in out.cache and -2 not in out.cache and -9 not in out.cache and 2.0 not in out.cache
+    assert out.cache.rows_of(-1) == out.cache.rows_of(3) and out.cache.keys_of(-4) == out.cache.keys_of(0)
+    assert torch.equal(out.cache.key_positions_of(-1), out.cache.key_positions_of(3))
+    assert torch.equal(out.cache.origin_of(-1), out.cache.origin_of(3))
+    from mdm_lens.errors import InputError
+
+    with pytest.raises(InputError, match=r"step 2 was not cached; cached steps: \[0, 3\]"):
+        out.cache.rows_of(-2)
+
+
+@pytest.mark.parametrize("where", ["generate", "from_config", "knockout", "export"])
+def test_a_seed_beyond_torchs_range_is_a_typed_error(tiny, tmp_path, where):
+    from mdm_lens import HookedMDM
+    from mdm_lens.errors import ArgumentError
+
+    p = torch.tensor([[10, 11, 12, 13]])
+    calls = {"generate": lambda s: tiny.generate(p, steps=2, gen_length=2, seed=s),
+             "from_config": lambda s: HookedMDM.from_config(tiny.cfg, seed=s),
+             "knockout": lambda s: __import__("mdm_lens.probes.patching", fromlist=["x"]).knockout(
+                 tiny, p, gen_length=2, n_steps=2, targets=[0], seed=s),
+             "export": lambda s: __import__("mdm_lens.sae", fromlist=["x"]).export_activations(
+                 tiny, [[10, 11, 12]], "blocks.0.hook_resid_post", out=tmp_path / "x", seed=s)}
+    with pytest.raises(ArgumentError, match="18446744073709551615") as e:
+        calls[where](2**70)
+    assert e.value.argument == "seed"
+    if where == "generate":
+        tiny.generate(p, steps=2, gen_length=2, seed=2**64 - 1)  # the largest seed torch takes runs
+
+
+def test_stacked_mlp_biases_are_read_only_zero_views(tiny):
+    from mdm_lens.readonly import ReadOnlyViewError
+
+    n, d, m = tiny.cfg.n_layers, tiny.cfg.d_model, tiny.cfg.d_mlp
+    assert tiny.b_in.shape == (n, m) and tiny.b_out.shape == (n, d)
+    assert torch.equal(tiny.b_in[1], tiny.blocks[1].mlp.b_in) and not tiny.b_out.any()
+    with pytest.raises(ReadOnlyViewError, match="model.b_in"):
+        tiny.b_in[0, 0] += 1
+    assert tiny.W_gate.shape == (n, d, m)
+
+
+def test_an_absurd_step_count_is_refused_before_it_exhausts_host_memory(tiny):
+    from mdm_lens.errors import MemoryBudgetError
+
+    p = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    with pytest.raises(MemoryBudgetError, match="steps=100000000000 would keep"):  # 8 TB: more than any host
+        tiny.generate(p, steps=10**11, gen_length=4)

@@ -103,7 +103,7 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
         init = validate.choice(init, ("normal", "realistic"), name="init")
         init_std = validate.number(init_std, name="init_std", min=0, min_open=True)
         model = cls(cfg, tokenizer=tokenizer)
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        gen = None if seed is None else torch.Generator().manual_seed(validate.seed(seed, min=None))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith(".w"):

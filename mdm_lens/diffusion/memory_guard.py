@@ -3,15 +3,17 @@ them) turned into shapes for `mdm_lens.hooks.plan.build_plan`."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import torch
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentError, ArgumentTypeError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, MemoryBudgetError
 from mdm_lens.diffusion import arguments, registry
 from mdm_lens.diffusion.observation_checks import check_observation
 from mdm_lens.diffusion.registry import Observation
+from mdm_lens.hooks.memory import human
 from mdm_lens.hooks.plan import MemoryPlan, build_plan
 from mdm_lens.loading.placement_checks import check_max_memory
 
@@ -84,7 +86,29 @@ def guard(model: Any, prompt: Any, sampler: str, settings: dict[str, Any], recor
     the trajectory cache's own budget check."""
     on_gpu = str(getattr(model.cfg, "device", "cpu")).startswith("cuda")  # cfg.device may be a str
     if getattr(model, "max_memory", None) is None and not on_gpu:
+        _check_host_trajectory(model, prompt, sampler, settings)
         return
     if not isinstance(prompt, torch.Tensor):
         return
     memory_plan(model, prompt, sampler=sampler, record=record, cache=cache, **settings).check()
+
+
+def _check_host_trajectory(model: Any, prompt: Any, sampler: str, settings: dict[str, Any]) -> None:
+    """Without a budget, the one allocation that grows with `steps` alone: the trajectory (`x_steps`, int64 per
+    step) and the per-step schedule, checked against the host's available memory, so that `steps=10**9` is a
+    typed error rather than the process killed by the kernel (idle steps run as the reference does otherwise)."""
+    if not isinstance(prompt, torch.Tensor) or prompt.ndim not in (1, 2):
+        return
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not Linux: no reading, no check
+        return
+    plugin = registry.get(sampler)
+    resolved = plugin.settings(model, settings)
+    batch, prompt_length = (1, prompt.shape[0]) if prompt.ndim == 1 else tuple(prompt.shape)
+    steps = int(getattr(resolved, "steps", None) or plugin.answer_length(resolved))
+    need = plugin.trajectory_bytes(resolved, batch, prompt_length, steps) + steps * batch * 8
+    if need > free:
+        raise MemoryBudgetError(f"steps={steps} would keep {human(need)} of trajectory (one canvas per step) on the "
+                                f"host, which has {human(free)} available (refused before compute); lower steps "
+                                f"(this run generates {plugin.answer_length(resolved)} tokens).")

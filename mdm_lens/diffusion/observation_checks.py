@@ -28,6 +28,6 @@ def check_observation(fwd_hooks: Any, record: Any, cache: Any, seed: Any, progre
                                 "request, a hook name or a list of hook names.", argument="cache", value=cache,
                                 allowed="TrajectoryCache, CacheRequest, str or list of str")
     if seed is not None:
-        validate.integer(seed, name="seed", min=0)
+        validate.seed(seed)
     if progress is not None:
         validate.boolean(progress, name="progress")

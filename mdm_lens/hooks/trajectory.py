@@ -28,7 +28,7 @@ they exceed `budget_bytes`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -146,6 +146,38 @@ class TrajectoryCache:
     def __len__(self) -> int:
         return len(self._store(None))
 
+    def __iter__(self) -> Iterator[int]:
+        """The cached steps (of the default phase), as a dict's keys: `for step in cache: cache[step]`."""
+        return iter(self.steps)
+
+    def __contains__(self, key: Any) -> bool:
+        """A cached step (negative: from the run's end) or a cached hook name."""
+        if isinstance(key, str):
+            return key in self.names
+        if not validate._is_int(key):
+            return False
+        key = int(key) + (self.n_run or 0) * (int(key) < 0)
+        return key in self._store(None)
+
+    def _cached_step(self, step: Any, cached: list[int]) -> int:
+        """`step` as a cached step number: an int, negative counting from the end of the run (as steps(-1),
+        state_at and tracer.iter count, not from the last cached step)."""
+        if not validate._is_int(step):
+            raise ArgumentTypeError(f"step {validate.describe(step)}: a step is an int (negative counts from the "
+                                    "run's last step).", argument="step", value=step, allowed="an int")
+        step = int(step)
+        if step < 0:
+            n = self.n_run
+            if n is None or not -n <= step:
+                raise OutOfRangeError(f"step {step}: the run had {n if n is not None else 'no'} step(s); cached "
+                                      f"steps: {cached}.", argument="step", value=step,
+                                      allowed=f"[-{n}, -1] or a cached step" if n else "a cached step")
+            step += n
+        if step not in cached:
+            raise InputError(f"step {step} was not cached; cached steps: {cached}.", argument="step", value=step,
+                             allowed=f"one of {cached}")
+        return step
+
     def __getitem__(self, key: int | tuple[int, str]) -> ActivationCache:
         step, phase = key if isinstance(key, tuple) and len(key) == 2 else (key, None)
         if isinstance(step, str):  # TransformerLens' cache[name, layer] habit: here the step comes first
@@ -157,21 +189,7 @@ class TrajectoryCache:
                                     f"is a hook name: write cache[{step!r}][{phase!r}].", argument="phase",
                                     value=phase, allowed=f"a phase ({', '.join(map(repr, self.when.phases))})")
         store = self._store(phase)
-        steps = sorted(store)
-        if not validate._is_int(step):
-            raise ArgumentTypeError(f"cache[{validate.describe(step)}]: a step is an int (negative counts from the "
-                                    "run's last step).", argument="step", value=step, allowed="an int")
-        step = int(step)
-        if step < 0:  # from the end of the run, as steps(-1), state_at and tracer.iter count (not of the cached)
-            n = self.n_run
-            if n is None or not -n <= step:
-                raise OutOfRangeError(f"cache[{step}]: the run had {n if n is not None else 'no'} step(s); cached "
-                                      f"steps: {steps}.", argument="step", value=step,
-                                      allowed=f"[-{n}, -1] or a cached step" if n else "a cached step")
-            step += n
-        if step not in store:
-            raise InputError(f"step {step} was not cached; cached steps: {steps}.", argument="step", value=step,
-                             allowed=f"one of {steps}")
+        step = self._cached_step(step, sorted(store))
         from mdm_lens.cache import MDMActivationCache  # here, not at the top: keeps this edit to one spot
 
         return MDMActivationCache(store[step], self.model)  # typed errors for missing names / layers
@@ -230,7 +248,7 @@ class TrajectoryCache:
     def origin_of(self, step: int, phase: str | None = None) -> Tensor:
         """`[batch, pos]`: the original position (step 0's canvas) of each row cached at `step`, −1 for a row
         inserted during the run; the identity for a fixed-length run."""
-        self._where_of(step, phase)
+        step = self._resolve(step, phase)
         slot = self._origin.get(self._phase(phase), {}).get(step)
         if slot is None:
             r = self.rows_of(step, phase)
@@ -252,11 +270,10 @@ class TrajectoryCache:
                          "change.", argument="name", value=name, allowed="steps with the same rows")
 
     def _where_of(self, step: int, phase: str | None) -> tuple[slice, slice, int, Tensor]:
-        where = self._where.get(self._phase(phase), {})
-        if step not in where:
-            raise InputError(f"step {step} was not cached; cached steps: {sorted(where)}.", argument="step",
-                             value=step, allowed=f"one of {sorted(where)}")
-        return where[step]
+        return self._where[self._phase(phase)][self._resolve(step, phase)]
+
+    def _resolve(self, step: Any, phase: str | None) -> int:
+        return self._cached_step(step, sorted(self._where.get(self._phase(phase), {})))
 
     def rows_of(self, step: int, phase: str | None = None) -> slice:
         """The canvas positions of the rows cached at `step` (row r of `cache[step][name]` is position
@@ -267,6 +284,7 @@ class TrajectoryCache:
         """The canvas positions of the key columns of `step`'s attention patterns (cached keys included): key
         column c is position `start + c`. Refused for a step whose keys are not one run of positions (read
         `key_positions_of`)."""
+        step = self._resolve(step, phase)
         keys = self._where_of(step, phase)[1]
         if step in self._key_index.get(self._phase(phase), {}):
             raise InputError(f"step {step}'s keys are not one run of positions (a KV cache that skipped an unstored "
@@ -277,6 +295,7 @@ class TrajectoryCache:
     def key_positions_of(self, step: int, phase: str | None = None) -> Tensor:
         """`[keys]`: the canvas position of every key column of `step`'s attention patterns (cached keys
         included), whether or not they are one run of positions."""
+        step = self._resolve(step, phase)
         keys = self._where_of(step, phase)[1]
         index = self._key_index.get(self._phase(phase), {}).get(step)
         return torch.arange(keys.start, keys.stop) if index is None else index.clone()

@@ -189,7 +189,7 @@ def item_split(n_items: int, *, test_fraction: float = 0.25, seed: int = 0,
     round(test_fraction * n_c) items of each class c with at least two items in the test split."""
     n_items = validate.integer(n_items, name="n_items", min=2)
     frac = validate.number(test_fraction, name="test_fraction", min=0.0, max=1.0, min_open=True, max_open=True)
-    g = torch.Generator().manual_seed(validate.integer(seed, name="seed"))
+    g = torch.Generator().manual_seed(validate.seed(seed, min=None))
     if stratify is None:
         groups = [torch.arange(n_items)]
     else:

@@ -272,7 +272,7 @@ def masked_kl(model: Any, tokens: Any, *, lens: TunedLens | None = None, attenti
         for l in layers:
             lens.check_layer(l)
     batch_size = validate.integer(batch_size, name="batch_size", min=1)
-    canvas = _canvas(model, mask_rate, validate.integer(seed, name="seed"))
+    canvas = _canvas(model, mask_rate, validate.seed(seed, min=None))
     total, count = torch.zeros(len(layers), dtype=torch.float64), 0
     dev = model.input_device
     for i in range(0, tokens.shape[0], batch_size):
@@ -312,7 +312,7 @@ def train_tuned_lens(model: Any, tokens: Any, *, attention_mask: Any = None, lay
     n_steps = validate.integer(n_steps, name="n_steps", min=1)
     batch_size = validate.integer(batch_size, name="batch_size", min=1)
     lr = validate.number(lr, name="lr", min=0.0, min_open=True)
-    seed = validate.integer(seed, name="seed")
+    seed = validate.seed(seed, min=None)
     n = model.cfg.n_layers
     trained = validate.indices(layers, n, name="layers", what="layer") if layers is not None else list(range(n - 1))
     if not trained:  # a 1-layer model: its only layer is the output
@@ -328,7 +328,7 @@ def train_tuned_lens(model: Any, tokens: Any, *, attention_mask: Any = None, lay
                          argument="layers", value=layers, allowed="layers below the last")
     opt = torch.optim.Adam(params, lr=lr)
     canvas = _canvas(model, mask_rate, seed)
-    order = torch.Generator().manual_seed(seed + 1)  # batch draws, separate from the masks' generator
+    order = torch.Generator().manual_seed((seed + 1) % 2**64)  # batch draws, separate from the masks' generator
     dev = model.input_device
     history: list[float] = []
     for _ in range(n_steps):

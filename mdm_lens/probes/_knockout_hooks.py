@@ -56,7 +56,7 @@ class KnockoutHooks:
             targets = validate.indices(targets, model.cfg.n_ctx, name="targets", allow_empty=True)  # []: a no-op
         self.targets, self.rule, self.detect_kwargs = targets, rule, detect_kwargs
         self.prompt_length = validate.integer(prompt_length, name="prompt_length", min=0)
-        self.gen = torch.Generator().manual_seed(validate.integer(seed, name="seed"))
+        self.gen = torch.Generator().manual_seed(validate.seed(seed, min=None))
         self.tokens: Tensor | None = None
         # outside generate: what makes the pre-pass the forward being cut (a block run's block length, step_canvas)
         self.forward_kwargs: dict = {}

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputTypeError, OutOfRangeError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputError, InputTypeError, OutOfRangeError
 
 from ._results import ResultMixin, to_numpy
 from ._text import encode_with_offsets, model_tokenizer
@@ -175,8 +175,12 @@ class RetrievalScores(ResultMixin):
     _dims: ClassVar = {"scores": ("layer", "head"), "per_sample": ("item", "layer", "head")}
 
     def top(self, k: int) -> list[tuple[int, int]]:
-        """The k best heads (layer, head) by score, NaN last (1 <= k <= number of scored heads)."""
-        k = validate.integer(k, name="k", min=1, max=self.scores.numel())
+        """The k best heads (layer, head) by score (1 <= k <= number of scored heads; a NaN head is no rank)."""
+        scored = int((~self.scores.isnan()).sum())
+        if scored == 0:
+            raise InputError(f"no head was scored (every score is NaN: {'; '.join(self.notes) or 'nothing counted'}),"
+                             " so there is no top.", argument="k", value=k, allowed="a result with scored heads")
+        k = validate.integer(k, name="k", min=1, max=scored)
         s = torch.nan_to_num(self.scores.to(torch.float64), nan=-1.0)
         order = torch.argsort(s.flatten(), descending=True, stable=True)[:k]
         return [(self.layers[int(i) // s.shape[1]], int(i) % s.shape[1]) for i in order]

@@ -109,7 +109,7 @@ def answer_accuracy(model: Any, items: Sequence[Any], fwd_hooks: Sequence[Any] =
     items = _nonempty(items, "items")
     g = _optional_length(gen_length, "gen_length") or int(model.cfg.extra.get("gen_length", 4))
     steps = _optional_length(steps, "steps")
-    seed = validate.integer(seed, name="seed", min=0)
+    seed = validate.seed(seed)
     hits = []
     for raw in items:
         item = _as_item(raw, model)
@@ -165,7 +165,7 @@ def ablation_accuracy(model: Any, items: Sequence[Any], heads: RetrievalScores |
     n_total = model.cfg.n_layers * model.cfg.n_heads
     k = validate.integer(k, name="k", min=1, max=n_total - 1)
     n_random = validate.integer(n_random, name="n_random", min=1)
-    seed = validate.integer(seed, name="seed", min=0)
+    seed = validate.seed(seed)
     if isinstance(heads, RetrievalScores):
         top = heads.top(min(k, heads.scores.numel()))
     else:

@@ -270,7 +270,7 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
                        "random control's count) only when targets='anchors' or 'random'")
     validate.choice(queries, C.QUERIES, name="queries")
     n_random = validate.integer(n_random, name="n_random", min=0)
-    seed = validate.integer(seed, name="seed")
+    seed = validate.seed(seed, min=None)
     off = validate.integer(answer_offset, name="answer_offset", min=0, max=g - 1)
     if callable(metric) or metric in C.POSITION_METRICS:
         step_metric = metric

@@ -212,7 +212,7 @@ def _check_patch_args(model: Any, component: Any, direction: Any, metric: Any, t
         for i, t in enumerate(tokens):
             validate.integer(t, name=f"tokens[{i}]", min=0, max=model.cfg.d_vocab - 1)
     validate.integer(n_random, name="n_random", min=0)
-    validate.integer(seed, name="seed")
+    validate.seed(seed, min=None)
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ come from ``TopKKeys(k=1)`` reducers (no T×T is stored).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Sequence
 
@@ -170,11 +171,11 @@ def retrieval_scores(model: Any, items: Sequence[Any], method: Method = "copy@co
     ls = layer_list(model, layers)
     threshold = validate.number(threshold, name="threshold", min=0, max=1)
     only_correct = validate.boolean(only_correct, name="only_correct")
-    seed = validate.integer(seed, name="seed", min=0)
+    seed = validate.seed(seed)
     steps = _optional_length(steps, "steps")
     g = _optional_length(gen_length, "gen_length") or int(model.cfg.extra.get("gen_length", 4))
     shift, H = readout_shift(model), model.cfg.n_heads
-    per, correct, no_needle = [], [], 0
+    per, correct, no_needle, wrong, no_position = [], [], 0, 0, 0
     for raw in items:
         item = _as_item(raw, model)
         out = _generate(model, item, method, ls, g, steps, fwd_hooks, seed, generate_kwargs)
@@ -186,6 +187,8 @@ def retrieval_scores(model: Any, items: Sequence[Any], method: Method = "copy@co
         needle_less = (item.gold_doc is None) if method == "evidence_focus" else not item.evidence
         no_needle += int(needle_less)
         if (only_correct and not ok) or not positions or needle_less:
+            wrong += int(only_correct and not ok and not needle_less)
+            no_position += int(not positions and not needle_less and not (only_correct and not ok))
             per.append(torch.full((len(ls), H), torch.nan, dtype=torch.float64))
             continue
         keys = _keys_per_position(method, out, positions, shift, ls, model, fwd_hooks)
@@ -199,6 +202,13 @@ def retrieval_scores(model: Any, items: Sequence[Any], method: Method = "copy@co
     if no_needle:
         what = "gold document" if method == "evidence_focus" else "needle (evidence span)"
         notes.append(f"{no_needle} of {len(per)} item(s) have no {what}: not scored (NaN), not counted")
+    if wrong:
+        notes.append(f"{wrong} of {len(per)} item(s) were answered wrongly: not counted (only_correct=True)")
+    if no_position:
+        notes.append(f"{no_position} of {len(per)} item(s) have no answer position: not counted")
+    if not bool(counted.any()):  # every score NaN: say why, here and in a warning
+        notes.append("no item was counted, so every head's score is NaN (undefined, not 0)")
+        warnings.warn("retrieval_scores: " + "; ".join(notes), UserWarning, stacklevel=2)
     return RetrievalScores(method=method, threshold=threshold, layers=ls, scores=scores, per_sample=per_t,
                            correct=torch.tensor(correct, dtype=torch.bool), n_counted=int(counted.sum()),
                            above_threshold=above, retrieval_heads=[] if method == "evidence_focus" else above,

@@ -73,7 +73,7 @@ class MaskedCanvas:
         self.model = model
         self.mask_rate = mask_rate
         self.positions = validate.choice(positions, POSITIONS, name="positions")
-        self.seed = validate.integer(seed, name="seed")
+        self.seed = validate.seed(seed, min=None)
         self.eps = validate.number(eps, name="eps", min=0.0, max=1.0)
         if mask_rate is not None and self.eps != EPS:  # eps shapes LLaDA's t ~ U(0, 1) rate only
             raise ArgumentError(f"eps={eps!r} has no effect with mask_rate={validate.describe(mask_rate)}: eps enters "

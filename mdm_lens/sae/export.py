@@ -152,7 +152,7 @@ def export_activations(model: Any, data: Any, hooks: str | Sequence[str], *, out
     t0 = time.perf_counter()
     positions = validate.choice(positions, POSITIONS, name="positions")
     batch_size = validate.integer(batch_size, name="batch_size", min=1)
-    seed = validate.integer(seed, name="seed", min=0)
+    seed = validate.seed(seed)
     limit = None if limit is None else validate.integer(limit, name="limit", min=1)
     for v, n in ((n_steps, "n_steps"), (gen_length, "gen_length"), (block_length, "block_length")):
         if v is not None:

@@ -65,7 +65,11 @@ def diffusion_ce_score(model: Any, sae: Any, hook_name: str, tokens: Tensor, *,
                          value=hook_name, allowed="a name in model.hook_dict")
     rates = [validate.number(r, name=f"mask_rates[{j}]", min=0.0, max=1.0, min_open=True)
              for j, r in enumerate(_nonempty(mask_rates, "mask_rates", (int, float)))]
-    seeds = [validate.integer(s, name=f"seeds[{j}]") for j, s in enumerate(_nonempty(seeds, "seeds", int))]
+    seeds = [validate.seed(s, name=f"seeds[{j}]", min=None) for j, s in enumerate(_nonempty(seeds, "seeds", int))]
+    for name, values in (("mask_rates", rates), ("seeds", seeds)):  # a repeat would count one setting twice
+        if len(set(values)) != len(values):
+            raise ArgumentError(f"{name}={values} repeats a value; list each once.", argument=name, value=values,
+                                allowed=f"distinct {name}")
     use_error_term = validate.boolean(use_error_term, name="use_error_term")
     tokens = tokens.to(model.input_device)
     real = not_pad(model.cfg, tokens)

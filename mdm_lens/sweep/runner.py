@@ -185,7 +185,7 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
     names = parse_probes(probes)
     batch_size = validate.integer(batch_size, name="batch_size", min=1)
     limit = None if limit is None else validate.integer(limit, name="limit", min=1)
-    seed = validate.integer(seed, name="seed", min=0)
+    seed = validate.seed(seed)
     keep_keys = validate.integer(keep_keys, name="keep_keys", min=0)
     n_random = validate.integer(n_random, name="n_random", min=0)
     max_passages = validate.integer(max_passages, name="max_passages", min=1)

@@ -92,7 +92,7 @@ def sweep_probe_grids(table: pd.DataFrame, *, alpha: float = 0.05, seed: int = 0
     """``{"correct": logistic probe of acc per (layer, step), "step": ridge R² of the latent step per layer}``
     (probe_grid tables; ``attrs["ci"]`` the per-cell level 1 - alpha/cells, ``attrs["n_items"]``)."""
     alpha = validate.number(alpha, name="alpha", min=0.0, max=1.0, min_open=True, max_open=True)
-    seed = validate.integer(seed, name="seed")
+    seed = validate.seed(seed, min=None)
     n_boot = validate.integer(n_boot, name="n_boot", min=1)
     feats, targets = sweep_features(table)
     out: dict[str, pd.DataFrame] = {}

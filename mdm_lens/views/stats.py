@@ -135,7 +135,7 @@ def _interval(groups: list[np.ndarray], n_boot: int, seed: int, level: float) ->
 
 
 def _check(n_boot: int, seed: int, level: float) -> tuple[int, int, float]:
-    return (validate.integer(n_boot, name="n_boot", min=100), validate.integer(seed, name="seed", min=0),
+    return (validate.integer(n_boot, name="n_boot", min=100), validate.seed(seed),
             validate.number(level, name="level", min=0, max=1, min_open=True, max_open=True))
 
 
