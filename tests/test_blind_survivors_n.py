@@ -91,3 +91,24 @@ def test_schema_conform_refuses_a_column_declared_only_for_another_table():
     with pytest.raises(ArgumentError, match=f"has columns \\['{foreign}'\\]"):
         schema.conform("absorption", df)
     assert schema.conform("absorption", df.drop(columns=[foreign]))["value"].tolist() == [0.5]
+
+
+def test_a_section_title_is_escaped_in_its_heading_as_in_the_contents(tmp_path):
+    # survivor report-section-title-unescaped: the <h2> took the title raw (the table of contents escaped it)
+    from mdm_lens.views.report import Section, write_report
+
+    title = "A <b>bold</b> & <script>x</script> claim"
+    page = write_report(tmp_path / "r", "Report", [Section(title=title, text="body")]).read_text()
+    escaped = "A &lt;b&gt;bold&lt;/b&gt; &amp; &lt;script&gt;x&lt;/script&gt; claim"
+    assert f"<h2>1. {escaped}</h2>" in page and "<script>x</script>" not in page
+
+
+def test_sdar_moe_defaults_to_the_sdar_sampler(tmp_path):
+    # survivor generate-sdar-moe-default-sampler (timed out: LLaDA's sampler ran in its place)
+    from mdm_lens.diffusion.generate import default_sampler
+    from tests.test_misuse_round4a import _family
+
+    model = _family("sdar_moe", tmp_path)
+    assert model.cfg.family == "sdar_moe" and default_sampler(model) == "sdar"
+    out = model.generate(torch.tensor([[3, 9, 4, 17, 8]]), gen_length=8, block_length=4)
+    assert out.sampler == "sdar"
