@@ -39,9 +39,10 @@ class CircuitMatrix(FactoredMatrix):
             out = super().__getitem__(idx)
         except ArgumentError as e:  # a factor view's OutOfRangeError / InputTypeError
             shape = tuple(self.shape)
-            raise type(e)(f"index {idx!r} is invalid for a FactoredMatrix of shape {shape} (axes in TransformerLens "
-                          "order, e.g. [layer, head, d_model, d_model]; negative values count from the end).",
-                          argument="index", value=idx, allowed=f"indices within {shape}") from None
+            what = "out of range" if isinstance(e, IndexError) else "not a tensor index"
+            raise type(e)(f"index {idx!r} is {what} for a weight view of shape {shape} (a FactoredMatrix; axes in "
+                          "TransformerLens order, e.g. [layer, head, d_model, d_model]; negative values count from "
+                          "the end).", argument="index", value=idx, allowed=f"indices within {shape}") from None
         return CircuitMatrix(out.A, out.B) if type(out) is FactoredMatrix else out
 
 

@@ -31,7 +31,7 @@ UNSUPPORTED_ATTRIBUTES: dict[str, str] = {
                          f"and the processing it prepares is not defined ({_FOLD})",
     **dict.fromkeys(("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O", "OV", "QK", "all_composition_scores"),
                     _HEADS),
-    **dict.fromkeys(("W_in", "W_out"), _MLP),
+    **dict.fromkeys(("W_in", "W_out", "b_in", "b_out"), _MLP),
     "W_gate": "DDiT's MLP has no gate (fc_in → GELU-tanh → fc_out)",
     "accumulated_bias": "every branch, biases included, reaches the residual scaled by its adaLN gate(σ): the "
                         "residual has no fixed bias term",
