@@ -41,6 +41,32 @@ def check_extra_ints(extra: Any, where: str = "") -> None:
                               "a config fact: fix the config (config.json's \"extra\" / MDMConfig(extra=...)).")
 
 
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+#: what HookedMDM implements; TL's helpers read these fields, so another value would mislead them
+TL_CONSTANTS = {"normalization_type": "RMS", "act_fn": "silu", "positional_embedding_type": "rotary",
+                "attn_only": False}
+
+
+def check_tl_constants(values: dict[str, Any], prefix: str = "") -> None:
+    """The TransformerLens fields a HookedMDM only ever computes one way: another value is a ConfigError (the
+    model would still compute RMSNorm / SiLU / rotary / MLPs while TL's helpers read the value given)."""
+    for key, want in TL_CONSTANTS.items():
+        if key in values and (values[key] != want or type(values[key]) is not type(want)):
+            why = (" (RMSPre marks a processed model; mdm_lens saves and loads unprocessed weights: pass fold_ln=True "
+                   "to from_pretrained instead)" if values[key] == "RMSPre" else "")
+            raise ConfigError(f"{prefix}{key}={values[key]!r} is invalid: HookedMDM implements {key}={want!r} only"
+                              f"{why}; TransformerLens' helpers read this field, so another value would mislead them.")
+
+
+def _checked_dtype(dtype: Any) -> torch.dtype:
+    """A floating dtype the model computes in, given as a torch.dtype or its name ("float32", "torch.float32")."""
+    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if not isinstance(dtype, (str, torch.dtype)) or name not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is invalid: expected one of {', '.join(DTYPES)} (a torch.dtype or "
+                          "its name).")
+    return getattr(torch, name)
+
+
 @dataclass
 class MDMConfig:
     d_model: int
@@ -106,8 +132,7 @@ class MDMConfig:
             raise ConfigError(f"padding_mask must be 'key' or 'pair', got {self.padding_mask!r}.")
         if self.d_head % 2:
             raise ConfigError(f"rotary embeddings need an even d_head, got {self.d_head}.")
-        if isinstance(self.dtype, str):
-            self.dtype = getattr(torch, self.dtype)
+        self.dtype = _checked_dtype(self.dtype)
 
     def _check_values(self) -> None:
         """Types and ranges of every number: a null or negative size, or an id outside the vocabulary, is a

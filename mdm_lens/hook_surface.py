@@ -217,7 +217,10 @@ class CheckedHookSurface(HookedRootModule):
             raise ArgumentTypeError(f"hook name {validate.describe(name)} is invalid: expected a hook name (str), a "
                                     "non-empty list of names, or a filter function on names.", argument="name",
                                     value=name, allowed="a str, a list of str or a callable")
-        if dir == "fwd" and callable(hook):
+        if not callable(hook):  # TL would store it and fail inside the next forward, naming no hook point
+            raise ArgumentTypeError(f"hook={validate.describe(hook)} is invalid: expected a function "
+                                    "fn(tensor, hook).", argument="hook", value=hook, allowed="a callable")
+        if dir == "fwd":
             hook = shape_checked(hook)
         super().add_hook(name, hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
 

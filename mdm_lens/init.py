@@ -9,10 +9,13 @@ one fixture every test that builds a random model uses (`HookedMDM.from_config(.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from mdm_lens import validate
+from mdm_lens.config import TL_CONSTANTS, check_tl_constants
 
 #: log-normal spread of the norm weights: exp(N(0, 0.5²)) lies in [0.37, 2.7] for 95% of entries,
 #: so |w - 1| is ~0.4 on average (trained RMSNorm weights span a wider range still).
@@ -28,6 +31,15 @@ def norm_weight_draw(shape: tuple[int, ...] | torch.Size, generator: torch.Gener
 def bias_draw(shape: tuple[int, ...] | torch.Size, std: float, generator: torch.Generator) -> torch.Tensor:
     """Biases and router/expert biases: normal(0, std), std >= 0.1 in the fixtures so a dropped one shows."""
     return std * torch.randn(tuple(shape), generator=generator)
+
+
+def from_config_args(cfg: Any, init: Any, init_std: Any) -> tuple[str, float]:
+    """`HookedMDM.from_config`'s own checks: a TransformerLens field HookedMDM never computes another way (act_fn,
+    attn_only, normalization_type, positional_embedding_type) and `init_std` > 0 (a negative std would flip every
+    weight's sign; NaN was refused under the name bias_std)."""
+    check_tl_constants({k: getattr(cfg, k) for k in TL_CONSTANTS})
+    return (validate.choice(init, ("normal", "realistic"), name="init"),
+            validate.number(init_std, name="init_std", min=0, min_open=True))
 
 
 def _is_norm_weight(name: str) -> bool:

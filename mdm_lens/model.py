@@ -17,6 +17,7 @@ from mdm_lens import inputs, loss, masks, tokenization, validate
 from mdm_lens.components import RMSNorm, rotary_cos_sin
 from mdm_lens.config import MDMConfig
 from mdm_lens.hook_surface import CheckedHookSurface, NamesFilter
+from mdm_lens.init import from_config_args, realistic_
 from mdm_lens.loading.placement import execution_device
 from mdm_lens.qk_attention import make_block
 from mdm_lens.precision import compute_dtype
@@ -120,7 +121,7 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
         trained (`init="realistic"`, the default, `mdm_lens.init.realistic_`: norm weights log-normal around 1,
         biases and router biases non-zero, so a dropped norm weight or bias changes the output), or unit norm
         weights and normal(0, init_std) biases (`init="normal"`, for planted cases that need unit norms)."""
-        init = validate.choice(init, ("normal", "realistic"), name="init")
+        init, init_std = from_config_args(cfg, init, init_std)
         model = cls(cfg, tokenizer=tokenizer)
         gen = None if seed is None else torch.Generator().manual_seed(validate.seed(seed, min=None))
         with torch.no_grad():
@@ -132,8 +133,6 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * init_std)
         if init == "realistic":
-            from mdm_lens.init import realistic_
-
             realistic_(model, seed=seed or 0, bias_std=max(init_std, 0.1))
         return model.to(cfg.device).eval()
 

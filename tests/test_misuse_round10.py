@@ -543,3 +543,82 @@ def test_an_absurd_step_count_is_refused_before_it_exhausts_host_memory(tiny):
     p = torch.tensor([[10, 11, 12, 13, 14, 15]])
     with pytest.raises(MemoryBudgetError, match="steps=100000000000 would keep"):  # 8 TB: more than any host
         tiny.generate(p, steps=10**11, gen_length=4)
+
+
+# --- misuse21 ---------------------------------------------------------------------------------------------------
+
+SMALL = dict(d_model=32, n_layers=2, n_heads=4, d_mlp=64, d_vocab=50, n_ctx=64, mask_token_id=49)
+
+
+@pytest.mark.parametrize("key, value", [("act_fn", "gelu"), ("attn_only", True), ("attn_only", "yes"),
+                                        ("normalization_type", "LN"), ("positional_embedding_type", "standard")])
+def test_from_config_refuses_a_tl_field_hookedmdm_never_computes(key, value):
+    # accepted and ignored before (identical logits), then refused by from_pretrained of the folder it saved
+    from mdm_lens import HookedMDM, MDMConfig
+    from mdm_lens.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"{key}={value!r} is invalid: HookedMDM implements"):
+        HookedMDM.from_config(MDMConfig(**dict(SMALL, **{key: value})), seed=0)
+
+
+@pytest.mark.parametrize("dtype", ["float17", "int64", 5, torch.int64, None])
+def test_mdmconfig_refuses_a_dtype_it_cannot_compute_in(dtype):
+    from mdm_lens import MDMConfig
+    from mdm_lens.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="dtype=.* is invalid: expected one of float32, float16, bfloat16, float64"):
+        MDMConfig(**dict(SMALL, dtype=dtype))
+    for ok, want in (("bfloat16", torch.bfloat16), ("torch.float64", torch.float64), (torch.float16, torch.float16)):
+        assert MDMConfig(**dict(SMALL, dtype=ok)).dtype == want
+
+
+@pytest.mark.parametrize("std", [-1.0, 0.0, float("nan"), float("inf")])
+def test_from_config_names_a_bad_init_std(std):
+    from mdm_lens import HookedMDM, MDMConfig
+    from mdm_lens.errors import ArgumentError
+
+    with pytest.raises(ArgumentError) as e:
+        HookedMDM.from_config(MDMConfig(**SMALL), seed=0, init_std=std)
+    assert e.value.argument == "init_std"
+
+
+def test_add_hook_refuses_a_hook_that_is_not_callable(tiny):
+    from mdm_lens.errors import ArgumentTypeError
+
+    for bad in (None, 5):
+        with pytest.raises(ArgumentTypeError, match="expected a function") as e:
+            tiny.add_hook("blocks.0.attn.hook_z", bad)
+        assert e.value.argument == "hook"
+    assert not any(hp.fwd_hooks for hp in tiny.hook_dict.values())
+    tiny(torch.tensor([[5, 6, 7]]))
+
+
+def test_noise_level_labels_rows_with_the_model_layer_and_the_level_value():
+    from mdm_lens.ddit import HookedDDiT, ddit_config
+    from mdm_lens.probes.noise_level import noise_level
+
+    cfg = ddit_config("mdlm", d_vocab=40, n_ctx=16, d_model=32, cond_dim=16, n_layers=3, n_heads=2,
+                      time_conditioning=True)
+    m = HookedDDiT.from_config(cfg, seed=0, init_std=0.2)
+    toks = torch.tensor([[3, 5, 7, 9, 39, 39, 11, 39]])
+    res = noise_level(m, toks, [0.5, 2.0], layers=[2, 1])
+    _, cache = m.run_with_cache(toks, sigma=2.0)
+    by_hand = {l: cache[f"blocks.{l}.adaLN.hook_gate_msa"].abs().mean().item() for l in range(3)}
+    rows = {(r["sigma"], r["layer"]): r["gate_msa"] for r in res.table()}
+    assert set(rows) == {(0.5, 2), (0.5, 1), (2.0, 2), (2.0, 1)}
+    for layer in (2, 1):
+        assert rows[(2.0, layer)] == pytest.approx(by_hand[layer], rel=1e-5)
+    df = res.to_frame()
+    gate = df[df.metric == "gate_msa"].set_index(["level", "layer"])["value"]
+    assert gate[(2.0, 2)] == pytest.approx(by_hand[2], rel=1e-5) and set(df.level) == {0.5, 2.0}
+
+
+def test_a_size_error_says_which_config_keys_took_reference_defaults(tmp_path):
+    from mdm_lens.errors import ConfigError
+    from mdm_lens.loading import read_config
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        architectures=["SDARForCausalLM"], model_type="sdar", vocab_size=64, hidden_size=32, num_attention_heads=4,
+        num_hidden_layers=2, head_dim=8, intermediate_size=64, max_position_embeddings=256, mask_token_id=63)))
+    with pytest.raises(ConfigError, match="does not set num_key_value_heads: the reference config class's defaults"):
+        read_config(tmp_path, "x", None)

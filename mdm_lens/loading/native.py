@@ -14,15 +14,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mdm_lens.config import MDMConfig, check_extra_ints
+from mdm_lens.config import DTYPES, MDMConfig, check_extra_ints, check_tl_constants
 from mdm_lens.errors import ConfigError
 from mdm_lens.loading.rope import _REQUIRED as ROPE_KEYS
 from mdm_lens.qk_attention import FAMILY_ARCHES
 
-DTYPES = ("float32", "float16", "bfloat16", "float64")
-#: what HookedMDM implements; TL's helpers read these fields, so another value would mislead them
-TL_CONSTANTS = {"normalization_type": "RMS", "act_fn": "silu", "positional_embedding_type": "rotary",
-                "attn_only": False}
 #: `extra` keys that change the blocks, which only the family blocks (`extra.arch`) build (qk_attention.py)
 FAMILY_ONLY = ("qk_norm", "o_bias", "clip_qkv", "moe", "moe_layers")
 
@@ -36,12 +32,7 @@ def check_native_raw(raw: dict[str, Any], path: Path) -> None:
     dtype = raw.get("dtype", "float32")
     if not isinstance(dtype, str) or dtype.removeprefix("torch.") not in DTYPES:
         raise ConfigError(f"{path}: dtype={dtype!r} is invalid: expected one of {', '.join(DTYPES)}.")
-    for key, want in TL_CONSTANTS.items():
-        if key in raw and (raw[key] != want or type(raw[key]) is not type(want)):
-            why = (" (RMSPre marks a processed model; mdm_lens saves and loads unprocessed weights: pass fold_ln=True "
-                   "to from_pretrained instead)" if raw[key] == "RMSPre" else "")
-            raise ConfigError(f"{path}: {key}={raw[key]!r} is invalid: HookedMDM implements {key}={want!r} only{why}; "
-                              "TransformerLens' helpers read this field, so another value would mislead them.")
+    check_tl_constants(raw, f"{path}: ")
 
 
 def check_native_extra(cfg: MDMConfig, path: Path) -> None:

@@ -62,13 +62,22 @@ class NoiseLevelResult(ResultMixin):
         """anchor_share − null_share (NaN where no anchor was found in any head: no share to compare)."""
         return self.anchor_share - self.null_share
 
+    @property
+    def layers(self) -> list[int]:
+        """The model's layer number of each column (the selection as asked, e.g. [2, 1])."""
+        return list(self.extra.get("layers", range(self.anchor_share.shape[1])))
+
+    def _coords(self) -> dict[str, Any]:
+        # to_frame's `level` is the σ (or t) value and `layer` the model's layer, not their positions
+        return {"level": self.levels.tolist(), "layer": self.layers}
+
     def table(self) -> list[dict[str, Any]]:
-        """One row per (level, layer) with every metric."""
+        """One row per (level, layer) with every metric; `layer` is the model's layer number."""
         rows = []
         for i, v in enumerate(self.levels.tolist()):
-            for layer in range(self.anchor_share.shape[1]):
+            for j, layer in enumerate(self.layers):
                 rows.append({self.level_name: v, "layer": layer,
-                             **{m: float(getattr(self, m)[i, layer]) for m in METRICS}})
+                             **{m: float(getattr(self, m)[i, j]) for m in METRICS}})
         return rows
 
 
@@ -213,8 +222,7 @@ def plot_noise_level(result: NoiseLevelResult, ax: Any = None) -> Any:
     else:
         fig = ax[0].figure
     x = result.levels.numpy()
-    layers = result.extra.get("layers", list(range(result.anchor_share.shape[1])))
-    for j, layer in enumerate(layers):
+    for j, layer in enumerate(result.layers):
         line, = ax[0].plot(x, result.anchor_share[:, j].numpy(), marker="o", label=f"L{layer}")
         ax[0].plot(x, result.null_share[:, j].numpy(), ls="--", color=line.get_color(), alpha=0.6)
         ax[1].plot(x, result.gate_msa[:, j].numpy(), marker="o", color=line.get_color())
