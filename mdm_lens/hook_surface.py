@@ -299,6 +299,10 @@ class CheckedHookSurface(HookedRootModule):
             return names_filter
         if isinstance(names_filter, str):
             return self.name_filter(names_filter)
+        if isinstance(names_filter, (list, tuple)) and not names_filter:
+            raise ArgumentError("names_filter=[] selects no hook point, so nothing would be cached; pass None for "
+                                "every hook point, or at least one name.", argument="names_filter",
+                                value=names_filter, allowed="None or a non-empty list of names")
         if _names(names_filter):
             wanted = [self.name_filter(n) for n in names_filter]
             return wanted if not any(callable(w) for w in wanted) else self.name_filter(names_filter)

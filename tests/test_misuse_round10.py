@@ -620,5 +620,49 @@ def test_a_size_error_says_which_config_keys_took_reference_defaults(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(
         architectures=["SDARForCausalLM"], model_type="sdar", vocab_size=64, hidden_size=32, num_attention_heads=4,
         num_hidden_layers=2, head_dim=8, intermediate_size=64, max_position_embeddings=256, mask_token_id=63)))
-    with pytest.raises(ConfigError, match="does not set num_key_value_heads: the reference config class's defaults"):
+    with pytest.raises(ConfigError, match="does not set num_key_value_heads: the reference config class's default was used"):
         read_config(tmp_path, "x", None)
+
+
+# --- misuse22 ---------------------------------------------------------------------------------------------------
+
+def test_generate_seed_defaults_to_0_and_none_draws_from_torchs_global_generator(tiny):
+    p = torch.tensor([[9, 29, 33, 35, 13, 14]])
+    a = [tiny.generate(p, gen_length=8, steps=8, temperature=5.0).tokens for _ in range(2)]
+    assert torch.equal(a[0], a[1]) and tiny.generate(p, gen_length=8, steps=8).settings.get("seed", 0) == 0
+    got = []
+    for s in (1, 2, 1):
+        torch.manual_seed(s)
+        got.append(tiny.generate(p, gen_length=8, steps=8, temperature=5.0, seed=None).tokens)
+    assert not torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+
+
+def test_the_config_size_note_appears_only_for_a_size_the_error_names(tmp_path):
+    from mdm_lens.errors import ConfigError
+    from mdm_lens.loading import read_config
+
+    base = dict(architectures=["DreamModel"], model_type="Dream", vocab_size=64, hidden_size=32,
+                num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=256, num_key_value_heads=2,
+                intermediate_size=64, mask_token_id=64)
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    with pytest.raises(ConfigError) as e:
+        read_config(tmp_path, "x", None)
+    assert "mask_token_id=64" in str(e.value) and "does not set" not in str(e.value)
+
+
+def test_export_points_lengths_in_sampler_kwargs_to_its_own_arguments(tiny, tmp_path):
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.sae import export_activations
+
+    for key, own in (("gen_length", "gen_length"), ("steps", "n_steps")):
+        with pytest.raises(ArgumentError, match=f"export_activations\\({own}=") as e:
+            export_activations(tiny, [[5, 6, 7]], "blocks.1.hook_resid_post", out=tmp_path / key,
+                               sampler_kwargs={key: 4})
+        assert e.value.argument == "sampler_kwargs"
+
+
+def test_an_empty_names_filter_is_refused_with_its_own_reason(tiny):
+    from mdm_lens.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match=r"names_filter=\[\] selects no hook point"):
+        tiny.run_with_cache(torch.tensor([[5, 6, 7]]), names_filter=[])

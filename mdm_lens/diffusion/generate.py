@@ -76,7 +76,10 @@ def generate(model: Any, prompt: Any, *, sampler: SamplerName = "auto", attentio
         hook_steps: the steps at which plain `fwd_hooks` fire (default every step), e.g. `[0, -1]` or `steps(every=4)`.
         record: a list of streaming reducers, e.g. `[ReceivedAttention(), KeyValueNorms()]`.
         cache: a `TrajectoryCache`, a `"name" @ steps(...)` request, or hook names (every step).
-        seed: seeds the sampler's own randomness (Gumbel noise, random remasking, sampling).
+        seed: seeds the sampler's own randomness (Gumbel noise, random remasking, sampling). The default 0 makes
+            every call reproducible, so repeated calls without `seed=` return the same sample (and
+            `torch.manual_seed` does not change it); pass a different seed per sample, or `seed=None` to draw from
+            torch's global generator as the references do.
 
     More steps than tokens runs as in the reference but warns (`IdleStepsWarning`), naming the idle steps.
     `out.replay(model, step, fwd_hooks=...)` re-runs one step's forward pass outside the loop with the same

@@ -52,18 +52,21 @@ def _missing_or_malformed(e: Exception, raw: dict, path: Path) -> ConfigError:
     return ConfigError(f"{path} has a setting of the wrong type or form ({type(e).__name__}: {e}).")
 
 
-_SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-              "num_hidden_layers", "vocab_size")
+#: MDMConfig's size fields and the HF config.json keys they are read from
+_SIZE_KEYS = {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+              "d_head": "head_dim", "d_mlp": "intermediate_size", "n_layers": "num_hidden_layers",
+              "d_vocab": "vocab_size"}
 
 
-def _defaulted_sizes(raw: dict) -> str:
-    """An HF config.json's size keys it leaves out: the loader took the reference class's defaults for them, so a
-    size in the error may be one the file never holds (n_kv_heads=32 from Qwen3's default)."""
+def _defaulted_sizes(raw: dict, message: str) -> str:
+    """The size keys an HF config.json leaves out, among those the error names: the loader took the reference
+    class's defaults for them, so a size in the error may be one the file never holds (n_kv_heads=32 from Qwen3's
+    default)."""
     if raw.get("model_type") == "mdm_lens":
         return ""
-    absent = [k for k in _SIZE_KEYS if k not in raw]
-    return (f" config.json does not set {', '.join(absent)}: the reference config class's defaults were used for "
-            "them; set them in config.json.") if absent else ""
+    absent = [key for field, key in _SIZE_KEYS.items() if f"{field}=" in message and key not in raw]
+    return (f" config.json does not set {', '.join(absent)}: the reference config class's default was used; set "
+            "it in config.json.") if absent else ""
 
 
 def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMConfig, str]:
@@ -85,7 +88,7 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
     except ConfigError as e:  # MDMConfig's own checks name the field; say which file it came from
         if str(path) in str(e):
             raise
-        raise ConfigError(f"{path}: {e}{_defaulted_sizes(raw)}") from e
+        raise ConfigError(f"{path}: {e}{_defaulted_sizes(raw, str(e))}") from e
     _apply_registry_facts(cfg, known, family)
     apply_special_tokens(cfg, folder, raw, family, known)
     apply_dreamon_tokens(cfg, folder, family)  # after EOS: DreamOn deletes at the tokenizer's EOS

@@ -132,7 +132,12 @@ def check_sampler_kwargs(kw: Any) -> dict[str, Any]:
     if not isinstance(kw, dict):
         raise ArgumentTypeError(f"sampler_kwargs={validate.describe(kw)} must be a dict.", argument="sampler_kwargs",
                                 value=kw, allowed=f"a dict with keys from {SAMPLER_KEYS}")
+    own = {"steps": "n_steps", "gen_length": "gen_length", "block_length": "block_length"}
     for k in kw:
+        if k in own:  # the export's own arguments (under LLaDA's names; Fast-dLLM v2's are mapped to them)
+            raise ArgumentError(f"sampler_kwargs[{k!r}]: the export takes this length as its own argument; pass "
+                                f"export_activations({own[k]}=...) instead.", argument="sampler_kwargs", value=k,
+                                allowed=f"{own[k]}= (not in sampler_kwargs)")
         validate.choice(k, SAMPLER_KEYS, name="sampler_kwargs", error=SamplerConfigError)
     return dict(kw)
 
