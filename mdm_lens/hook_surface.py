@@ -84,10 +84,6 @@ def _names(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(n, str) for n in value)
 
 
-def _glob_match(name: str, pattern: str) -> bool:
-    return fnmatch.fnmatchcase(name, pattern)
-
-
 def _any_match(name: str, wanted: tuple) -> bool:
     return any(w(name) if callable(w) else w == name for w in wanted)
 
@@ -207,7 +203,7 @@ class CheckedHookSurface(HookedRootModule):
         if not fnmatch.filter(list(self.hook_dict), name):
             raise HookNameError(f"the glob {name!r} matches no hook point; list them with `list(model.hook_dict)`; "
                                 f"{self.hook_name_hint}")
-        return functools.partial(_glob_match, pattern=name)
+        return functools.partial(fnmatch.fnmatchcase, pat=name)
 
     def add_hook(self, name, hook, dir="fwd", is_permanent=False, level=None, prepend=False) -> None:  # type: ignore[override]
         validate.choice(dir, ("fwd", "bwd"), name="dir")

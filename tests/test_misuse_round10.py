@@ -666,3 +666,16 @@ def test_an_empty_names_filter_is_refused_with_its_own_reason(tiny):
 
     with pytest.raises(ArgumentError, match=r"names_filter=\[\] selects no hook point"):
         tiny.run_with_cache(torch.tensor([[5, 6, 7]]), names_filter=[])
+
+
+def test_generate_resolves_its_settings_once_so_a_settings_warning_is_said_once(tmp_path):
+    # the host-memory check used to resolve the settings a second time, repeating LLaDA2's steps-cap warning
+    import warnings
+
+    from tests.test_misuse_round4a import _family
+
+    model = _family("llada2", tmp_path)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        model.generate(torch.tensor([[3, 9, 4, 17, 8]]), gen_length=8, block_length=4, steps=100)
+    assert len([x for x in w if "steps=100" in str(x.message)]) == 1

@@ -90,7 +90,7 @@ def generate(model: Any, prompt: Any, *, sampler: SamplerName = "auto", attentio
     resolved = plugin.settings(model, settings)  # an unknown setting first: the clearest error
     plugin.check_model(model)
     _check_observation(fwd_hooks, record, cache, seed, progress)
-    guard(model, prompt, name, settings, record, cache)  # over a budget (max_memory, a GPU's free memory): refused
+    guard(model, prompt, name, settings, record, cache, resolved)  # over a budget (max_memory, a GPU's free memory): refused
     obs = Observation(attention_mask=attention_mask, fwd_hooks=fwd_hooks, hook_steps=hook_steps, record=record,
                       cache=cache, seed=seed, progress=progress)
     return plugin.generate(model, prompt, resolved, obs)

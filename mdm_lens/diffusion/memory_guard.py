@@ -80,20 +80,21 @@ def _check_like_generate(model: Any, plugin: Any, ids: Any, batch: int, prompt_l
     plugin.check_inputs(model, ids, am, resolved, Observation(record=list(record), cache=cache))
 
 
-def guard(model: Any, prompt: Any, sampler: str, settings: dict[str, Any], record: Sequence[Any], cache: Any) -> None:
+def guard(model: Any, prompt: Any, sampler: str, settings: dict[str, Any], record: Sequence[Any], cache: Any,
+          resolved: Any) -> None:
     """`generate`'s check before compute, for models with budgets to respect: loaded with `max_memory` (or
     `n_devices`), or on a CUDA device (its free memory). Needs token ids for the shapes: a text prompt is left to
     the trajectory cache's own budget check."""
     on_gpu = str(getattr(model.cfg, "device", "cpu")).startswith("cuda")  # cfg.device may be a str
     if getattr(model, "max_memory", None) is None and not on_gpu:
-        _check_host_trajectory(model, prompt, sampler, settings)
+        _check_host_trajectory(prompt, registry.get(sampler), resolved)
         return
     if not isinstance(prompt, torch.Tensor):
         return
     memory_plan(model, prompt, sampler=sampler, record=record, cache=cache, **settings).check()
 
 
-def _check_host_trajectory(model: Any, prompt: Any, sampler: str, settings: dict[str, Any]) -> None:
+def _check_host_trajectory(prompt: Any, plugin: Any, resolved: Any) -> None:
     """Without a budget, the one allocation that grows with `steps` alone: the trajectory (`x_steps`, int64 per
     step) and the per-step schedule, checked against the host's available memory, so that `steps=10**9` is a
     typed error rather than the process killed by the kernel (idle steps run as the reference does otherwise)."""
@@ -103,8 +104,6 @@ def _check_host_trajectory(model: Any, prompt: Any, sampler: str, settings: dict
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not Linux: no reading, no check
         return
-    plugin = registry.get(sampler)
-    resolved = plugin.settings(model, settings)
     batch, prompt_length = (1, prompt.shape[0]) if prompt.ndim == 1 else tuple(prompt.shape)
     steps = int(getattr(resolved, "steps", None) or plugin.answer_length(resolved))
     need = plugin.trajectory_bytes(resolved, batch, prompt_length, steps) + steps * batch * 8

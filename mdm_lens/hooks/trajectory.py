@@ -36,7 +36,7 @@ from transformer_lens import ActivationCache
 
 from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentTypeError, InputError, OutOfRangeError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputError, OutOfRangeError
 from mdm_lens.hooks import shape_probe
 from mdm_lens.hooks.memory import DEFAULT_BUDGET, check_budget, human, is_dense_hook
 from mdm_lens.hooks.names import expand_names
@@ -154,10 +154,11 @@ class TrajectoryCache:
         """A cached step (negative: from the run's end) or a cached hook name."""
         if isinstance(key, str):
             return key in self.names
-        if not validate._is_int(key):
+        try:
+            self._cached_step(key, self.steps)
+        except ArgumentError:  # not an int, out of the run's range, or not cached
             return False
-        key = int(key) + (self.n_run or 0) * (int(key) < 0)
-        return key in self._store(None)
+        return True
 
     def _cached_step(self, step: Any, cached: list[int]) -> int:
         """`step` as a cached step number: an int, negative counting from the end of the run (as steps(-1),

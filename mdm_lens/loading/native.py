@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mdm_lens.config import DTYPES, MDMConfig, check_extra_ints, check_tl_constants
+from mdm_lens.config import MDMConfig, check_extra_ints, check_tl_constants
 from mdm_lens.errors import ConfigError
 from mdm_lens.loading.rope import _REQUIRED as ROPE_KEYS
 from mdm_lens.qk_attention import FAMILY_ARCHES
@@ -29,9 +29,6 @@ def check_native_raw(raw: dict[str, Any], path: Path) -> None:
     if not isinstance(extra, dict):
         raise ConfigError(f"{path}: extra={extra!r} is invalid: expected a JSON object (dict) of family facts.")
     check_extra_ints(extra, f"{path}: ")
-    dtype = raw.get("dtype", "float32")
-    if not isinstance(dtype, str) or dtype.removeprefix("torch.") not in DTYPES:
-        raise ConfigError(f"{path}: dtype={dtype!r} is invalid: expected one of {', '.join(DTYPES)}.")
     check_tl_constants(raw, f"{path}: ")
 
 

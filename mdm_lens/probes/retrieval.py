@@ -186,9 +186,10 @@ def retrieval_scores(model: Any, items: Sequence[Any], method: Method = "copy@co
         # nothing to copy from (or attend to): the score is undefined, not 0 ("never copies")
         needle_less = (item.gold_doc is None) if method == "evidence_focus" else not item.evidence
         no_needle += int(needle_less)
-        if (only_correct and not ok) or not positions or needle_less:
-            wrong += int(only_correct and not ok and not needle_less)
-            no_position += int(not positions and not needle_less and not (only_correct and not ok))
+        miss = only_correct and not ok
+        if miss or not positions or needle_less:  # one reason per item, in this order (needle_less counted above)
+            wrong += int(miss and not needle_less)
+            no_position += int(not positions and not miss and not needle_less)
             per.append(torch.full((len(ls), H), torch.nan, dtype=torch.float64))
             continue
         keys = _keys_per_position(method, out, positions, shift, ls, model, fwd_hooks)
