@@ -101,6 +101,8 @@ class GenerateOutput:
     def __post_init__(self) -> None:
         if hasattr(self.cache, "n_run"):  # negative cache indices count from the end of the run as it ran
             self.cache.n_run = self.trajectory.n_steps
+            # ARM's last forward never reads the token it commits: aligned stacks are canvas-wide all the same
+            self.cache.canvas_width = int(self.trajectory.x_steps.shape[-1])
 
     def check_model(self, model: Any, *, argument: str = "out") -> None:
         """Refuse a model other than the one this run was made with (its replay or lens would be numbers of another

@@ -70,6 +70,8 @@ class TrajectoryCache:
         # the run's number of steps, for negative indices (as steps(-1), state_at(-1)): the plan's at `begin`,
         # the run's actual count once its GenerateOutput holds this cache (adaptive runs stop early)
         self.n_run: int | None = None
+        # the run's canvas width (set by its GenerateOutput): align=True stacks are this wide on fixed-length runs
+        self.canvas_width: int | None = None
 
     @classmethod
     def from_request(cls, request: Any) -> "TrajectoryCache":
@@ -221,7 +223,9 @@ class TrajectoryCache:
                                  "KV cache that skipped an unstored block), so their key columns cannot be aligned "
                                  "to the canvas as a block; read cache[step] with cache.key_positions_of(step).",
                                  argument="align", value=align, allowed="False for these steps")
-            return aligned(name, tensors, [where[s] for s in steps], steps)
+            fixed = not self._origin.get(self._phase(phase))
+            return aligned(name, tensors, [where[s] for s in steps], steps,
+                           self.canvas_width if fixed else None)
         moved = [(s, where[s][0]) for s in steps if s in where and where[s][0].start != 0]
         # every step computed the same rows against the same keys: row k is position rows.start + k throughout
         same = all(s in where for s in steps) and len({(where[s][0].start, where[s][0].stop, where[s][1].start,
@@ -337,10 +341,11 @@ def _span(r: slice, n: int) -> Tensor:
 
 
 def aligned(name: str, tensors: list[Tensor], where: list[tuple[slice, slice, int, Tensor]],
-            steps: list[int]) -> Tensor:
+            steps: list[int], canvas_width: int | None = None) -> Tensor:
     """`[step, ...]` canvas-shaped: each step's rows placed at their positions (and, for attention patterns and
-    scores, its key columns at theirs), NaN elsewhere."""
-    width = max(w[2] for w in where)
+    scores, its key columns at theirs), NaN elsewhere. `canvas_width`: the run's canvas, when wider than every
+    forward (ARM never feeds the last token back)."""
+    width = max([w[2] for w in where] + [canvas_width or 0])
     pattern = name.endswith(("hook_pattern", "hook_attn_scores"))
     row_axis = -2 if pattern else 1
     first = tensors[0]
