@@ -31,3 +31,127 @@ def test_arm_aligned_stack_is_as_wide_as_the_canvas(arm):
     assert computed.sum(-1).tolist() == [6, 7, 8, 9] and not computed[:, -1].any()
     for s in range(4):
         assert torch.equal(resid[s, :, : 6 + s], out.cache[s]["blocks.0.hook_resid_post"])
+
+
+def _zoo_items(tmp_path, n=2):
+    from mdm_lens.zoo import jsonl
+
+    path = tmp_path / "items.jsonl"
+    jsonl.export(path, n, seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dream_zoo():
+    from mdm_lens import HookedMDM, MDMConfig
+    from mdm_lens.zoo import tokenizer as ZT
+
+    cfg = MDMConfig(d_model=32, n_layers=2, n_heads=4, d_mlp=64, d_vocab=ZT.vocab_size(), n_ctx=128,
+                    mask_token_id=ZT.MASK_ID, bos_token_id=ZT.BOS_ID, eos_token_id=ZT.EOS_ID,
+                    pad_token_id=ZT.PAD_ID, logit_shift=True, family="dream", position_policy="cumsum",
+                    padding_mask="pair", extra={"gen_length": 4})
+    model = HookedMDM.from_config(cfg, seed=0)
+    model.set_tokenizer(ZT.load_tokenizer())
+    return model
+
+
+def test_sweep_refuses_lengths_the_sampler_would_not_receive(tmp_path, dream_zoo, arm):
+    # misuse23 S1: the sweep dropped --block-length on Dream-family models and ARMs, and replaced an ARM's explicit
+    # --steps by gen_length, while generate refuses both; nothing may be written before the refusal
+    from mdm_lens import sweep
+    from mdm_lens.errors import SamplerConfigError
+
+    data = _zoo_items(tmp_path)
+    cases = [(dream_zoo, dict(block_length=2, steps=4), "block_length", 2),
+             (arm, dict(block_length=2), "block_length", 2), (arm, dict(steps=2), "steps", 2)]
+    for i, (model, kw, arg, value) in enumerate(cases):
+        out = tmp_path / f"s{i}"
+        with pytest.raises(SamplerConfigError) as e:
+            sweep.run(model, str(data), "accuracy", str(out), limit=1, gen_length=4, progress=False, **kw)
+        assert (e.value.argument, e.value.value) == (arg, value) and not out.exists()
+    # what they do receive still runs: the ARM's explicit steps equal to gen_length, Dream's steps
+    sweep.run(arm, str(data), "accuracy", str(tmp_path / "ok"), limit=1, gen_length=4, steps=4, progress=False)
+    sweep.run(dream_zoo, str(data), "accuracy", str(tmp_path / "ok2"), limit=1, gen_length=4, steps=2,
+              progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from mdm_lens import HookedMDM
+
+    return HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+
+
+def test_explore_places_a_lens_trace_at_its_answer_positions(tiny):
+    # misuse23 S2: lens_trace's top1 is over answer positions and the explorer reads canvas positions, so the trace's
+    # tokens were drawn under the prompt; an answer-wide tensor must be refused, the trace itself placed
+    from mdm_lens import ReceivedAttention
+    from mdm_lens.errors import InputError
+    from mdm_lens.lens import lens_trace
+    from mdm_lens.views import explore
+
+    prompt = tiny.to_tokens("Q: what is the capital?")
+    out = tiny.generate(prompt, steps=4, gen_length=4, record=[ReceivedAttention()])
+    trace = lens_trace(tiny, out, layers=[1, 3], steps=[0, 2], positions=[1, 3])
+    with pytest.raises(InputError) as e:
+        explore(out, tiny, lens_top1=trace.top1[:, :, 0])
+    assert e.value.argument == "lens_top1" and "LensTrace" in str(e.value)
+    lens = explore(out, tiny, lens_top1=trace).data[0]["lens"]
+    P = out.prompt_length
+    for i, step in enumerate(trace.steps):
+        for j, layer in enumerate(trace.layers):
+            shown = lens[step][layer]
+            expected = [None] * out.tokens.shape[1]
+            for k, pos in enumerate(trace.positions):
+                expected[P + pos] = tiny.to_str_tokens(trace.top1[i, j, 0, k].reshape(1))[0]
+            assert shown == expected
+    assert all(v is None for v in lens[1][1]) and all(v is None for v in lens[0][0])
+    other = tiny.generate(prompt[:, 1:], steps=4, gen_length=4)
+    with pytest.raises(InputError, match="trace this run"):
+        explore(out, tiny, lens_top1=lens_trace(tiny, other))
+
+
+def test_diffusion_gemma_runs_refuse_replay_with_a_reason():
+    # misuse23 C1: state_at / replay / at_step read the settings' mask id, which a DiffusionGemma run has not: a raw
+    # KeyError; they must be a typed refusal saying why the steps cannot be rebuilt
+    from mdm_lens.bridge import TransformersBridge
+    from mdm_lens.bridge.tiny import tiny_diffusion_gemma
+    from mdm_lens.errors import SamplerConfigError
+
+    model = TransformersBridge(tiny_diffusion_gemma(seed=0))
+    prompt = torch.randint(2, model.cfg.d_vocab, (1, 12), generator=torch.Generator().manual_seed(0))
+    out = model.generate(prompt, seed=0, max_new_tokens=16, max_denoising_steps=4)
+    def enter_at_step():
+        with out.at_step(model, 1):
+            pass
+
+    for call in (lambda: out.state_at(1), lambda: out.replay(model, 1), enter_at_step):
+        with pytest.raises(SamplerConfigError) as e:
+            call()
+        assert e.value.argument == "out" and "self-conditioning" in str(e.value)
+
+
+def test_the_cache_budget_variable_is_read_when_a_cache_is_made(tiny, monkeypatch):
+    # misuse23 U1: MDM_LENS_CACHE_BUDGET_GB was read at import, so the remedy the MemoryBudgetError names did
+    # nothing in a running notebook; the error must say where its budget came from
+    from mdm_lens import steps
+    from mdm_lens.errors import ArgumentError, MemoryBudgetError
+    from mdm_lens.hooks.trajectory import TrajectoryCache
+
+    prompt = tiny.to_tokens("Q: what is the capital?")
+    request = "blocks.*.attn.hook_pattern" @ steps()
+    monkeypatch.setenv("MDM_LENS_CACHE_BUDGET_GB", "0.000001")
+    with pytest.raises(MemoryBudgetError, match=r"\(MDM_LENS_CACHE_BUDGET_GB=0.000001\)"):
+        tiny.generate(prompt, steps=4, gen_length=4, cache=request)
+    monkeypatch.setenv("MDM_LENS_CACHE_BUDGET_GB", "1")
+    out = tiny.generate(prompt, steps=4, gen_length=4, cache=request)
+    assert len(list(out.cache)) == 4 and out.cache.budget_bytes == 2**30
+    with pytest.raises(MemoryBudgetError, match=r"\(budget_bytes\)"):     # an explicit budget wins
+        tiny.generate(prompt, steps=4, gen_length=4, cache=TrajectoryCache(request.names, budget_bytes=10))
+    monkeypatch.delenv("MDM_LENS_CACHE_BUDGET_GB")
+    assert TrajectoryCache("blocks.0.hook_resid_post").budget_bytes == 4 * 2**30
+    for bad in ("lots", "0", "-1", "nan", "inf"):
+        monkeypatch.setenv("MDM_LENS_CACHE_BUDGET_GB", bad)
+        with pytest.raises(ArgumentError) as e:
+            TrajectoryCache("blocks.0.hook_resid_post")
+        assert e.value.argument == "MDM_LENS_CACHE_BUDGET_GB" and e.value.value == bad

@@ -379,6 +379,11 @@ GENERATION_SETTINGS = tuple(f.name for f in dataclasses.fields(DiffusionGemmaSet
 class DiffusionGemmaSampler(Sampler):
     name, Settings = "diffusion_gemma", DiffusionGemmaSettings
     renamed = {"gen_length": "max_new_tokens", "steps": "max_denoising_steps", "temperature": "t_min / t_max"}
+    # its canvas is noise, not masks, and each denoiser pass reads the canvas' encoder KV cache and the previous
+    # pass's self-conditioning logits, neither of which the run keeps
+    no_replay = ("each denoiser pass reads its canvas' encoder KV cache and the previous pass's self-conditioning "
+                 "logits, which the run does not keep (and its canvas is noise, not masks, so there is no mask "
+                 "state to rebuild).")
 
     def check_model(self, model: Any) -> None:
         if not getattr(model, "is_block_diffusion", False):

@@ -7,10 +7,28 @@ import os
 import re
 
 from mdm_lens.config import MDMConfig
-from mdm_lens.errors import InputError, MemoryBudgetError
+from mdm_lens.errors import ArgumentError, InputError, MemoryBudgetError
 from mdm_lens.hooks import shape_probe
 
-DEFAULT_BUDGET = int(float(os.environ.get("MDM_LENS_CACHE_BUDGET_GB", "4")) * 2**30)
+DEFAULT_BUDGET = 4 * 2**30
+BUDGET_ENV = "MDM_LENS_CACHE_BUDGET_GB"
+
+
+def cache_budget() -> tuple[int, str]:
+    """The trajectory cache's default budget in bytes and where it came from: `MDM_LENS_CACHE_BUDGET_GB` read when
+    the cache is made (so setting it in a running notebook takes effect), else 4 GiB."""
+    raw = os.environ.get(BUDGET_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_BUDGET, "the default"
+    try:
+        gib = float(raw)
+    except ValueError:
+        raise ArgumentError(f"{BUDGET_ENV}={raw!r} is not a number of GiB.", argument=BUDGET_ENV, value=raw,
+                            allowed="a positive number (GiB)") from None
+    if not gib > 0 or gib == float("inf"):
+        raise ArgumentError(f"{BUDGET_ENV}={raw!r} must be a positive, finite number of GiB.", argument=BUDGET_ENV,
+                            value=raw, allowed="a positive number (GiB)")
+    return max(1, int(gib * 2**30)), f"{BUDGET_ENV}={raw}"
 
 _SUFFIX_SHAPES = {
     "hook_embed": "bpd", "hook_resid_pre": "bpd", "hook_resid_mid": "bpd", "hook_resid_post": "bpd",
@@ -81,15 +99,17 @@ def human(n: float) -> str:
 
 
 def check_budget(cfg: MDMConfig, names: list[str], n_steps: int, batch: int, pos: int, dtype_bytes: int,
-                 budget: int, measured: dict[str, tuple] | None = None, itemsize: dict[str, int] | None = None) -> int:
+                 budget: int, measured: dict[str, tuple] | None = None, itemsize: dict[str, int] | None = None,
+                 source: str = "budget_bytes") -> int:
     need = estimate_bytes(cfg, names, n_steps, batch, pos, dtype_bytes, measured, itemsize)
     if need > budget:
         quadratic = [n for n in names if re.search(r"hook_(pattern|attn_scores)$", n)]
         hint = ALTERNATIVES["bhpp"] if quadratic else "cache fewer names or steps"
         raise MemoryBudgetError(
             f"the trajectory cache would need {human(need)} ({len(names)} hook(s) × {n_steps} step(s), batch {batch}, "
-            f"{pos} positions) but the budget is {human(budget)}. {hint[0].upper() + hint[1:]}. Raise the budget with "
-            "`TrajectoryCache(..., budget_bytes=…)` or MDM_LENS_CACHE_BUDGET_GB if you really have the memory."
+            f"{pos} positions) but the budget is {human(budget)} ({source}). {hint[0].upper() + hint[1:]}. Raise the "
+            f"budget with `TrajectoryCache(..., budget_bytes=…)` or {BUDGET_ENV} (read when a cache is made) if you "
+            "really have the memory."
         )
     return need
 

@@ -38,13 +38,13 @@ from mdm_lens.diffusion.state import DenoisingState
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputError, OutOfRangeError
 from mdm_lens.hooks import shape_probe
-from mdm_lens.hooks.memory import DEFAULT_BUDGET, check_budget, human, is_dense_hook
+from mdm_lens.hooks.memory import cache_budget, check_budget, human, is_dense_hook
 from mdm_lens.hooks.names import expand_names
 from mdm_lens.hooks.steps import ALL_STEPS, CacheRequest, Steps
 
 
 class TrajectoryCache:
-    def __init__(self, names: Any, steps: Steps = ALL_STEPS, budget_bytes: int = DEFAULT_BUDGET,
+    def __init__(self, names: Any, steps: Steps = ALL_STEPS, budget_bytes: int | None = None,
                  device: str | torch.device | None = "cpu"):
         from mdm_lens.hooks.steps import as_steps
 
@@ -55,7 +55,10 @@ class TrajectoryCache:
                                     "non-empty list of them or a filter function.", argument="names", value=names,
                                     allowed="str, list of str or callable")
         self.names_arg, self.when = names, as_steps(steps, name="steps")
-        self.budget_bytes = validate.integer(budget_bytes, name="budget_bytes", min=1)
+        # None: MDM_LENS_CACHE_BUDGET_GB as it is now, else 4 GiB
+        self.budget_bytes, self.budget_source = (cache_budget() if budget_bytes is None else
+                                                 (validate.integer(budget_bytes, name="budget_bytes", min=1),
+                                                  "budget_bytes"))
         self.device = None if device is None else validate.storage_device(device, name="device")
         self.names: list[str] = []
         self._phases: dict[str, dict[int, dict[str, Tensor]]] = {}
@@ -94,7 +97,7 @@ class TrajectoryCache:
         itemsize: dict[str, int] = {}
         measured = shape_probe.measure(model, others, itemsize) if others else {}
         self.estimated_bytes = check_budget(model.cfg, self.names, n_cached, batch, max_pos, dtype_bytes,
-                                            self.budget_bytes, measured, itemsize)
+                                            self.budget_bytes, measured, itemsize, self.budget_source)
         self._phases = {p: {} for p in self.when.phases}
         self._where = {p: {} for p in self.when.phases}
         self._origin = {p: {} for p in self.when.phases}

@@ -37,3 +37,24 @@ def sweep_block_length(kw: dict[str, Any]) -> int | None:
     """The block length the sweep's runs decode with, under either name (`block_length`, Fast-dLLM v2's
     `block_size`): the block mask of its clean forwards (`run_block_mask`)."""
     return kw.get("block_length", kw.get("block_size"))
+
+
+def refuse_dropped(model: Any, kw: dict[str, Any], steps: int | None, block_length: int | None) -> None:
+    """An explicit `steps` / `block_length` that the sampler would not receive as given is refused (the sweep's
+    defaults are dropped quietly, as they are nobody's choice): `generate` refuses the same values."""
+    from mdm_lens.diffusion.generate import default_sampler
+    from mdm_lens.errors import SamplerConfigError
+
+    sampler = default_sampler(model)
+    if block_length is not None and sweep_block_length(kw) is None:
+        why = ("an autoregressive model decodes one token per step" if R.is_causal(model) else
+               "a token-shifted (Dream-family) model has block_length only in its KV-cached loop (generate's "
+               "kv_cache=True), which the sweep does not run")
+        raise SamplerConfigError(f"block_length={block_length}: the sweep runs {model.cfg.model_name!r} with "
+                                 f"sampler {sampler!r} without blocks ({why}); drop --block-length.",
+                                 argument="block_length", value=block_length, allowed="None for this model")
+    ran = kw.get("steps", kw.get("n_steps"))
+    if steps is not None and ran is not None and ran != steps:
+        raise SamplerConfigError(f"steps={steps}: an autoregressive model decodes one token per step, so the sweep "
+                                 f"runs gen_length={kw.get('gen_length')} steps; drop --steps (or pass "
+                                 f"--steps {ran}).", argument="steps", value=steps, allowed=f"{ran} (gen_length)")

@@ -44,6 +44,7 @@ from mdm_lens.sweep import templates as TM
 from mdm_lens.sweep.items import SweepItem, read_items
 from mdm_lens.sweep.store import SweepStore
 from mdm_lens.sweep.summary import summarize
+from mdm_lens.sweep.lengths import refuse_dropped
 
 __all__ = ["run", "parse_probes", "item_seed", "make_batches", "extend_plan", "Plan", "DTYPES", "BATCHING"]
 
@@ -222,6 +223,7 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
             # an explicit steps= for a sampler without one (Fast-dLLM v2) is refused, not dropped like the default
             registry.own_lengths(registry.get(default_sampler(model)), steps=steps)
         kw = A._gen_kwargs(model, s)
+        refuse_dropped(model, kw, steps, block_length)
         C.check_sampler(model, kw)
         C.check_probes(model, names)  # probes this sampler's runs cannot give
         # their reference loops decode one prompt at a time (BD3LM: first hitting, its default, needs batch 1);

@@ -10,8 +10,9 @@ the attention each key receives at step k in the chosen layer and head (head mea
 the token, the step's anchors (zscore rule of `probes.floating.detect_anchors` on that series) outlined in
 red, the block being decoded and, on KV-cached runs with a `KeyValueNorms` record, each key's cache age.
 Where a full pattern was cached (`cache="blocks.L.attn.hook_pattern" @ steps(...)`) the selected head's
-pattern is drawn with a hover read-out; `lens_top1` (`[step, layer, pos]` token ids, e.g. from
-`mdm_lens.lens.lens_trace`) adds "top-1 at layer L" under each position.
+pattern is drawn with a hover read-out; `lens_top1` (a `LensTrace` from `mdm_lens.lens.lens_trace`, placed at its
+answer positions, or `[step, layer, pos]` token ids over the whole canvas) adds "top-1 at layer L" under each
+position.
 
 Step k's received attention is the forward *of* step k: its input is the canvas before step k's commits.
 
@@ -221,8 +222,26 @@ def _run_data(out: Any, model: Any, item: int, *, max_steps: int, max_heads: int
         lens=None,
     )
     if lens_top1 is not None:
-        data["lens"] = _lens(lens_top1, model, steps, n, out.tokens.shape[1])
+        data["lens"] = _lens(_canvas_lens(lens_top1, out, item, model), model, steps, n, out.tokens.shape[1])
     return data
+
+
+def _canvas_lens(top1: Any, out: Any, item: int, model: Any) -> Any:
+    """A `LensTrace` (answer positions, its own steps and layers) as the `[step, layer, canvas pos]` ids the view
+    reads, -1 where it recorded nothing; anything else is returned as given."""
+    if not all(hasattr(top1, a) for a in ("top1", "positions", "prompt_length", "layers", "steps", "n_steps")):
+        return top1
+    if top1.n_steps != out.n_steps or top1.prompt_length != out.prompt_length:
+        raise InputError(f"lens_top1 is a lens trace of a run with {top1.n_steps} steps and prompt length "
+                         f"{top1.prompt_length}; this run has {out.n_steps} and {out.prompt_length}: trace this run.",
+                         argument="lens_top1", value=(top1.n_steps, top1.prompt_length),
+                         allowed=f"a trace of this run ({out.n_steps} steps, prompt length {out.prompt_length})")
+    n_layers = getattr(getattr(model, "cfg", None), "n_layers", None) or max(top1.layers) + 1
+    ids = torch.full((out.n_steps, n_layers, out.tokens.shape[1]), -1, dtype=torch.long)
+    at = torch.tensor([top1.prompt_length + p for p in top1.positions])
+    for i, step in enumerate(top1.steps):
+        ids[step, torch.tensor(top1.layers)[:, None], at[None]] = top1.top1[i, :, item].long().cpu()
+    return ids
 
 
 def _lens(top1: Any, model: Any, steps: list[int], n_steps: int, n_pos: int) -> list:
@@ -237,10 +256,13 @@ def _lens(top1: Any, model: Any, steps: list[int], n_steps: int, n_pos: int) -> 
     if n_layers is not None and top1.ndim == 3 and top1.shape[1] > n_layers:
         raise InputError(f"lens_top1 has {top1.shape[1]} layers; the model has {n_layers}.", argument="lens_top1",
                          value=tuple(top1.shape), allowed=f"at most {n_layers} layers")
-    if top1.ndim != 3 or top1.shape[0] != n_steps or top1.shape[2] > n_pos or top1.is_floating_point():
+    if top1.ndim != 3 or top1.shape[0] != n_steps or top1.shape[2] != n_pos or top1.is_floating_point():
+        # canvas positions: a lens_trace's top1 is over answer positions, so pass the trace itself
         raise InputError(f"lens_top1 has shape {tuple(top1.shape)} and dtype {top1.dtype}; expected integer token "
-                         f"ids [step={n_steps}, layer, pos≤{n_pos}].", argument="lens_top1",
-                         value=tuple(top1.shape), allowed=f"an integer tensor [{n_steps}, layer, pos]")
+                         f"ids [step={n_steps}, layer, pos={n_pos}] over the whole canvas (-1 = none), or the "
+                         "LensTrace of mdm_lens.lens.lens_trace itself (its top1 is over answer positions).",
+                         argument="lens_top1", value=tuple(top1.shape),
+                         allowed=f"an integer tensor [{n_steps}, layer, {n_pos}] or a LensTrace")
     tok = getattr(model, "tokenizer", None) if model is not None else None
 
     def name(i: int) -> str | None:
@@ -308,7 +330,8 @@ def explore(runs: Any, models: Any = None, *, item: int = 0, labels: Sequence[st
             shows the step at the same fraction of its run (`step_mapping`), stated on screen.
         models: the model(s) that ran them (token strings; optional: without a tokenizer tokens show as ids).
         item: the batch row to show.
-        lens_top1: per run (or one for a single run) `[step, layer, pos]` integer token ids, -1 = none.
+        lens_top1: per run (or one for a single run) a `LensTrace` of that run (`lens_trace(model, out)`), or
+            `[step, layer, pos]` integer token ids over the canvas's positions, -1 = none.
     """
     def is_run(r: Any) -> bool:  # a GenerateOutput (duck-typed: the diffusion layer imports this module lazily)
         return all(hasattr(r, a) for a in ("trajectory", "tokens", "records", "record_meta", "settings"))
