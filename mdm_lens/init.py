@@ -9,6 +9,7 @@ one fixture every test that builds a random model uses (`HookedMDM.from_config(.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -33,12 +34,13 @@ def bias_draw(shape: tuple[int, ...] | torch.Size, std: float, generator: torch.
     return std * torch.randn(tuple(shape), generator=generator)
 
 
-def from_config_args(cfg: Any, init: Any, init_std: Any) -> tuple[str, float]:
+def from_config_args(cfg: Any, init: Any, init_std: Any) -> tuple[Any, str, float]:
     """`HookedMDM.from_config`'s own checks: a TransformerLens field HookedMDM never computes another way (act_fn,
     attn_only, normalization_type, positional_embedding_type) and `init_std` > 0 (a negative std would flip every
-    weight's sign; NaN was refused under the name bias_std)."""
+    weight's sign; NaN was refused under the name bias_std). Returns a copy of `cfg` for the new model: a config
+    shared with another model (`from_config(m.cfg)`) would carry one model's `process_weights_` into the other."""
     check_tl_constants({k: getattr(cfg, k) for k in TL_CONSTANTS})
-    return (validate.choice(init, ("normal", "realistic"), name="init"),
+    return (copy.deepcopy(cfg), validate.choice(init, ("normal", "realistic"), name="init"),
             validate.number(init_std, name="init_std", min=0, min_open=True))
 
 

@@ -121,7 +121,7 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
         trained (`init="realistic"`, the default, `mdm_lens.init.realistic_`: norm weights log-normal around 1,
         biases and router biases non-zero, so a dropped norm weight or bias changes the output), or unit norm
         weights and normal(0, init_std) biases (`init="normal"`, for planted cases that need unit norms)."""
-        init, init_std = from_config_args(cfg, init, init_std)
+        cfg, init, init_std = from_config_args(cfg, init, init_std)  # the model's own copy of cfg
         model = cls(cfg, tokenizer=tokenizer)
         gen = None if seed is None else torch.Generator().manual_seed(validate.seed(seed, min=None))
         with torch.no_grad():

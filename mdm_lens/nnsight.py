@@ -143,6 +143,14 @@ class _Phases:
 class PhasedEnvoy(_Phases, Envoy):
     """The envoy of every module of a `DiffusionLM`: nnsight's, plus `phase(...)`."""
 
+    def __getitem__(self, key: Any) -> Any:
+        # nnsight resolves an int by attribute name, so an index past the end read "no attribute '9'"
+        module = self._module
+        if isinstance(module, nn.ModuleList) and not isinstance(key, slice):
+            name = self.path.rsplit(".", 1)[-1] or "index"
+            validate.index(key, len(module), name=name, what=f"entry of {name}")
+        return super().__getitem__(key)
+
 
 class DiffusionTracer(InterleavingTracer):
     """The tracer of `lm.generate(...)` / `lm.trace(...)`; its `iter` counts denoising steps."""

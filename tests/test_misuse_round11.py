@@ -3,6 +3,8 @@ its fix."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -155,3 +157,107 @@ def test_the_cache_budget_variable_is_read_when_a_cache_is_made(tiny, monkeypatc
         with pytest.raises(ArgumentError) as e:
             TrajectoryCache("blocks.0.hook_resid_post")
         assert e.value.argument == "MDM_LENS_CACHE_BUDGET_GB" and e.value.value == bad
+
+
+def test_from_config_gives_the_model_its_own_config(tiny):
+    # misuse24 S1: from_config(m.cfg) kept the caller's object, so process_weights_ on the new model told TL the first
+    # (unprocessed) model was folded, and save_pretrained of it wrote a checkpoint its loader refuses
+    from mdm_lens import HookedMDM
+
+    before = (tiny.cfg.normalization_type, tiny.cfg.n_params, dict(tiny.cfg.extra))
+    twin = HookedMDM.from_config(tiny.cfg, seed=0)
+    assert twin.cfg is not tiny.cfg and twin.cfg.extra is not tiny.cfg.extra and twin.cfg == tiny.cfg
+    twin.process_weights_()
+    twin.cfg.extra["expand_token_id"] = 3
+    assert (tiny.cfg.normalization_type, tiny.cfg.n_params, dict(tiny.cfg.extra)) == before
+    assert twin.cfg.normalization_type == "RMSPre"
+
+
+def _rnd1(folder):
+    import sys
+    from pathlib import Path
+
+    from mdm_lens import HookedMDM
+
+    sys.path.insert(0, str(Path(__file__).parent / "families"))  # the family writers import each other by name
+    from rnd1_coda_checkpoints import write_rnd1
+
+    path, _, _ = write_rnd1(folder / "rnd1")
+    return HookedMDM.from_pretrained(str(path))
+
+
+def test_rnd1_warns_of_the_steps_its_schedule_leaves_idle(tmp_path):
+    # misuse24 S2: RND1's plan is adaptive, so the idle-step warning was skipped; its entropy schedule says in advance
+    # which steps commit nothing (gen_length 4: 3 maskable slots; 8 steps keep 2,2,1,1,1,0 masked)
+    from mdm_lens import IdleStepsWarning
+
+    model = _rnd1(tmp_path)
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with pytest.warns(IdleStepsWarning, match=r"steps \[1, 3, 4\] commit no token"):
+        out = model.generate(prompt, gen_length=4, steps=8, seed=0)
+    assert out.trajectory.n_committed[:, 0].tolist() == [1, 0, 1, 0, 0, 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IdleStepsWarning)
+        model.generate(prompt, gen_length=4, steps=4, seed=0)            # no idle step: no warning
+        model.generate(prompt, gen_length=4, steps=8, seed=0, eb_gamma=0.5)  # commits at least one per step
+
+
+def test_a_variable_length_run_that_changed_nothing_is_refused_without_claiming_it_did():
+    # misuse24 U1: the refusal said "this run inserted and deleted rows" of a DreamOn run that did neither
+    from mdm_lens.diffusion.fixed_length import require_fixed_length
+    from mdm_lens.errors import SamplerConfigError
+    from test_dreamon import PREFIX, SUFFIX, dreamon_model
+
+    model = dreamon_model(boost=0.0, expand_boost=0.0)       # EOS and expand never win: no deletion, no expansion
+    out = model.generate(PREFIX, sampler="dreamon", suffix=SUFFIX, steps=8, min_gen_len=4, max_gen_len=8, seed=0)
+    trace = out.trajectory.length
+    assert trace.n_slots == trace.n_original and not bool((trace.removed_how != 0).any())
+    with pytest.raises(SamplerConfigError) as e:
+        require_fixed_length(out, "probe X")
+    assert "inserted and deleted rows mid-run" not in str(e.value)
+    assert f"width {trace.n_original} throughout" in str(e.value) and e.value.argument == "out"
+    changing = dreamon_model().generate(PREFIX, sampler="dreamon", suffix=SUFFIX, steps=40, min_gen_len=3,
+                                        max_gen_len=10, seed=0)
+    with pytest.raises(SamplerConfigError, match=r"inserted and deleted rows mid-run \(canvas widths \["):
+        require_fixed_length(changing, "probe X")
+
+
+def test_nnsight_layer_index_out_of_range_names_the_range(tiny):
+    # misuse24 U2: nnsight resolves lm.blocks[9] by attribute name: "'PhasedEnvoy' object has no attribute '9'"
+    pytest.importorskip("nnsight")
+    from mdm_lens.errors import OutOfRangeError
+    from mdm_lens.nnsight import DiffusionLM
+
+    lm = DiffusionLM(tiny)
+    for bad in (4, 9, -5):
+        with pytest.raises(OutOfRangeError) as e:
+            lm.blocks[bad]
+        assert e.value.argument == "blocks" and e.value.value == bad and "[-4, 3]" in str(e.value)
+    assert lm.blocks[-1].path == lm.blocks[3].path and len(lm.blocks[1:3]) == 2
+    prompt = tiny.to_tokens("Q: what is the capital?")
+    with lm.generate(prompt, steps=4, gen_length=4) as tracer:
+        for _ in tracer.iter[1]:
+            saved = lm.blocks[-1].hook_resid_post.output.save()
+    out = tiny.generate(prompt, steps=4, gen_length=4, cache="blocks.3.hook_resid_post")
+    assert torch.allclose(saved, out.cache[1]["blocks.3.hook_resid_post"], atol=1e-5)
+
+
+def test_sweep_of_a_checkpoint_without_tokenizer_says_what_the_folder_needs(tmp_path, tiny, capsys):
+    # misuse24 U3: the sweep's only advice was the Python API's (pass token ids, set_tokenizer), which the command
+    # line cannot follow; nothing may be written
+    from mdm_lens import HookedMDM, sweep
+    from mdm_lens.errors import InputError
+    from mdm_lens.loading import save_pretrained
+    from mdm_lens.sweep.__main__ import main
+
+    save_pretrained(tiny, tmp_path / "ck")
+    (tmp_path / "ck" / "tokenizer.json").unlink()
+    assert HookedMDM.from_pretrained(str(tmp_path / "ck")).tokenizer is None
+    data = _zoo_items(tmp_path)
+    code = main(["--model", str(tmp_path / "ck"), "--data", str(data), "--probes", "accuracy", "--out",
+                 str(tmp_path / "out"), "--limit", "1"])
+    assert code == 2 and "tokenizer.json beside config.json" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(InputError) as e:
+        sweep.run(str(tmp_path / "ck"), str(data), "accuracy", str(tmp_path / "out"), limit=1, progress=False)
+    assert e.value.argument == "model"

@@ -111,8 +111,9 @@ class CanvasSampler(Sampler):
             runner.refuse_end_relative(plan.adaptive)
         runner.begin(batch, prompt_length + s.gen_length, plan.n_steps, n_blocks=plan.n_blocks,
                      phases=plan.phases)  # before compute
-        if not plan.adaptive:
-            arguments.warn_idle(self.idle_steps(s), plan.n_steps, s.gen_length)
+        idle = self.idle_steps(s)
+        if not plan.adaptive or idle:  # an adaptive run warns for the steps its schedule leaves idle (RND1)
+            arguments.warn_idle(idle, plan.n_steps, s.gen_length)
         generator = torch.Generator().manual_seed(obs.seed) if obs.seed is not None else None
         bar = progress_bar(obs.progress, plan.n_steps, f"{self.name} sampling")
         settings = dict(s.as_dict(), seed=obs.seed)

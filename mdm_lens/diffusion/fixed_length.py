@@ -16,8 +16,11 @@ def require_fixed_length(out: Any, what: str, would: str = "") -> None:
     if trace is None:
         return
     widths = sorted(set(trace.widths.tolist()))
-    raise _refusal(what, out.sampler, f"inserted and deleted rows mid-run (canvas widths {widths[:6]}"
-                   f"{' …' if len(widths) > 6 else ''})", would, "out")
+    changed = trace.n_slots > trace.n_original or bool((trace.removed_how != 0).any())
+    how = (f"inserted and deleted rows mid-run (canvas widths {widths[:6]}{' …' if len(widths) > 6 else ''})"
+           if changed else f"is variable-length: its steps are laid out by slot, and although this run happened to "
+           f"insert and delete nothing (canvas width {widths[0]} throughout), consumers do not special-case it")
+    raise _refusal(what, out.sampler, how, would, "out")
 
 
 def refuse_variable_sampler(kwargs: dict, what: str, would: str = "") -> None:

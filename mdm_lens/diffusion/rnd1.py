@@ -115,6 +115,12 @@ def rnd1_canvas(ids: Tensor, gen_length: int, *, mask_id: int, pad_id: int, eos_
     return x, maskable & (x != eos_id) & (x != pad_id)
 
 
+def scheduled_keep(total: int, step: int, steps: int) -> int:
+    """How many maskable positions stay masked after schedule step `step` (counted down from steps−1)."""
+    # the reference multiplies a long tensor by a Python float: a float32 product, then truncation
+    return int((torch.tensor(total) * (step / steps)).long())
+
+
 def rnd1_sample(runner: Any, x: Tensor, maskable: Tensor, prompt_length: int, *, steps: int, temperature: float,
                 top_k: int | None, top_p: float | None, greedy: bool, eb_gamma: float | None,
                 generator: torch.Generator | None, progress: Any = None) -> tuple[Tensor, TrajectoryRecorder]:
@@ -136,8 +142,7 @@ def rnd1_sample(runner: Any, x: Tensor, maskable: Tensor, prompt_length: int, *,
         elif eb_gamma is not None:
             commit = entropy_bounded(conf, ent, maskable, eb_gamma)
         else:
-            # the reference multiplies a long tensor by a Python float: a float32 product, then truncation
-            keep = int((torch.tensor(total) * (step / steps)).long())
+            keep = scheduled_keep(total, step, steps)
             commit = maskable & ~keep_by_entropy(ent, maskable, keep)
         x = torch.where(commit, pred, x)
         maskable = maskable & ~commit
@@ -205,6 +210,23 @@ class RND1Sampler(CanvasSampler):
 
     def plan(self, s: RND1Settings) -> Plan:
         return Plan(s.steps, adaptive="RND1 stops scoring once no position is maskable")
+
+    def idle_steps(self, s: RND1Settings) -> list[int]:
+        """The steps the entropy schedule leaves idle (its keep count does not fall: steps > gen_length), before
+        the run stops at the first step that empties the canvas; `eb_gamma` commits at least one per step."""
+        if s.eb_gamma is not None:
+            return []
+        left = total = s.gen_length - 1  # the reserved EOS slot is never maskable
+        idle = []
+        for k in range(s.steps):
+            step = s.steps - 1 - k
+            keep = scheduled_keep(total, step, s.steps) if step else 0
+            if keep >= left:
+                idle.append(k)
+            left = min(left, keep)
+            if left == 0:
+                break
+        return idle
 
     def logit_bytes(self, s: RND1Settings, dtype_bytes: int) -> int:
         """Per logit `rnd1_scores` allocates beside the aligned logits (profiled, fp32 and bf16): the reordered

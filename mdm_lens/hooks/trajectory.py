@@ -267,12 +267,14 @@ class TrajectoryCache:
         """A variable-length run stacks only steps whose rows are the same slots (nothing inserted or deleted
         between them); otherwise row k is a different token at different steps."""
         origins = self._origin.get(self._phase(phase), {})
-        got = [origins[s] for s in steps if s in origins]
-        if not got or all(o.shape == got[0].shape and torch.equal(o, got[0]) for o in got):
+        got = [(s, origins[s]) for s in steps if s in origins]
+        differ = [s for s, o in got if not (o.shape == got[0][1].shape and torch.equal(o, got[0][1]))]
+        if not differ:
             return
-        widths = sorted({int(o.shape[1]) for o in got})
-        raise InputError(f"{name}: this run inserted or deleted rows between the cached steps (canvas widths "
-                         f"{widths}), so row k is not the same token at every step and a [step, ...] stack (padded "
+        raise InputError(f"{name}: this run inserted or deleted rows between the cached steps (step {differ[0]}'s "
+                         f"rows are not step {got[0][0]}'s slots; widths {got[0][1].shape[1]} and "
+                         f"{origins[differ[0]].shape[1]}), so row k is not the same token at every step and a "
+                         "[step, ...] stack (padded "
                          "or aligned) would mix tokens. Read cache[step] with cache.origin_of(step) (original "
                          "position of each row, −1: inserted), or cache steps between which the length does not "
                          "change.", argument="name", value=name, allowed="steps with the same rows")

@@ -213,6 +213,11 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', world.rank))}"
     try:
         model = _load(model, device, dtype)
+        if model.tokenizer is None:  # the items are text: say what the CLI user can do (token ids are no option)
+            raise InputError(f"the sweep reads text items, but {model.cfg.model_name!r} has no tokenizer: a checkpoint "
+                             "folder needs its tokenizer.json beside config.json (from Python, pass a model after "
+                             "`model.set_tokenizer(tok)`).", argument="model", value=model.cfg.model_name,
+                             allowed="a model with a tokenizer")
         tmpl = TM.resolve_template(model, template)
         g = int(gen_length or model.cfg.extra.get("gen_length", 32))
         s = A.Settings(gen_length=g, steps=int(steps or g), block_length=block_length, keep_keys=keep_keys,
