@@ -230,7 +230,24 @@ class CheckedHookSurface(HookedRootModule):
         target = kwargs.get("device", args[0] if args else None)
         if isinstance(target, (str, torch.device)):
             validate.device(target, name="device")
-        return super().to(*args, **kwargs)
+        moved = super().to(*args, **kwargs)
+        dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
+        # as TL's move_to_and_update_config: cfg.dtype is what repr, save_pretrained and the memory plans read
+        if dtype is not None and dtype.is_floating_point and getattr(self, "cfg", None) is not None:
+            self.cfg.dtype = dtype
+        return moved
+
+    def half(self) -> Any:  # type: ignore[override]
+        return self.to(torch.float16)
+
+    def bfloat16(self) -> Any:  # type: ignore[override]
+        return self.to(torch.bfloat16)
+
+    def float(self) -> Any:  # type: ignore[override]
+        return self.to(torch.float32)
+
+    def double(self) -> Any:  # type: ignore[override]
+        return self.to(torch.float64)
 
     def cuda(self, device: Any = None) -> Any:  # type: ignore[override]
         validate.device("cuda" if device is None else (f"cuda:{device}" if isinstance(device, int) else device),

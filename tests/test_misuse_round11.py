@@ -261,3 +261,88 @@ def test_sweep_of_a_checkpoint_without_tokenizer_says_what_the_folder_needs(tmp_
     with pytest.raises(InputError) as e:
         sweep.run(str(tmp_path / "ck"), str(data), "accuracy", str(tmp_path / "out"), limit=1, progress=False)
     assert e.value.argument == "model"
+
+
+def test_kv_age_record_names_its_own_axes(tiny):
+    # misuse25 S2: kv_norms' meta said ("step", "batch", "layer", "kv_head", "pos") for its [step, pos] kv_age too
+    from mdm_lens import KeyValueNorms
+
+    prompt = tiny.to_tokens("ctx: paris is the capital. q: capital? a:")
+    out = tiny.generate(prompt, gen_length=8, block_length=4, steps=8, kv_cache="prefix", record=[KeyValueNorms()])
+    age, meta = out.records["kv_age"], out.record_meta
+    assert meta["kv_age"]["axes"] == ("step", "pos") and age.ndim == 2
+    assert meta["key_norms"]["axes"] == ("step", "batch", "layer", "kv_head", "pos") == meta["value_norms"]["axes"]
+    assert out.records["key_norms"].ndim == 5 and "record_axes" not in meta["kv_age"]
+    assert "('step', 'pos')" in repr(out)
+
+
+def test_to_dtype_updates_the_config_that_repr_and_save_read(tmp_path):
+    # misuse25 S4: model.to(torch.float32) left cfg.dtype bfloat16, so repr and the saved config.json named a
+    # dtype the weights do not have (TL's move_to_and_update_config updates it)
+    import json
+
+    from mdm_lens import HookedMDM, MDMConfig
+    from mdm_lens.loading import save_pretrained
+
+    cfg = MDMConfig(d_model=32, n_layers=2, n_heads=4, d_mlp=64, d_vocab=50, n_ctx=64, mask_token_id=49,
+                    dtype=torch.bfloat16, family="llada")
+    model = HookedMDM.from_config(cfg, seed=0)
+    assert model.to(torch.float32) is model and model.cfg.dtype == torch.float32 and cfg.dtype == torch.bfloat16
+    assert "bfloat16" not in repr(model)
+    save_pretrained(model, tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["dtype"] == "float32"
+    for convert, want in ((model.half, torch.float16), (model.bfloat16, torch.bfloat16),
+                          (model.double, torch.float64), (model.float, torch.float32)):
+        convert()
+        assert model.cfg.dtype == want == model.W_E.dtype
+    model.to("cpu")                                          # a device alone leaves the dtype
+    assert model.cfg.dtype == torch.float32
+
+
+def test_fastdllm_v2_refuses_a_pad_id_equal_to_the_mask_id():
+    # misuse25 S7: pad_id = mask id filled the tail after the stop token with mask ids counted as committed
+    from mdm_lens.errors import SamplerConfigError
+    from test_fastdllm_v2 import planted_model
+
+    model = planted_model()
+    with pytest.raises(SamplerConfigError) as e:
+        model.generate([[20, 21]], sampler="fastdllm_v2", block_size=4, small_block_size=4, max_new_tokens=8,
+                       stop_token=1, pad_id=49)
+    assert e.value.argument == "pad_id" and e.value.value == 49
+
+
+def test_noise_level_names_the_bad_level_not_the_forwards_sigma():
+    # misuse25 U2: a negative or NaN level was refused by the forward as `sigma=`, an argument the caller never saw
+    import math
+
+    from mdm_lens.ddit import HookedDDiT, ddit_config
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.probes.noise_level import noise_level
+
+    cfg = ddit_config("mdlm", d_vocab=40, n_ctx=16, d_model=32, cond_dim=16, n_layers=2, n_heads=2,
+                      time_conditioning=True)
+    m = HookedDDiT.from_config(cfg, seed=0)
+    toks = torch.tensor([[3, 5, 7, 9, cfg.mask_token_id, cfg.mask_token_id]])
+    for levels, name in (([0.5, -1.0], "levels[1]"), ([math.nan], "levels[0]"), ([math.inf, 1.0], "levels[0]")):
+        with pytest.raises(ArgumentError) as e:
+            noise_level(m, toks, levels=levels)
+        assert e.value.argument == name
+    assert noise_level(m, toks, levels=[0.0, 3.0]).anchor_share.shape[0] == 2
+
+
+def test_bridge_refuses_tl_weight_views_with_the_reason():
+    # misuse25 U3: model.OV on the bridge was a bare AttributeError; hasattr / getattr(default) keep working
+    from mdm_lens.bridge import TransformersBridge
+    from mdm_lens.bridge.tiny import tiny_diffusion_gemma
+    from mdm_lens.errors import UnsupportedAttributeError
+
+    model = TransformersBridge(tiny_diffusion_gemma(seed=0))
+    for name in ("OV", "QK", "W_Q", "W_in", "set_use_attn_result"):
+        with pytest.raises(UnsupportedAttributeError, match="transformers-native bridge") as e:
+            getattr(model, name)
+        assert e.value.argument == name
+        assert not hasattr(model, name) and getattr(model, name, 7) == 7
+    with pytest.raises(AttributeError) as e:
+        model.no_such_thing
+    assert not isinstance(e.value, UnsupportedAttributeError)
+    assert model.W_E.shape[0] == model.cfg.d_vocab

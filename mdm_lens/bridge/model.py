@@ -39,7 +39,7 @@ from mdm_lens.bridge.attention import AttnHooks, register
 from mdm_lens.bridge.layers import BlockHooks, NormHooks, tap, unwrap_layer, wrap_layer
 from mdm_lens.bridge.taps import TapPoint
 from mdm_lens.bridge.spec import describe
-from mdm_lens.errors import ConfigError, InputError
+from mdm_lens.errors import ConfigError, InputError, UnsupportedAttributeError
 from mdm_lens.hook_surface import CheckedHookSurface, bound_indices
 
 ReturnType = Literal["logits", "aligned", None]
@@ -78,6 +78,20 @@ def _dg_settings(model: Any, kwargs: dict) -> dict:
                                      "own block; leave block_length unset.", argument="block_length", value=block,
                                      allowed=f"None or {canvas}")
     return kw
+
+
+_HEADS = ("per-head weight views are not built: transformers' attention modules keep their own projections "
+          "(q/k norms, sliding windows, shared key/value heads), so W_Q / OV-style stacks would be copies of a "
+          "layout the bridge does not run")
+BRIDGE_UNSUPPORTED: dict[str, str] = {
+    **dict.fromkeys(("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O", "OV", "QK", "all_composition_scores"),
+                    _HEADS),
+    **dict.fromkeys(("W_in", "W_out", "W_gate", "b_in", "b_out"),
+                    "the MLPs (dense or mixture-of-experts) are transformers' own modules, with no stacked views"),
+    "set_use_attn_result": "hook_result (each head's W_O output) is not computed: the attention output is "
+                           "transformers' own o_proj; hook_z holds each head's value mix before it",
+    "accumulated_bias": "the bridge builds no stacked bias views",
+}
 
 
 class TransformersBridge(CheckedHookSurface):
@@ -288,6 +302,19 @@ class TransformersBridge(CheckedHookSurface):
     @property
     def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
         return self.hf.lm_head.weight.T
+
+    def __getattr__(self, name: str) -> Any:
+        # nn.Module resolves parameters and submodules here; a TL name HookedMDM has and the bridge does not build
+        # is refused with the reason instead of a bare AttributeError
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name not in BRIDGE_UNSUPPORTED:
+                raise
+        raise UnsupportedAttributeError(
+            f"model.{name} is not defined on the transformers-native bridge: {BRIDGE_UNSUPPORTED[name]}. Available "
+            "here: W_E, W_U, final_logits, transformers' parameters (model.hf.named_parameters()), and every hook "
+            "point (run_with_cache).", argument=name, value=name, allowed="W_E, W_U, final_logits, hooks")
 
     def process_weights_(self, *args: Any, **kwargs: Any) -> None:
         """Refused: the bridge runs transformers' own modules (norms with offsets such as Gemma's `1 + w`,

@@ -64,6 +64,9 @@ class FastDLLMv2Settings(SamplerSettings):
         if pad is None:
             raise err("no pad id (the reference writes tokenizer.pad_token_id after a stop token); pass pad_id=.",
                       argument="pad_id", value=None, allowed="a token id")
+        validate.distinct_ids({"cfg.mask_token_id": model.cfg.mask_token_id, "pad_id": pad},
+                              why="the tail after a stop token would hold mask ids that the trajectory counts as "
+                                  "committed tokens; pass the tokenizer's pad id.", error=err)
         return dataclasses.replace(
             self, block_size=bs, small_block_size=sbs,
             max_new_tokens=validate.integer(self.max_new_tokens, name="max_new_tokens", min=bs, error=err),

@@ -267,7 +267,7 @@ class KeyValueNorms(Reducer):
     @property
     def meta(self) -> dict[str, Any]:
         return {**super().meta, "kv_heads": list(getattr(self, "kv_heads", [])),
-                "axes": ("step", "batch", "layer", "kv_head", "pos")}
+                "axes": ("step", "batch", "layer", "kv_head", "pos"), "record_axes": {"kv_age": ("step", "pos")}}
 
 
 ABSENT_KEY = torch.iinfo(torch.int64).min  # TopKKeys' index where there is no k-th key: never a valid index

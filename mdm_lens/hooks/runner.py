@@ -201,7 +201,11 @@ class StepRunner:
         for r in self.reducers:
             for key, value in r.results().items():
                 records[key] = value
-                meta[key] = r.meta
+                # a reducer whose records differ in layout (kv_norms' kv_age is [step, pos]) names them per record
+                own = r.meta.get("record_axes", {})
+                meta[key] = {k: v for k, v in r.meta.items() if k != "record_axes"}
+                if key in own:
+                    meta[key]["axes"] = own[key]
                 if self.origins:  # column k of a variable-length step is no fixed position: say which it is
                     meta[key] = dict(meta[key], origin=self._origin_rows(r.steps_seen, int(r.max_pos)))
         return records, meta

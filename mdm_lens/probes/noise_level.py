@@ -160,6 +160,8 @@ def noise_level(model: Any, tokens: Any, levels: Sequence[float] | Tensor, *, qu
     if lv.numel() == 0:
         raise ArgumentError("levels is empty.", argument="levels", value=levels, allowed="one value or more")
     values = lv.tolist()
+    for i, v in enumerate(values):  # named here: the forward would blame its own `sigma=` argument
+        validate.number(v, name=f"levels[{i}]", min=0, max=1 if model.cfg.family == "gidd" else None)
     repeated = sorted({v for v in values if values.count(v) > 1})
     if repeated:  # as a repeated layer or step: a second row of the same level is no new measurement
         raise ArgumentError(f"levels={values} repeats {repeated}; give each level once.", argument="levels",
