@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import pandas as pd
+import pyarrow.parquet as pq
 
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentError, InputError
@@ -41,9 +42,9 @@ __all__ = ["report", "load_sweeps", "find_sweeps", "Sweep", "sections", "Section
 
 
 class Sweep:
-    """The sweep folder(s) of one model: manifests and lazily read tables (the first folder holding a table
-    provides it, so e.g. a knockout sweep on fewer items can sit beside the main one). Tables are read with
-    the dtypes of :mod:`mdm_lens.sweep.schema` (columns it does not know are kept as they are)."""
+    """The sweep folder(s) of one model, data file and settings: manifests and lazily read tables (the first folder
+    holding a table provides it, so e.g. a knockout sweep on fewer items can sit beside the main one). Tables are
+    read with the dtypes of :mod:`mdm_lens.sweep.schema` (columns it does not know are kept as they are)."""
 
     def __init__(self, roots: Sequence[Path]):
         self.roots = [Path(r) for r in roots]
@@ -69,20 +70,34 @@ class Sweep:
         return list(dict.fromkeys(p for m in self.manifests for p in m.get("arguments", {}).get("probes", [])))
 
 
+def _unreadable(shown: str, e: Exception) -> str:
+    first = str(e).splitlines()[0][:200] if str(e) else ""
+    return (f"{shown} is not a readable table ({type(e).__name__}: {first}); rerun the sweep into a fresh folder, "
+            "or remove the file")
+
+
+def _no_value(name: str, columns: Sequence[str]) -> bool:
+    """True when table ``name`` should have a ``value`` column (every section reads it) and has none."""
+    try:
+        known = schema.table_columns(name)
+    except ArgumentError:            # a table this version does not describe: as it is
+        return False
+    return "value" in known and "value" not in columns
+
+
 def _read(name: str, path: Path) -> pd.DataFrame:
     try:
         df = pd.read_parquet(path)
     except Exception as e:  # pyarrow's errors share no public base class: a truncated or foreign file
-        raise InputError(f"{path} is not a readable table ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                         "rerun the sweep into a fresh folder, or remove the file.", argument="folder",
-                         value=str(path), allowed="a finished sweep's tables") from None
+        raise InputError(f"{_unreadable(str(path), e)}.", argument="folder", value=str(path),
+                         allowed="a finished sweep's tables") from None
+    if _no_value(name, df.columns):  # name the table, not a KeyError
+        raise InputError(f"{path} has no 'value' column (columns: {list(df.columns)}): not a table this sweep "
+                         "wrote.", argument="folder", value=str(path), allowed="a finished sweep's tables")
     try:
         known = schema.table_columns(name)
     except ArgumentError:            # a table this version does not describe: as it is
         return df
-    if "value" in known and "value" not in df.columns:  # every section reads it: name the table, not a KeyError
-        raise InputError(f"{path} has no 'value' column (columns: {list(df.columns)}): not a table this sweep "
-                         "wrote.", argument="folder", value=str(path), allowed="a finished sweep's tables")
     cols = [c for c in df.columns if c in known]
     try:
         return df if not cols else df.assign(**schema.conform(name, df[cols]))
@@ -102,13 +117,46 @@ def _why_not_a_sweep(p: Path) -> str | None:
         done = int(m["items_done"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"manifest.json unreadable ({type(e).__name__}: {e})"
-    return "no items done (0 in manifest.json)" if done == 0 else None
+    if done == 0:
+        return "no items done (0 in manifest.json)"
+    return _bad_table(p)
+
+
+def _bad_table(p: Path) -> str | None:
+    """Why one of the tables of sweep folder ``p`` cannot be read, or None. Every table is checked here, from its
+    footer and schema only, because a table is read lazily from the first folder holding it: a damaged copy in a
+    later folder of the same sweep would otherwise never be read, and so never reported."""
+    for f in sorted(p.glob("*.parquet")):
+        try:
+            columns = pq.read_schema(f).names
+        except Exception as e:  # pyarrow's errors share no public base class: a truncated or foreign file
+            return _unreadable(f.name, e)
+        if _no_value(f.stem, columns):
+            return f"{f.name} has no 'value' column (columns: {columns}): not a table this sweep wrote"
+    return None
+
+
+# manifest ``arguments`` that do not decide a folder's rows: other probes (or the same probe again) complement a
+# sweep; the model id and the data's hash are the group key already (the data's path may differ); the batch size
+# and how items are cut into units decide no row when batching is "length" (rows bit-identical to the item alone)
+_NOT_ROWS = ("probes", "model", "data", "data_hash")
+_LENGTH_ONLY = ("batch_size", "layout")
+
+
+def _settings(man: dict) -> dict[str, Any]:
+    """The resolved settings of a sweep folder that decide its rows (``arguments`` less :data:`_NOT_ROWS`)."""
+    args = man.get("arguments", {})
+    args = args if isinstance(args, dict) else {}
+    drop = _NOT_ROWS + (_LENGTH_ONLY if args.get("batching", "length") == "length" else ())
+    return {k: v for k, v in args.items() if k not in drop}
 
 
 def find_sweeps(folder: str | Path, exclude: Sequence[Path] = ()) -> tuple[list[Sweep], list[tuple[str, str]]]:
-    """The sweeps in ``folder`` (itself, or its subfolders), grouped by model id in first-seen order, and the
-    subfolders left out with the reason: (name, why). Subfolders with neither ``sweep.json`` nor
-    ``manifest.json`` (a report, figures) are not sweeps and are not listed."""
+    """The sweeps in ``folder`` (itself, or its subfolders) in first-seen order, and the subfolders left out with
+    the reason: (name, why). Subfolders are one sweep when they share the model, the data file and the resolved
+    settings (manifest ``arguments`` but the probes); a folder whose table cannot be read is left out (``folder``
+    itself: an error). Subfolders with neither ``sweep.json`` nor ``manifest.json`` (a report, figures) are not
+    sweeps and are not listed."""
     folder = Path(folder)
     if not folder.is_dir():  # a typo in the path is not a missing sweep
         what = "is a file, not a folder" if folder.exists() else "does not exist"
@@ -117,7 +165,8 @@ def find_sweeps(folder: str | Path, exclude: Sequence[Path] = ()) -> tuple[list[
     if (folder / "manifest.json").exists():
         why = _why_not_a_sweep(folder)
         if why:
-            raise InputError(f"{folder} is not a usable sweep: {why}.", argument="folder", value=str(folder))
+            raise InputError(f"{folder} is not a usable sweep: {why}.", argument="folder", value=str(folder),
+                             allowed="a finished sweep folder with readable tables")
         return [Sweep([folder])], []
     skip = {Path(e).resolve() for e in exclude}
     subs = [p for p in sorted(folder.iterdir()) if p.is_dir() and p.resolve() not in skip] if folder.is_dir() else []
@@ -133,18 +182,28 @@ def find_sweeps(folder: str | Path, exclude: Sequence[Path] = ()) -> tuple[list[
         raise InputError(f"{folder} is not a sweep folder (no manifest.json) and has no finished sweep subfolders"
                          + (f" (left out: {detail})" if detail else "") + "; run `mdm-lens sweep ... --out DIR` "
                          "first.", argument="folder", value=str(folder))
-    # one Sweep per (model, data): folders of one model on one data file complement each other (e.g. a knockout
-    # sweep on fewer items); the same model on other data is another sweep, labelled with its folders, never mixed
-    groups: dict[tuple[str, str], list[Path]] = {}
+    # one Sweep per (model, data, settings): only folders of one model on one data file run with the same resolved
+    # settings complement each other (other probes, a knockout sweep on fewer items, resume pieces); the same
+    # model on other data or with other settings (steps, seed, dtype ...) is another sweep, labelled by its folders
+    # and the settings that differ, never mixed
+    groups: dict[tuple[str, str, str], list[Path]] = {}
+    settings: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in roots:
         man = json.loads((r / "manifest.json").read_text())
         data = man.get("arguments", {}).get("data_hash") or str(man.get("data", {}).get("path", ""))
-        groups.setdefault((man["model"]["id"], data), []).append(r)
+        rows = _settings(man)
+        key = (man["model"]["id"], data, json.dumps(rows, sort_keys=True, default=str))
+        groups.setdefault(key, []).append(r)
+        settings[key] = rows
     sweeps = [Sweep(rs) for rs in groups.values()]
-    models = [m for m, _ in groups]
-    for (model, _), sw in zip(groups, sweeps):
-        if models.count(model) > 1:
-            sw.label = f"{sw.label} ({', '.join(r.name for r in sw.roots)})"
+    for key, sw in zip(groups, sweeps):
+        mine = [settings[k] for k in groups if k[0] == key[0]]
+        if len(mine) > 1:
+            names = sorted({n for rows in mine for n in rows})
+            # a setting an older manifest does not record is told apart by the folder names alone
+            differ = [n for n in names if len({json.dumps(rows[n], default=str) for rows in mine if n in rows}) > 1]
+            shown = ", ".join(f"{n} {settings[key][n]}" for n in differ if n in settings[key])
+            sw.label = f"{sw.label} ({', '.join(r.name for r in sw.roots)}{'; ' + shown if shown else ''})"
     return sweeps, left
 
 
