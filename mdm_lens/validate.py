@@ -366,21 +366,54 @@ def path_kind(path: Any, *, name: str) -> str:
                             value=shown, allowed="a path of valid length") from e
 
 
-def output_file(path: Any, *, name: str) -> Any:
-    """A file path to write: not an existing folder, its parent an existing folder (the OS errors would be raw)."""
+def output_file(path: Any, *, name: str, suffixes: Sequence[str] | None = None, make_parents: bool = False) -> Any:
+    """A file path to write: not an existing folder, its parent an existing folder (the OS errors would be raw).
+
+    `suffixes` (e.g. ``(".png",)``, compared case-insensitively): the only endings allowed, for a writer whose
+    format is fixed (a PNG written as ``x.xyz`` would be a file no viewer opens by its name). `make_parents`: the
+    writer creates missing folders, so only an ancestor that is a file (mkdir would fail inside the OS) is refused."""
     from pathlib import Path
 
     if not isinstance(path, (str, Path)) or str(path) == "":
         raise ArgumentTypeError(f"{name}={path!r} is invalid: expected a file path.", argument=name, value=path,
                                 allowed="a str or pathlib.Path")
     p = Path(path)
+    example = p / ("figure" + suffixes[0] if suffixes else "page.html")
     if path_kind(p, name=name) == "dir":
-        raise ArgumentError(f"{name}={str(p)!r} is a folder: give a file path (e.g. {str(p / 'page.html')!r}).",
+        raise ArgumentError(f"{name}={str(p)!r} is a folder: give a file path (e.g. {str(example)!r}).",
                             argument=name, value=str(p), allowed="a file path")
-    if not p.parent.is_dir():
+    if suffixes is not None and p.suffix.lower() not in [x.lower() for x in suffixes]:
+        ends = " or ".join(suffixes)
+        raise ArgumentError(f"{name}={str(p)!r} is invalid: expected a file name ending in {ends} (the file is "
+                            f"written in that format whatever its name; e.g. {str(p.with_suffix(suffixes[0]))!r}).",
+                            argument=name, value=str(p), allowed=f"a path ending in {ends}")
+    if make_parents:
+        folder = p.parent
+        while path_kind(folder, name=name) == "missing" and folder != folder.parent:
+            folder = folder.parent
+        if path_kind(folder, name=name) == "file":
+            raise ArgumentError(f"{name}={str(p)!r}: {str(folder)!r} on its way is a file, so its folder cannot be "
+                                "created.", argument=name, value=str(p), allowed="a path whose folders are folders")
+    elif not p.parent.is_dir():
         raise ArgumentError(f"{name}={str(p)!r}: its folder {str(p.parent)!r} does not exist (or is a file).",
                             argument=name, value=str(p), allowed="a path in an existing folder")
     return p
+
+
+def known_name(value: Any, known: Iterable[str], *, name: str, what: str) -> str:
+    """A str among `known` when that set is too large to list in a message (matplotlib's colormaps): the message
+    names the nearest known names instead of all of them."""
+    import difflib
+
+    known = sorted(known)
+    if isinstance(value, str) and value in known:
+        return value
+    close = difflib.get_close_matches(str(value), known, n=3, cutoff=0.5) if isinstance(value, str) else []
+    hint = f"; nearest: {', '.join(map(repr, close))}" if close else f"; e.g. {', '.join(map(repr, known[:3]))}"
+    error = ArgumentError if isinstance(value, str) else ArgumentTypeError
+    raise error(f"{name}={describe(value)} is invalid: expected the name of {article(what)} {what} "
+                f"({len(known)} known{hint}).", argument=name, value=value,
+                allowed=f"the name of {article(what)} {what}")
 
 
 def output_folder(path: Any, *, name: str, allowed: str = "a folder path (new or existing)") -> Any:

@@ -93,17 +93,36 @@ def _str_tokens(out: Any, model: Any, item: int) -> list[str]:
     return [f"#{i}" for i in ids]
 
 
+def _received_name(out: Any, notes: list[str]) -> str | None:
+    """The received-attention record: `RECORD`, else one made with `ReceivedAttention(name=...)` -- found by its
+    meta (a "kind" of "mass"/"cumulative" and the [step, batch, layer, head, key] axes), since its name is the
+    user's. Several such records: the first is shown and a note names the others."""
+    if RECORD in out.records:
+        return RECORD
+    found = [n for n, m in out.record_meta.items() if n in out.records and m.get("kind") in ("mass", "cumulative")
+             and tuple(m.get("axes", ())) == ("step", "batch", "layer", "head", "key")]
+    if not found:
+        notes.append(f"no received-attention record (looked for {RECORD!r} and any ReceivedAttention record "
+                     f"under another name; records: {sorted(out.records) or 'none'}): generate with "
+                     "record=[ReceivedAttention()] to see it")
+        return None
+    notes.append(f"received attention from the record {found[0]!r}"
+                 + (f" (other received-attention records not shown: {found[1:]})" if len(found) > 1 else ""))
+    return found[0]
+
+
 def _received(out: Any, item: int, steps: list[int], max_heads: int, notes: list[str]) -> dict | None:
     """Per shown step, per recorded layer: [head..., mean] received attention of `item`."""
-    rec = out.records.get(RECORD)
-    if rec is None:
+    name = _received_name(out, notes)
+    if name is None:
         return None
+    rec = out.records[name]
     if rec.shape[0] == 0:  # kept but empty (its steps reused MDLM's cache): the view says why there is no panel
-        notes.append(empty_reason(out, RECORD))
+        notes.append(empty_reason(out, name))
         return None
-    meta = out.record_meta.get(RECORD, {})
+    meta = out.record_meta.get(name, {})
     layers = list(meta.get("layers", range(rec.shape[2])))
-    rec_steps = record_steps(out, RECORD, rec.shape[0])
+    rec_steps = record_steps(out, name, rec.shape[0])
     at = {s: i for i, s in enumerate(rec_steps)}
     # a block sampler's record spans its canvas rounded up to whole blocks: keep the run's positions only
     x = rec[:, item, ..., : out.tokens.shape[1]].float()  # [step, layer, head, key]
@@ -125,6 +144,8 @@ def _received(out: Any, item: int, steps: list[int], max_heads: int, notes: list
     values = [_rows(x[at[s]]) if s in at else None for s in steps]
     if meta.get("query") not in (None, "all"):
         notes.append(f"received attention over the query set {meta['query']!r}")
+    if meta.get("kind") == "cumulative":  # a sum over queries, not a share: values above 1 are expected
+        notes.append("cumulative received attention (sum over queries, not a share: a key's value can exceed 1)")
     return dict(layers=layers, heads=heads, values=values, kind=meta.get("kind", "mass"))
 
 
@@ -207,9 +228,7 @@ def _run_data(out: Any, model: Any, item: int, *, max_steps: int, max_heads: int
         notes.append(f"{n} steps > max_steps={max_steps}: {len(steps)} evenly spaced steps shown")
     traj = out.trajectory
     visible = out.attention_mask[item].bool()
-    received = _received(out, item, steps, max_heads, notes)
-    if received is None and RECORD not in out.records:  # (an empty record's note says why it is empty)
-        notes.append("no received-attention record: generate with record=[ReceivedAttention()] to see it")
+    received = _received(out, item, steps, max_heads, notes)  # its notes say why it is None, if it is
     kv_age = _kv_age(out, item, steps)
     data = dict(
         label=label, sampler=out.sampler, n_steps=n, steps=steps, notes=notes,

@@ -15,13 +15,61 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.transforms import blended_transform_factory
 
 from mdm_lens import validate
-from mdm_lens.errors import InputError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputError, OutOfRangeError
 from mdm_lens.views.figstyle import (
     ANCHOR_COLOR, NORM_COLOR, ANGLE_COLOR, series_styles, _np, save, _styled, _new, _tick_step,
-    _set_token_xticks, _short, finite_mean, shown)
+    _set_token_xticks, _short, colormap, finite_mean, shown)
 
 
 # --- §1.b absorption -------------------------------------------------------------------------------
+_CURVE = "(mean[L], std[L] or None)"
+
+
+def _curve(name: Any, value: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """`curves[name]` as (mean[L], std[L] or None): a bare array, a 2-d mean or a std of another length would be
+    drawn wrong (or fail inside numpy), so each is refused naming the curve."""
+    arg = f"curves[{name!r}]"
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise InputError(f"{arg} must be {_CURVE}; got {validate.describe(value)}.", argument=arg, value=value,
+                         allowed=f"a pair {_CURVE}")
+    mean = _np(value[0], name=f"{arg}[0]")
+    if mean.ndim != 1 or mean.size == 0:
+        raise InputError(f"{arg} must be {_CURVE}; mean has shape {mean.shape}, expected one value per layer.",
+                         argument=arg, value=mean.shape, allowed="a 1-d, non-empty mean")
+    if value[1] is None:
+        return mean, None
+    std = _np(value[1], name=f"{arg}[1]")
+    if std.ndim != 1 or std.size != mean.size:
+        raise InputError(f"{arg} must be {_CURVE}; std has {std.size} entries (shape {std.shape}) for {mean.size} "
+                         "layers.", argument=arg, value=std.shape, allowed=f"None or shape ({mean.size},)")
+    return mean, std
+
+
+def _nulls(nulls: Any, curves: dict[Any, tuple[np.ndarray, Any]]) -> dict[Any, np.ndarray]:
+    """`nulls[name]`: a number or one value per layer of `curves[name]`; a name not in `curves` would still add the
+    excess panel with nothing of its own in it."""
+    if nulls is None:
+        return {}
+    if not isinstance(nulls, Mapping):
+        raise ArgumentTypeError(f"nulls={validate.describe(nulls)}: expected a mapping {{model: null}} or None.",
+                                argument="nulls", value=nulls, allowed="a dict or None")
+    out = {}
+    for name, value in nulls.items():
+        if name not in curves:
+            raise ArgumentError(f"nulls has the model {name!r}, which is not in curves ({list(curves)}).",
+                                argument="nulls", value=name, allowed=f"keys of curves: {list(curves)}")
+        if value is None:
+            continue
+        v = _np(value, name=f"nulls[{name!r}]")
+        n_layers = curves[name][0].size
+        if v.ndim > 1 or v.size not in (1, n_layers):
+            raise InputError(f"nulls[{name!r}] has shape {v.shape}: expected a number or {n_layers} values (one per "
+                             "layer of its curve).", argument=f"nulls[{name!r}]", value=v.shape,
+                             allowed=f"a number or shape ({n_layers},)")
+        out[name] = v.ravel()
+    return out
+
+
 @_styled
 def absorption_by_layer(curves: Mapping[str, tuple[Any, Any]], nulls: Mapping[str, float | Any] | None = None,
                         title: str = "Attention absorbed by anchors, by layer", ylabel: str = "absorption (%)",
@@ -33,10 +81,16 @@ def absorption_by_layer(curves: Mapping[str, tuple[Any, Any]], nulls: Mapping[st
     if not isinstance(curves, Mapping) or not curves:
         raise InputError(f"curves={validate.describe(curves)}: expected a non-empty mapping {{model: (mean, std)}}.",
                          argument="curves", value=curves, allowed="a non-empty dict")
-    nulls = dict(nulls or {})
+    checked = {name: _curve(name, value) for name, value in curves.items()}
+    nulls = _nulls(nulls, checked)
     styles = series_styles(list(curves))
+    if show_excess is not None:
+        validate.boolean(show_excess, name="show_excess")
+        if show_excess and not nulls:  # the panel is the excess over the nulls: without them it would be empty
+            raise ArgumentError("show_excess=True needs nulls: the lower panel plots each curve minus its null.",
+                                argument="show_excess", value=True, allowed="False or None when nulls is empty")
     show_excess = bool(nulls) if show_excess is None else show_excess
-    max_l = max(len(_np(m)) for m, _ in curves.values())
+    max_l = max(len(m) for m, _ in checked.values())
     fig = _new((max(6.0, min(11.0, 0.22 * max_l + 3.5)), 5.2 if show_excess else 3.8))
     if show_excess:
         gs = fig.add_gridspec(2, 1, height_ratios=(2.4, 1))
@@ -45,10 +99,9 @@ def absorption_by_layer(curves: Mapping[str, tuple[Any, Any]], nulls: Mapping[st
     else:
         ax, ax2 = fig.add_subplot(), None
     lo_all = 0.0
-    for name, (mean, std) in curves.items():
+    for name, (m, std) in checked.items():
         st = styles[name]
-        m = _np(mean).ravel()
-        s = np.zeros_like(m) if std is None else _np(std).ravel()
+        s = np.zeros_like(m) if std is None else std
         x = np.arange(len(m))
         label = f"{name} (layer mean {shown(finite_mean(m), '.1f')})"
         ax.plot(x, m, color=st["color"], linestyle=st["linestyle"], marker=st["marker"], markersize=3.2,
@@ -57,7 +110,7 @@ def absorption_by_layer(curves: Mapping[str, tuple[Any, Any]], nulls: Mapping[st
             ax.fill_between(x, m - s, m + s, color=st["color"], alpha=0.16, linewidth=0, zorder=1)
         lo_all = min(lo_all, float(np.nanmin(m - s)))
         if name in nulls and nulls[name] is not None:
-            nv = _np(nulls[name]).ravel()
+            nv = nulls[name]
             nl = np.full_like(m, float(nv[0])) if nv.size == 1 else nv
             ax.plot(np.arange(len(nl)), nl, color=st["color"], linestyle=(0, (4, 2.5)), linewidth=1.1, alpha=0.9,
                     zorder=2)
@@ -76,7 +129,7 @@ def absorption_by_layer(curves: Mapping[str, tuple[Any, Any]], nulls: Mapping[st
     if nulls:
         handles.append(Line2D([], [], color="0.35", linestyle=(0, (4, 2.5)), linewidth=1.1))
         labels.append("uniform-attention null (dashed, per model)")
-    if any(sd is not None for _, sd in curves.values()):
+    if any(sd is not None for _, sd in checked.values()):
         handles.append(Patch(facecolor="0.6", alpha=0.3, linewidth=0))
         labels.append("± 1 std over samples")
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
@@ -96,6 +149,23 @@ def absorption_by_layer(curves: Mapping[str, tuple[Any, Any]], nulls: Mapping[st
 
 
 # --- §1.g temporal heatmap ---------------------------------------------------------------------------
+def _committed(committed_step: Any, S: int, T: int) -> np.ndarray:
+    """`committed_step[pos]`: a whole step < S (the row its marker goes in), < 0 for the prompt, NaN for never; a
+    step past the last row used to drop its marker silently."""
+    cs = _np(committed_step, name="committed_step")
+    if cs.ndim != 1 or cs.size != T:
+        raise InputError(f"committed_step has shape {cs.shape}: expected one entry per position ({T}).",
+                         argument="committed_step", value=cs.shape, allowed=f"shape ({T},)")
+    finite = np.isfinite(cs)
+    bad = np.nonzero(finite & ((cs >= S) | (cs != np.round(cs))))[0]
+    if bad.size:
+        j = int(bad[0])
+        raise OutOfRangeError(f"committed_step[{j}]={cs[j]:g} is invalid: expected a whole step in [0, {S - 1}] "
+                              f"(the {S} rows of received), a negative value for a prompt position or NaN for never.",
+                              argument=f"committed_step[{j}]", value=float(cs[j]), allowed=f"a step in [0, {S - 1}]")
+    return np.where(finite, cs, -1)
+
+
 @_styled
 def temporal_heatmap(received: Any, anchors: Any | None = None, token_labels: Sequence[str] | None = None,
                      title: str = "Received attention across denoising steps", path: str | Path | None = None,
@@ -107,12 +177,23 @@ def temporal_heatmap(received: Any, anchors: Any | None = None, token_labels: Se
     unmasking frontier). `scale`: 'linear', 'sqrt' (default: the tail stays visible next to a strong
     anchor) or 'log'. `prompt_length` draws a divider between prompt and canvas."""
     r = _np(received, name="received")
-    if r.ndim != 2:
-        raise InputError(f"received must be [step, pos], got shape {r.shape}.")
+    if r.ndim != 2 or r.size == 0:
+        raise InputError(f"received must be a non-empty [step, pos] array, got shape {r.shape}.", argument="received",
+                         value=r.shape, allowed="shape [step, pos]")
     S, T = r.shape
+    # a scale it does not know used to draw linear under a "(loggg scale)" colour-bar label
+    scale = validate.choice(scale, ("linear", "sqrt", "log"), name="scale")
+    cmap_ = colormap(cmap)
     a = None if anchors is None else _np(anchors, dtype=bool)
     if a is not None and a.shape != r.shape:
-        raise InputError(f"anchors has shape {a.shape}, received {r.shape}.")
+        raise InputError(f"anchors has shape {a.shape}, received {r.shape}.", argument="anchors", value=a.shape,
+                         allowed=f"shape {r.shape}")
+    if token_labels is not None and len(token_labels) != T:
+        raise InputError(f"token_labels has {len(token_labels)} entries for {T} positions.", argument="token_labels",
+                         value=len(token_labels), allowed=f"{T} labels")
+    if prompt_length is not None:  # 0 (no prompt) and T (all prompt) draw no divider; beyond, it fell off the plot
+        prompt_length = validate.integer(prompt_length, name="prompt_length", min=0, max=T, error=OutOfRangeError)
+    cs = None if committed_step is None else _committed(committed_step, S, T)
     width = float(np.clip(0.15 * T + 2.6, 6.0, 18.0))
     height = float(np.clip(0.16 * S + 1.8, 3.0, 10.0)) + (0.7 if token_labels is not None else 0)
     fig = _new((width, height))
@@ -127,7 +208,7 @@ def temporal_heatmap(received: Any, anchors: Any | None = None, token_labels: Se
         norm = mcolors.PowerNorm(gamma=0.5, vmin=0.0, vmax=vmax)
     else:
         norm = mcolors.Normalize(vmin=0.0, vmax=vmax)
-    cm = matplotlib.colormaps[cmap].with_extremes(bad="0.93")
+    cm = cmap_.with_extremes(bad="0.93")
     im = ax.imshow(np.ma.masked_invalid(r), aspect="auto", cmap=cm, norm=norm, origin="upper",
                    extent=(-0.5, T - 0.5, S - 0.5, -0.5))
     handles = []
@@ -138,11 +219,8 @@ def temporal_heatmap(received: Any, anchors: Any | None = None, token_labels: Se
             ax.add_patch(Rectangle((j - 0.5, s - 0.5), 1, 1, fill=False, hatch="////",
                                    edgecolor="white" if dark else "black", linewidth=0.0))
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="////", label="anchor (floating token)"))
-    if committed_step is not None:
-        cs = _np(committed_step).ravel()
-        if cs.size != T:
-            raise InputError(f"committed_step has {cs.size} entries for {T} positions.")
-        gen = np.nonzero((cs >= 0) & (cs < S))[0]
+    if cs is not None:
+        gen = np.nonzero(cs >= 0)[0]
         if gen.size:
             ax.scatter(gen, cs[gen], marker="o", s=max(6.0, min(22.0, 900.0 / max(T, S))), facecolor="#E69F00",
                        edgecolor="black", linewidth=0.5, zorder=4)
@@ -176,11 +254,21 @@ def qk_maps(qk: Any, cos: Any, normprod: Any, anchor_positions: Sequence[int] = 
     """Three [query, key] panels: raw q·k (no 1/√d), cos θ and ‖q‖‖k‖; anchor key columns marked with a
     red ▲ above each panel (the paper's "floating position") and a thin outline; the upper triangle
     (keys after the query) is greyed out when `causal`. In ‖q‖‖k‖ the column structure is purely ‖k_j‖."""
-    mats = [_np(qk), _np(cos), _np(normprod)]
-    T = mats[0].shape[-1]
-    for m in mats:
-        if m.shape != (T, T):
-            raise InputError(f"qk, cos and normprod must all be [T, T] with T={T}; got {m.shape}.")
+    mats = [_np(qk, name="qk"), _np(cos, name="cos"), _np(normprod, name="normprod")]
+    T = mats[0].shape[-1] if mats[0].ndim else 0
+    for arg, m in zip(("qk", "cos", "normprod"), mats):
+        if m.shape != (T, T) or T == 0:
+            raise InputError(f"qk, cos and normprod must all be [T, T] with T={T}; {arg} has shape {m.shape}.",
+                             argument=arg, value=m.shape, allowed=f"shape ({T}, {T})")
+    if isinstance(anchor_positions, np.ndarray):
+        anchor_positions = anchor_positions.tolist()
+    # a key past T used to draw its marker off the map (and index token_labels out of range)
+    anchor_positions = validate.indices(anchor_positions, T, name="anchor_positions", what="key position",
+                                        allow_empty=True)
+    if token_labels is not None and len(token_labels) != T:
+        raise InputError(f"token_labels has {len(token_labels)} entries for {T} positions.", argument="token_labels",
+                         value=len(token_labels), allowed=f"{T} labels")
+    causal = validate.boolean(causal, name="causal")
     if causal:
         upper = np.triu(np.ones((T, T), dtype=bool), k=1)
         mats = [np.where(upper, np.nan, m) for m in mats]
@@ -236,13 +324,19 @@ def qk_decomposition_bars(norm_term: Any, angle_term: Any, labels: Sequence[str]
                           path: str | Path | None = None, ylabel: str = "logit advantage (per √d)") -> Figure:
     """Diverging stacked bars per head: N (key-norm term) and G (angle term) stack from zero on their own
     side; a black ◆ marks Δ = N + G. The last, separated group is the head mean."""
-    n, g = _np(norm_term, name="norm_term").ravel(), _np(angle_term, name="angle_term").ravel()
+    n, g = _np(norm_term, name="norm_term"), _np(angle_term, name="angle_term")
+    for arg, v in (("norm_term", n), ("angle_term", g)):  # a [layer, head] grid was flattened into one bar row
+        if v.ndim != 1 or v.size == 0:
+            raise InputError(f"{arg} has shape {v.shape}: expected one value per head (1-d, non-empty).",
+                             argument=arg, value=v.shape, allowed="shape (heads,)")
     if n.shape != g.shape:
-        raise InputError(f"norm_term {n.shape} and angle_term {g.shape} differ.")
+        raise InputError(f"norm_term {n.shape} and angle_term {g.shape} differ.", argument="angle_term",
+                         value=g.shape, allowed=f"shape {n.shape}")
     H = n.size
     labels = [f"H{h}" for h in range(H)] if labels is None else [str(x) for x in labels]
     if len(labels) != H:
-        raise InputError(f"{len(labels)} labels for {H} heads.")
+        raise InputError(f"{len(labels)} labels for {H} heads.", argument="labels", value=len(labels),
+                         allowed=f"{H} labels")
     nn_ = np.append(n, np.nanmean(n))
     gg = np.append(g, np.nanmean(g))
     x = np.append(np.arange(H, dtype=float), H + 0.8)

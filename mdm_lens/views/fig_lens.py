@@ -11,20 +11,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-import matplotlib
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from mdm_lens.errors import InputError
-from mdm_lens.views.figstyle import _new, _np, _styled, _tick_step, layer_step_axes, save, shown
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentError, InputError, OutOfRangeError
+from mdm_lens.views.figstyle import _new, _np, _styled, _tick_step, colormap, layer_step_axes, save, shown
 
 __all__ = ["lens_heatmap", "emergence_map", "lens_grid", "lens_section"]
 
 
 def _check_grid(a: np.ndarray, rows: Sequence[int], cols: Sequence[int], what: str) -> None:
     if a.ndim != 2 or a.shape != (len(rows), len(cols)):
-        raise InputError(f"{what} must be [{len(rows)}, {len(cols)}], got {a.shape}.")
+        raise InputError(f"{what} must be [{len(rows)}, {len(cols)}], got {a.shape}.", argument=what, value=a.shape,
+                         allowed=f"shape ({len(rows)}, {len(cols)})")
 
 
 @_styled
@@ -36,11 +37,15 @@ def lens_heatmap(grid: Any, steps: Sequence[int], layers: Sequence[int], *, titl
     g = _np(grid, name="grid")
     _check_grid(g, layers, steps, "grid")
     L, S = g.shape
+    vmin, vmax = validate.number(vmin, name="vmin"), validate.number(vmax, name="vmax")
+    if vmax <= vmin:  # an empty colour range: every cell one colour, and the side strip divides by ~0
+        raise ArgumentError(f"vmax={vmax:g} is invalid: expected a number > vmin={vmin:g}.", argument="vmax",
+                            value=vmax, allowed=f"a number > {vmin:g}")
+    cm = colormap(cmap).with_extremes(bad="0.85")
     fig = _new((min(11.0, max(6.5, 2.4 + 0.32 * S)), min(8.0, max(2.8, 1.6 + 0.38 * L))))
     gs = fig.add_gridspec(1, 2, width_ratios=(S, max(1.5, S * 0.18)), wspace=0.06)
     ax = fig.add_subplot(gs[0])
     side = fig.add_subplot(gs[1], sharey=ax)
-    cm = matplotlib.colormaps[cmap].with_extremes(bad="0.85")
     im = ax.imshow(np.ma.masked_invalid(g), cmap=cm, vmin=vmin, vmax=vmax, aspect="auto", origin="lower",
                    extent=(-0.5, S - 0.5, -0.5, L - 0.5))
     layer_step_axes(ax, layers, steps)
@@ -67,13 +72,22 @@ def emergence_map(first: Any, commit: Any, layers: Sequence[int], *, labels: Seq
     layer knew it before the commit step)."""
     f = _np(first, name="first")
     c = _np(commit, name="commit").reshape(-1)
+    if f.ndim != 2 or f.shape != (len(layers), c.shape[0]) or f.size == 0:
+        raise InputError(f"first must be [{len(layers)}, {c.shape[0]}] (layers, commit's positions), got {f.shape}.",
+                         argument="first", value=f.shape, allowed=f"shape ({len(layers)}, {c.shape[0]})")
     L, P = f.shape
-    if L != len(layers) or c.shape[0] != P:
-        raise InputError(f"first must be [{len(layers)}, {c.shape[0]}], got {f.shape}.")
+    if labels is not None and len(labels) != P:
+        raise InputError(f"labels has {len(labels)} entries for {P} answer positions.", argument="labels",
+                         value=len(labels), allowed=f"{P} labels")
+    if n_steps is not None:  # the colour scale's top: a step of `first` or `commit` past it would be clipped
+        seen = np.concatenate([f.reshape(-1), c])
+        seen = seen[np.isfinite(seen)]
+        low = int(seen.max()) + 1 if seen.size else 1
+        n_steps = validate.integer(n_steps, name="n_steps", min=max(low, 1), error=OutOfRangeError)
+    cm = colormap(cmap).with_extremes(bad="white")
     top = n_steps if n_steps is not None else int(np.nanmax(np.concatenate([f.reshape(-1), c]))) + 1
     fig = _new((min(12.0, max(6.5, 2.6 + 0.5 * P)), min(8.0, max(2.8, 1.8 + 0.38 * L))))
     ax = fig.add_subplot()
-    cm = matplotlib.colormaps[cmap].with_extremes(bad="white")
     im = ax.imshow(np.ma.masked_invalid(f), cmap=cm, vmin=0, vmax=max(top - 1, 1), aspect="auto", origin="lower",
                    extent=(-0.5, P - 0.5, -0.5, L - 0.5))
     for (l, p) in zip(*np.nonzero(np.isfinite(f) & (f < c[None]))):

@@ -12,9 +12,35 @@ import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from mdm_lens.errors import ArgumentTypeError, InputError
+from mdm_lens import validate
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputError
 from mdm_lens.views.figstyle import (
-    KNOCK_COLOR, RANDOM_COLOR, series_styles, _np, save, _styled, _new, _tick_step, _short, finite_mean, shown)
+    KNOCK_COLOR, RANDOM_COLOR, series_styles, _np, save, _styled, _new, _tick_step, _short, colormap, finite_mean,
+    shown)
+
+
+def _listlike(value: Any) -> bool:
+    """A list, tuple, range, array or pandas index; not a str (its characters would become the categories)."""
+    return not isinstance(value, (str, bytes)) and hasattr(value, "__len__") and hasattr(value, "__iter__")
+
+
+def _per_category(name: str, value: Any, n: int) -> np.ndarray:
+    """One value per bar / point: a 2-d array used to be flattened and then matched by its total size."""
+    v = _np(value, name=name)
+    if v.ndim != 1 or v.size != n:
+        raise InputError(f"{name} has shape {v.shape}: expected {n} values (one per x value / condition).",
+                         argument=name, value=v.shape, allowed=f"shape ({n},)")
+    return v
+
+
+def _error_bars(name: str, value: Any, n: int, pair: str = "below, above") -> np.ndarray:
+    """A ± half-width per point (`[n]`) or two rows per point (`[2, n]`: the distances below and above for bars,
+    the lower and upper bounds for a band); any other shape used to broadcast wrongly or fail inside matplotlib."""
+    e = _np(value, name=name)
+    if e.shape not in ((n,), (2, n)):
+        raise InputError(f"{name} has shape {e.shape}: expected ({n},) (± per point) or (2, {n}) ({pair}).",
+                         argument=name, value=e.shape, allowed=f"shape ({n},) or (2, {n})")
+    return e
 
 
 # --- §1.d retrieval heads ----------------------------------------------------------------------------
@@ -25,16 +51,20 @@ def retrieval_heatmap(scores: Any, title: str = "Retrieval score per head", thre
     (by default only when they are under half of all heads, so dense maps stay readable; force with
     `outline`). A side strip gives the per-layer mean (bar) and the fraction of heads above threshold (●)."""
     s = _np(scores, name="scores")
-    if s.ndim != 2:
-        raise InputError(f"scores must be [layer, head], got {s.shape}.")
+    if s.ndim != 2 or s.size == 0:
+        raise InputError(f"scores must be a non-empty [layer, head] array, got shape {s.shape}.", argument="scores",
+                         value=s.shape, allowed="shape [layer, head]")
     L, H = s.shape
+    threshold = validate.number(threshold, name="threshold")
+    cm = colormap(cmap).with_extremes(bad="0.9")
+    if outline is not None:
+        validate.boolean(outline, name="outline")
     cell = float(np.clip(7.0 / max(L, H), 0.14, 0.42))
     fig = _new((max(H * cell + 3.2, 5.0), max(L * cell + 1.3, 2.6)))   # small maps collapsed the layout
     # the side strip at ~1/4 of the map (at least 1.6 head-widths): a fixed 4 made it as wide as a 4-head map
     gs = fig.add_gridspec(1, 2, width_ratios=(H, max(1.6, H * 0.25)), wspace=0.08)
     ax = fig.add_subplot(gs[0])
     side = fig.add_subplot(gs[1], sharey=ax)
-    cm = matplotlib.colormaps[cmap].with_extremes(bad="0.9")
     im = ax.imshow(np.ma.masked_invalid(s), cmap=cm, vmin=0.0, vmax=1.0, aspect="auto", origin="upper",
                    extent=(-0.5, H - 0.5, L - 0.5, -0.5))
     above = np.nan_to_num(s, nan=-1) > threshold
@@ -70,13 +100,13 @@ def retrieval_heatmap(scores: Any, title: str = "Retrieval score per head", thre
 
 
 # --- §1.e region flow --------------------------------------------------------------------------------
-@_styled
 def _mapping(value: Any, name: str) -> None:
     if not isinstance(value, Mapping):
         raise ArgumentTypeError(f"{name}={type(value).__name__} is not a mapping {{series name: values}}.",
                                 argument=name, value=type(value).__name__, allowed="a dict")
 
 
+@_styled
 def region_flow(rows: Mapping[str, Any], region_labels: Sequence[str], gold_index: Mapping[str, int] | None = None,
                 title: str = "Region-level attention flow (Answer row)", path: str | Path | None = None,
                 kind: str = "heatmap", value_label: str = "flow share") -> Figure:
@@ -84,12 +114,30 @@ def region_flow(rows: Mapping[str, Any], region_labels: Sequence[str], gold_inde
     (BOS, Query, Doc1..DocN, Answer). `kind='heatmap'` (annotated cells, gold cell boxed) or 'bars'
     (grouped bars, gold bar hatched and edged). `gold_index[row]` = column of the gold region."""
     _mapping(rows, "rows")
+    kind = validate.choice(kind, ("heatmap", "bars"), name="kind")
+    if not rows:
+        raise InputError("rows is empty: expected {condition: one value per region}.", argument="rows", value={},
+                         allowed="a non-empty dict")
+    if not _listlike(region_labels) or len(region_labels) == 0:
+        raise ArgumentTypeError(f"region_labels={validate.describe(region_labels)}: expected a non-empty list of "
+                                "region names.", argument="region_labels", value=region_labels,
+                                allowed="a non-empty list of str")
     names = list(rows)
-    M = np.stack([_np(rows[k]).ravel() for k in names])
     R = len(region_labels)
-    if M.shape[1] != R:
-        raise InputError(f"rows have {M.shape[1]} regions, region_labels {R}.")
+    for k in names:  # a [condition, region] grid in one row was flattened into R * n columns
+        v = _np(rows[k], name=f"rows[{k!r}]")
+        if v.ndim != 1 or v.size != R:
+            raise InputError(f"rows[{k!r}] has shape {v.shape}: expected one value per region ({R}, as "
+                             "region_labels).", argument=f"rows[{k!r}]", value=v.shape, allowed=f"shape ({R},)")
+    M = np.stack([_np(rows[k]) for k in names])
+    if gold_index is not None:
+        _mapping(gold_index, "gold_index")
     gold_index = dict(gold_index or {})
+    for k, g in gold_index.items():  # a row name not in rows was ignored; a column past R drew its box off the map
+        if k not in rows:
+            raise ArgumentError(f"gold_index has the row {k!r}, which is not in rows ({names}).",
+                                argument="gold_index", value=k, allowed=f"keys of rows: {names}")
+        gold_index[k] = validate.index(g, R, name=f"gold_index[{k!r}]", what="region column")
     labels = [_short(x, 20) for x in region_labels]  # 14 cut "other docs (mean)" to "other docs (m…"
     if kind == "heatmap":
         fig = _new((float(np.clip(0.62 * R + 2.8, 5.5, 16)), 0.52 * len(names) + 1.9))
@@ -137,8 +185,8 @@ def region_flow(rows: Mapping[str, Any], region_labels: Sequence[str], gold_inde
         handles = ax.get_legend_handles_labels()[0]
         if gold_index:
             handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="gold document"))
-    else:
-        raise InputError("kind must be 'heatmap' or 'bars'.")
+    else:  # unreachable: kind was checked above
+        raise AssertionError(kind)
     ax.set_title(title, loc="left")
     if handles and kind == "bars":
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), borderaxespad=0.2)
@@ -158,19 +206,29 @@ def knockout_effect(layers_or_conditions: Sequence[Any], anchor_effect: Any, ran
                     xlabel: str | None = None, show_values: bool = False) -> Figure:
     """Grouped bars per layer/condition: knocking out the anchor keys vs the same number of random keys,
     with optional error bars (e.g. std or 95% CI); `show_values` prints each bar's value."""
+    if not _listlike(layers_or_conditions):
+        raise ArgumentTypeError(f"layers_or_conditions={validate.describe(layers_or_conditions)}: expected a list of "
+                                "layers or condition names.", argument="layers_or_conditions",
+                                value=layers_or_conditions, allowed="a list")
     cats = [str(c) for c in layers_or_conditions]
-    a, r = _np(anchor_effect, name="anchor_effect").ravel(), _np(random_effect, name="random_effect").ravel()
-    if not (len(cats) == a.size == r.size):
-        raise InputError(f"{len(cats)} conditions, {a.size} anchor effects, {r.size} random effects.")
     K = len(cats)
+    if K == 0:
+        raise InputError("layers_or_conditions is empty.", argument="layers_or_conditions", value=[],
+                         allowed="at least one layer or condition")
+    a, r = _per_category("anchor_effect", anchor_effect, K), _per_category("random_effect", random_effect, K)
+    anchor_err = None if anchor_err is None else _error_bars("anchor_err", anchor_err, K)
+    random_err = None if random_err is None else _error_bars("random_err", random_err, K)
+    if not (isinstance(labels, (tuple, list)) and len(labels) == 2):
+        raise ArgumentTypeError(f"labels={validate.describe(labels)}: expected two legend labels (anchor, random).",
+                                argument="labels", value=labels, allowed="a pair of str")
+    show_values = validate.boolean(show_values, name="show_values")
     fig = _new((float(np.clip(0.42 * K + 3.2, 5.6, 16.0)), 3.8))
     ax = fig.add_subplot()
     x = np.arange(K)
     w = 0.38
     ekw = {"elinewidth": 0.9, "capsize": 2.0, "ecolor": "0.2"}
-    b1 = ax.bar(x - w / 2, a, w, yerr=None if anchor_err is None else _np(anchor_err), color=KNOCK_COLOR,
-                label=labels[0], error_kw=ekw)
-    b2 = ax.bar(x + w / 2, r, w, yerr=None if random_err is None else _np(random_err), color=RANDOM_COLOR,
+    b1 = ax.bar(x - w / 2, a, w, yerr=anchor_err, color=KNOCK_COLOR, label=labels[0], error_kw=ekw)
+    b2 = ax.bar(x + w / 2, r, w, yerr=random_err, color=RANDOM_COLOR,
                 label=labels[1], error_kw=ekw)
     if show_values:  # two decimals, and a plain 0.00 for float noise (not "1.7e-06")
         for bars, v in ((b1, a), (b2, r)):
@@ -201,7 +259,18 @@ def accuracy_curves(x: Sequence[Any], series: Mapping[str, Any], xlabel: str = "
     Non-numeric `x` (e.g. 'first', 'middle', 'last') is placed at equal spacing."""
     _mapping(series, "series")
     if not series:
-        raise InputError("series is empty.")
+        raise InputError("series is empty.", argument="series", value={}, allowed="a non-empty dict")
+    if not _listlike(x) or len(x) == 0:
+        raise ArgumentTypeError(f"x={validate.describe(x)}: expected a non-empty list of x values.", argument="x",
+                                value=x, allowed="a non-empty list")
+    if errors is not None:
+        _mapping(errors, "errors")
+        for name in errors:  # a name not in series was silently ignored
+            if name not in series:
+                raise ArgumentError(f"errors has the series {name!r}, which is not in series ({list(series)}).",
+                                    argument="errors", value=name, allowed=f"keys of series: {list(series)}")
+    if chance is not None:
+        chance = validate.number(chance, name="chance")
     styles = series_styles(list(series))
     labels = [str(v) for v in x]
     try:
@@ -213,14 +282,12 @@ def accuracy_curves(x: Sequence[Any], series: Mapping[str, Any], xlabel: str = "
     ax = fig.add_subplot()
     lo, hi = np.inf, -np.inf
     for name, ys in series.items():
-        y = _np(ys).ravel()
-        if y.size != xs.size:
-            raise InputError(f"series {name!r} has {y.size} points for {xs.size} x values.")
+        y = _per_category(f"series[{name!r}]", ys, xs.size)
         st = styles[name]
         ax.plot(xs, y, color=st["color"], linestyle=st["linestyle"], marker=st["marker"],
                 markerfacecolor=st["markerfacecolor"], markeredgecolor=st["color"], label=name)
         if errors and name in errors and errors[name] is not None:
-            e = _np(errors[name])
+            e = _error_bars(f"errors[{name!r}]", errors[name], xs.size, "lower, upper bounds")
             lower, upper = (y - e, y + e) if e.ndim == 1 else (e[0], e[1])
             ax.fill_between(xs, lower, upper, color=st["color"], alpha=0.14, linewidth=0)
         lo, hi = min(lo, np.nanmin(y)), max(hi, np.nanmax(y))

@@ -4,6 +4,7 @@ styles by model family, saving, and small axis helpers."""
 from __future__ import annotations
 
 import functools
+import inspect
 import io
 import math
 import re
@@ -15,6 +16,7 @@ import numpy as np
 import matplotlib
 from matplotlib.figure import Figure
 
+from mdm_lens import validate
 from mdm_lens.errors import ArgumentTypeError, InputError
 
 # --- palette & style ---------------------------------------------------------------------------------
@@ -101,18 +103,39 @@ def _np(x: Any, dtype=float, name: str | None = None) -> np.ndarray:
                                 allowed="an array of numbers") from None
 
 
+def figure_path(path: Any, name: str = "path") -> Path | None:
+    """`path` checked before a figure is drawn: None, or a `.png` file path (the figure is always written as PNG)
+    that is not a folder and whose missing folders can be created (else the OS or PIL errors would be raw)."""
+    return None if path is None else validate.output_file(path, name=name, suffixes=(".png",), make_parents=True)
+
+
+def colormap(cmap: Any, name: str = "cmap") -> Any:
+    """A matplotlib colormap by name (a typo is an ArgumentError naming the nearest names, not a KeyError)."""
+    return matplotlib.colormaps[validate.known_name(cmap, matplotlib.colormaps, name=name, what="matplotlib colormap")]
+
+
 def save(fig: Figure, path: str | Path | None, dpi: int = DPI) -> Figure:
     """Save `fig` as a PNG at `path` (if given; folders are created) and return it."""
     if path is not None:
-        p = Path(path)
+        p = figure_path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(p, dpi=dpi, bbox_inches="tight", format="png")
     return fig
 
 
 def _styled(fn):
+    """The figure style, and the output `path` checked before anything is drawn (a bad one fails fast, typed)."""
+    signature = inspect.signature(fn)
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if "path" in signature.parameters:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:  # a wrong call: let the function itself raise Python's error
+                pass
+            else:
+                figure_path(bound.arguments.get("path"))
         with matplotlib.rc_context(STYLE):
             return fn(*args, **kwargs)
     return wrapper
@@ -170,7 +193,8 @@ def _set_token_xticks(ax, labels: Sequence[str] | None, n: int, max_labels: int 
     ax.set_xticks(idx)
     if labels is not None:
         if len(labels) != n:
-            raise InputError(f"token_labels has {len(labels)} entries for {n} positions.")
+            raise InputError(f"token_labels has {len(labels)} entries for {n} positions.", argument="token_labels",
+                             value=len(labels), allowed=f"{n} labels")
         ax.set_xticklabels([f"{_short(labels[i])} {i}" for i in idx], rotation=90, fontsize=fontsize)
     else:
         ax.set_xticklabels([str(i) for i in idx], fontsize=fontsize + 1)

@@ -101,7 +101,8 @@ function mdxExplore(uid) {
         var v = row && pos < row.length ? row[pos] : null;
         if (v === null || v === undefined) { delete T.span.dataset.received; T.bar.style.height = "0px"; }
         else { T.span.dataset.received = String(v); T.bar.style.height = (mx > 0 ? 2 + 28 * v / mx : 0).toFixed(1) + "px"; }
-        T.span.title = "position " + pos + (c >= 0 ? " · committed at step " + c : " · prompt") + (v !== null && v !== undefined ? " · received " + v.toFixed(4) : "");
+        T.span.title = "position " + pos + (c >= 0 ? " · committed at step " + c : " · prompt") + (v !== null && v !== undefined ?
+          (r.received.kind === "cumulative" ? " · cumulative received " : " · received ") + v.toFixed(4) : "");
         T.span.dataset.anchor = anchors && anchors.indexOf(pos) >= 0 ? "1" : "0";
         var span = r.block_span ? r.block_span[si] : null;  // the decoded block's positions (from the run itself)
         T.span.classList.toggle("mdx-block", !!span && pos >= span[0] && pos < span[1]);
