@@ -63,6 +63,11 @@ class SamplerConfigError(ArgumentError):
     """Sampler settings that cannot work together (checked before any compute)."""
 
 
+class SamplerConfigTypeError(SamplerConfigError, ArgumentTypeError):
+    """A sampler setting of the wrong type (`stability_threshold=2.5`, `confidence_threshold="0.5"`): a sampler
+    configuration error and a type error both, so either `except` catches it."""
+
+
 class StepForwardError(SamplerConfigError):
     """A run's step ran no forward that one plain forward of its canvas reproduces (a window read through a KV cache
     filled by earlier forwards): probes that patch or differentiate that forward refuse the step, saying why."""

@@ -22,7 +22,8 @@ from typing import Any, Iterable, Sequence, TypeVar
 import torch
 from torch import Tensor
 
-from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputTypeError, NonFiniteError, OutOfRangeError
+from mdm_lens.errors import (ArgumentError, ArgumentTypeError, InputTypeError, NonFiniteError, OutOfRangeError,
+                             SamplerConfigError, SamplerConfigTypeError)
 
 __all__ = ["index", "indices", "integer", "number", "boolean", "choice", "instances", "tensor", "finite",
            "same_shape", "describe", "device", "id_tensor", "distinct_ids"]
@@ -57,12 +58,18 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral)
 
 
+def _type_error(error: type[ArgumentError]) -> type[ArgumentError]:
+    """The wrong-type error for a check whose range error is `error`: a sampler setting of the wrong type is a
+    `SamplerConfigError` too (`SamplerConfigTypeError`), so a caller catching those is not bypassed by a type slip."""
+    return SamplerConfigTypeError if issubclass(error, SamplerConfigError) else ArgumentTypeError
+
+
 def integer(value: Any, *, name: str, min: int | None = None, max: int | None = None,
             error: type[ArgumentError] = ArgumentError) -> int:
     """An int (not a bool, not a float such as 4.5 or 4.0) within [min, max]."""
     bounds = _bounds(min, max)
     if not _is_int(value):
-        raise _fail(ArgumentTypeError, name, value, f"expected an int{bounds}")
+        raise _fail(_type_error(error), name, value, f"expected an int{bounds}")
     value = int(value)
     if (min is not None and value < min) or (max is not None and value > max):
         raise _fail(error, name, value, f"expected an int{bounds}")
@@ -86,7 +93,7 @@ def number(value: Any, *, name: str, min: float | None = None, max: float | None
     if isinstance(value, Tensor) and value.ndim == 0 and value.dtype != torch.bool:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise _fail(ArgumentTypeError, name, value, f"expected a number{bounds}")
+        raise _fail(_type_error(error), name, value, f"expected a number{bounds}")
     value = float(value)
     if not math.isfinite(value):
         raise _fail(error, name, value, f"expected a finite number{bounds}")

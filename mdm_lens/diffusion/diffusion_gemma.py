@@ -38,17 +38,16 @@ counted from the end ("last", -1) are refused while a stopping rule is on.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-from mdm_lens.diffusion import rules as R
 from mdm_lens import tokenization
 from mdm_lens.diffusion.arguments import prompt_tokens
+from mdm_lens.diffusion.diffusion_gemma_settings import (  # noqa: F401  (their home before the split)
+    GENERATION_SETTINGS, DiffusionGemmaSettings, prepare_settings)
 from mdm_lens.diffusion.output import GenerateOutput, Trajectory, model_key
 from mdm_lens.diffusion.registry import DEFAULT, Observation, Sampler, SamplerSettings, progress_bar, register
 from mdm_lens.diffusion.state import DenoisingState
@@ -68,23 +67,6 @@ def _seeded_sampler(sampler_cls: type, generator: torch.Generator) -> type:
                                  generator=generator)
 
     return SeededEntropyBoundSampler
-
-
-def prepare_settings(hf: Any, generation_config: Any = None, **settings: Any) -> Any:
-    """transformers' own resolution: call > `generation_config` > the model's > global defaults."""
-    unknown = sorted(set(settings) - set(GENERATION_SETTINGS))
-    if unknown:
-        raise SamplerConfigError(f"unknown DiffusionGemma setting(s) {unknown}; known: {list(GENERATION_SETTINGS)}.")
-    try:
-        gc, leftover = hf._prepare_generation_config(generation_config, **settings)
-    except ValueError as e:
-        raise SamplerConfigError(f"invalid DiffusionGemma generation settings: {e}") from e
-    if leftover:
-        raise SamplerConfigError(f"settings {sorted(leftover)} are not generation settings of DiffusionGemma.")
-    if gc.cache_implementation not in (None, "dynamic"):
-        raise SamplerConfigError(f"cache_implementation={gc.cache_implementation!r}: the step-by-step sampler runs "
-                                 "with a dynamic cache only (static caches exist for torch.compile).")
-    return gc
 
 
 def _check_vocab(ids: Tensor, d_vocab: int) -> None:
@@ -181,17 +163,20 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
     if entropy_bound is not None:
         if "sampler_config" in settings:
             raise SamplerConfigError("pass entropy_bound= or sampler_config=, not both.")
-        try:
-            settings["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=float(entropy_bound))
-        except ValueError as e:
-            raise SamplerConfigError(str(e)) from e
-    gc = prepare_settings(hf, generation_config, **settings)
+        # by its rule first: transformers' own check lets NaN through (NaN changes which samples are accepted)
+        bound = DiffusionGemmaSettings.rules["entropy_bound"].check(entropy_bound, "entropy_bound")
+        settings["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=bound)
+    gc = prepare_settings(hf, generation_config, model.cfg.d_vocab, **settings)
     ids, am = prompt_tokens(model, prompt, attention_mask)
     _check_vocab(ids, model.cfg.d_vocab)
     device = ids.device
     batch, cur_len = ids.shape
     prompt_length = cur_len
     max_length, max_new_tokens = hf._prepare_generated_length(gc, cur_len)
+    if max_new_tokens < 1:  # transformers reads max_length (with max_new_tokens at 256) as the total length
+        raise SamplerConfigError(f"max_length={gc.max_length} leaves no token to generate after the prompt of "
+                                 f"{cur_len}.", argument="max_length", value=gc.max_length,
+                                 allowed=f"an int > the prompt length {cur_len}, or None")
     canvas_len = hf.config.canvas_length
     n_canvases = math.ceil(max_new_tokens / canvas_len)
     n_steps = n_canvases * gc.max_denoising_steps
@@ -298,7 +283,8 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
                     state.extra.update(accepted=accepted_now, renoised=~accepted_now, denoiser_canvas=denoised,
                                        argmax_canvas=new_argmax,
                                        temperature=float(gc.t_min + (gc.t_max - gc.t_min) * cur_step
-                                                         / gc.max_denoising_steps) if gc.t_min is not None else 1.0)
+                                                         / gc.max_denoising_steps)
+                                       if gc.t_min is not None and gc.t_max is not None else 1.0)
                     runner.end_step(state)
                     top = probs.max(-1).values  # the committed argmax token's probability
                     recorder.record(step, block, seq, state.x, final, accepted_now, top)
@@ -342,38 +328,6 @@ def generate(model: Any, prompt: Any, *, attention_mask: Tensor | None = None, g
                          model_name=model.cfg.model_name, texts=texts, model_key=model_key(model))
     out.tokens_per_forward = hf._compute_tokens_per_forward(seq, forward_passes, prompt_length, gc.pad_token_id)
     return out
-
-
-@dataclass
-class DiffusionGemmaSettings(SamplerSettings):
-    """transformers' generation settings by their own names; an unset one (DEFAULT) resolves as transformers does:
-    the call, then `generation_config`, then the model's generation config, then the global defaults (an explicit
-    None is passed on: e.g. `stability_threshold=None` turns adaptive stopping off, as in transformers).
-    `entropy_bound` is a shortcut for `sampler_config=EntropyBoundSamplerConfig(entropy_bound=...)`."""
-
-    max_new_tokens: int | None = DEFAULT
-    max_length: int | None = DEFAULT
-    max_denoising_steps: int | None = DEFAULT
-    sampler_config: Any = DEFAULT
-    entropy_bound: float | None = DEFAULT
-    t_min: float | None = DEFAULT
-    t_max: float | None = DEFAULT
-    stability_threshold: float | None = DEFAULT
-    confidence_threshold: float | None = DEFAULT
-    eos_token_id: Any = DEFAULT
-    pad_token_id: int | None = DEFAULT
-    bos_token_id: int | None = DEFAULT
-    cache_implementation: str | None = DEFAULT
-    generation_config: Any = DEFAULT
-
-
-# passed on to transformers' generate, which checks them by its own rules (the bridge runs its loop unchanged)
-DiffusionGemmaSettings.rules = {f.name: R.anything("what transformers' GenerationConfig accepts")
-                                for f in dataclasses.fields(DiffusionGemmaSettings)}
-
-# transformers' own generation settings: the dataclass's fields less our two conveniences (one list, not two)
-GENERATION_SETTINGS = tuple(f.name for f in dataclasses.fields(DiffusionGemmaSettings)
-                            if f.name not in ("entropy_bound", "generation_config"))
 
 
 class DiffusionGemmaSampler(Sampler):

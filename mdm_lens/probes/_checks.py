@@ -106,6 +106,14 @@ def optional_int(v: Any, *, name: str, min: int | None = None) -> int | None:
 # generate keywords a probe that runs `generate` itself sets on its own (and what to pass instead)
 OWN_GENERATE = {"prompt": "the probe's own prompt argument is the prompt",
                 "steps": "pass the probe's n_steps= (or steps= where it takes one)",
+                # DiffusionGemma's spellings of the probe's own lengths: the probe always passes gen_length / steps
+                # (its defaults when the caller gave none), and scores the answer over gen_length, so a second
+                # spelling would either collide in the bridge or disagree with the positions the probe scores
+                "max_new_tokens": "pass the probe's gen_length= instead (it is DiffusionGemma's max_new_tokens)",
+                "max_denoising_steps": "pass the probe's n_steps= (or steps= where it takes one) instead: the total "
+                                       "over all canvases, which DiffusionGemma runs as max_denoising_steps = "
+                                       "n_steps / ceil(gen_length / canvas_length) per canvas",
+                "max_length": "the probe sets the length from its gen_length= (DiffusionGemma's max_new_tokens)",
                 "fwd_hooks": "the probe installs its own hooks on every run; hooks of yours would change what it "
                              "measures (run model.generate yourself to combine them)",
                 "hook_steps": "the probe's runs take no hooks of yours",
