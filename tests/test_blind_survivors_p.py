@@ -30,3 +30,24 @@ def test_a_hook_returning_the_same_elements_in_another_shape_is_refused(tiny):
                           fwd_hooks=[("blocks.1.hook_resid_post", lambda x, hook: reshape(x))])
     same = tiny.run_with_hooks(tokens, fwd_hooks=[("blocks.1.hook_resid_post", lambda x, hook: x.clone())])
     assert torch.allclose(same, tiny(tokens), atol=1e-6)
+
+
+def test_a_cache_over_two_phases_is_budgeted_for_both(tiny):
+    # LLaDA with cfg_scale > 0 runs a cond and an uncond forward per step: a cache of both phases holds twice the
+    # rows of one, and the budget check must count them (a cache budgeted for one phase would exceed its budget)
+    from mdm_lens import steps
+    from mdm_lens.errors import MemoryBudgetError
+    from mdm_lens.hooks.trajectory import TrajectoryCache
+
+    prompt = tiny.to_tokens("Q: what is the capital?")
+    name = "blocks.0.hook_resid_post"
+    run = dict(steps=4, gen_length=4, cfg_scale=1.0)
+    one = TrajectoryCache(name, steps())
+    tiny.generate(prompt, cache=one, **run)
+    both = TrajectoryCache(name, steps(phases=("cond", "uncond")))
+    out = tiny.generate(prompt, cache=both, **run)
+    assert both.estimated_bytes == 2 * one.estimated_bytes > 0
+    assert out.cache.stack(name, phase="uncond").shape[0] == 4 == out.cache.stack(name, phase="cond").shape[0]
+    with pytest.raises(MemoryBudgetError):
+        tiny.generate(prompt, cache=TrajectoryCache(name, steps(phases=("cond", "uncond")),
+                                                    budget_bytes=one.estimated_bytes * 3 // 2), **run)
