@@ -162,6 +162,9 @@ class MDMConfig:
                 raise ConfigError(f"{name}={value!r} is invalid: expected None or a token id in [0, d_vocab="
                                   f"{self.d_vocab}).")
 
+        if not isinstance(self.extra, dict):  # every family fact is read with extra.get(...)
+            raise ConfigError(f"extra={self.extra!r} is invalid: expected a dict of family facts (e.g. "
+                              "{'block_length': 32}).")
         check_extra_ints(self.extra)
 
     # --- TransformerLens aliases -------------------------------------------------------------------

@@ -225,11 +225,12 @@ class CheckedHookSurface(HookedRootModule):
         super()._enable_hook(name, shape_checked(hook) if dir == "fwd" else hook, dir)
 
     def to(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        """`nn.Module.to`, refusing a device this machine does not have (``"cuda"`` without CUDA) with a typed
-        error before anything moves."""
+        """`nn.Module.to`, refusing a device this machine does not have (``"cuda"`` without CUDA) or ``"meta"`` with
+        a typed error before anything moves; a dtype given updates ``cfg.dtype``."""
         target = kwargs.get("device", args[0] if args else None)
         if isinstance(target, (str, torch.device)):
-            validate.device(target, name="device")
+            # 'meta' keeps shapes only: every later forward would fail inside torch (from_pretrained refuses it too)
+            validate.storage_device(target, name="device", what="model's weights")
         moved = super().to(*args, **kwargs)
         dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
         # as TL's move_to_and_update_config: cfg.dtype is what repr, save_pretrained and the memory plans read

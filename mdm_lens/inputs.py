@@ -191,3 +191,15 @@ def position_ids(value: Any, tokens: Tensor) -> Int[Tensor, "batch pos"]:
         raise InputError(f"position_ids must be >= 0, got a minimum of {int(value.min())}.", argument="position_ids",
                          value=value, allowed="non-negative positions")
     return value.to(tokens.device).expand(b, t)
+
+
+def default_block_length(cfg: MDMConfig) -> int | None:
+    """The forward's block length when none is passed: `cfg.extra["block_length"]`. A block-causal model without
+    one attends bidirectionally, while the block samplers fall back to their reference's default (LLaDA2 32,
+    SDAR 4): said, so a plain forward and a sampler's forwards are not silently two different masks."""
+    block_length = cfg.extra.get("block_length")
+    if block_length is None and cfg.attention == "block_causal":
+        warnings.warn(f"{cfg.model_name}: attention='block_causal' with no cfg.extra['block_length'], so this forward "
+                      "attends bidirectionally (the block samplers would use their reference default instead); set "
+                      "cfg.extra['block_length'] or pass block_length=.", UserWarning, stacklevel=4)
+    return block_length

@@ -294,7 +294,7 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
                              "every query already sees only earlier keys. Drop it.", argument="block_length",
                              value=block_length, allowed="None on a causal model")
         if block_length is None and attn_mask is None:  # an explicit attn_mask is the whole mask asked for
-            block_length = self.cfg.extra.get("block_length")
+            block_length = inputs.default_block_length(self.cfg)
         if block_length is not None:
             block_length = validate.integer(block_length, name="block_length", min=1, error=InputError)
         mask, causal = self.build_mask(tokens, attention_mask, attn_mask, block_length)

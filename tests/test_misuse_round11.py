@@ -346,3 +346,113 @@ def test_bridge_refuses_tl_weight_views_with_the_reason():
         model.no_such_thing
     assert not isinstance(e.value, UnsupportedAttributeError)
     assert model.W_E.shape[0] == model.cfg.d_vocab
+
+
+def test_anchor_readers_refuse_a_cumulative_record(tiny):
+    # misuse26 S1: the anchor rules' thresholds are shares of a unit mass; a cumulative record (column sums, here
+    # ~30x larger) made gu find an anchor at every step
+    from mdm_lens import ReceivedAttention
+    from mdm_lens.errors import InputError
+    from mdm_lens.probes import run as R
+
+    prompt = tiny.to_tokens("ctx: paris is the capital. q: capital? a:")
+    out = tiny.generate(prompt, steps=4, gen_length=4,
+                        record=[ReceivedAttention(), ReceivedAttention(kind="cumulative", name="cum")])
+    for reader in (R.anchors_over_steps, R.drift_from_output):
+        with pytest.raises(InputError) as e:
+            reader(out, layer=0, record="cum")
+        assert e.value.argument == "record" and e.value.value == "cum" and "'cumulative'" in str(e.value)
+        reader(out, layer=0)                                      # the mass record still reads
+
+
+def test_explore_refuses_a_lens_trace_of_another_run(tiny, arm):
+    # misuse26 S2: only the step count and prompt length were compared, so another run's trace (even an MDM's on
+    # an ARM run) was drawn as this run's
+    from mdm_lens.errors import InputError
+    from mdm_lens.lens import lens_trace
+    from mdm_lens.views import explore
+
+    prompt = tiny.to_tokens("Q: what is the capital?")
+    out = tiny.generate(prompt, steps=4, gen_length=4, seed=0)
+    trace = lens_trace(tiny, out)
+    explore(out, tiny, lens_top1=trace)
+    other = tiny.generate(prompt, steps=4, gen_length=4, seed=0, temperature=1.0)
+    assert not torch.equal(other.tokens, out.tokens)
+    for run, model in ((other, tiny), (arm.generate(prompt, gen_length=4), arm)):
+        with pytest.raises(InputError, match="another run") as e:
+            explore(run, model, lens_top1=trace)
+        assert e.value.argument == "lens_top1"
+
+
+def test_a_block_causal_model_without_a_block_length_says_its_forward_is_bidirectional():
+    # misuse26 S4: the plain forward attended bidirectionally while the block samplers used their reference default
+    from mdm_lens import HookedMDM, MDMConfig
+
+    cfg = MDMConfig(d_model=32, n_layers=2, n_heads=4, d_mlp=64, d_vocab=50, mask_token_id=49, n_ctx=64,
+                    attention="block_causal")
+    model = HookedMDM.from_config(cfg, seed=0)
+    x = torch.randint(0, 49, (1, 12), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match=r"attends bidirectionally"):
+        model(x)
+    model.cfg.extra["block_length"] = 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        blocked = model(x)
+    assert torch.allclose(blocked, model(x, block_length=4))
+
+
+def test_explorer_save_wants_an_html_name(tiny, tmp_path):
+    # misuse26 S6: the page was written as HTML under any name, e.g. x.png
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.views import explore
+
+    page = explore(tiny.generate(tiny.to_tokens("Q: what is the capital?"), steps=2, gen_length=2), tiny)
+    with pytest.raises(ArgumentError) as e:
+        page.save(tmp_path / "x.png")
+    assert e.value.argument == "path" and not (tmp_path / "x.png").exists()
+    assert page.save(tmp_path / "x.HTML").read_text().startswith("<!doctype html>")
+
+
+def test_a_model_cannot_be_moved_to_meta_and_extra_must_be_a_dict():
+    # misuse26 C1 / C2: .to("meta") was accepted and the next forward died inside torch; MDMConfig(extra=[1]) was
+    # accepted and from_config died with "'list' object has no attribute 'get'"
+    from mdm_lens import HookedMDM, MDMConfig
+    from mdm_lens.errors import ArgumentError, ConfigError
+
+    base = dict(d_model=32, n_layers=1, n_heads=4, d_mlp=48, d_vocab=50, mask_token_id=49)
+    model = HookedMDM.from_config(MDMConfig(**base), seed=0)
+    for target in ("meta", torch.device("meta")):
+        with pytest.raises(ArgumentError) as e:
+            model.to(target)
+        assert e.value.argument == "device"
+    assert model.W_E.device.type == "cpu"
+    for extra in ([1], "abc", None):
+        with pytest.raises(ConfigError, match="extra="):
+            MDMConfig(**base, extra=extra)
+
+
+def test_length_keyword_refusal_points_to_the_step_selector(tiny):
+    # misuse26 U1: patch_anchor_activations(steps=[0]) was pointed to n_steps= only, never to its step=
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.probes import patching as PT
+
+    ids = tiny.to_tokens("ctx: paris is the capital. q: capital? a:")
+    with pytest.raises(ArgumentError, match=r"step= where it acts at one step") as e:
+        PT.patch_anchor_activations(tiny, ids, ids.flip(1), steps=[0])
+    assert e.value.argument == "steps"
+
+
+def test_sigma_patch_names_the_wrong_model_before_its_conditioning():
+    # misuse26 U3: another model's run was blamed on that model's time conditioning
+    from mdm_lens.ddit import HookedDDiT, ddit_config
+    from mdm_lens.errors import InputError
+    from mdm_lens.probes.conditioning import sigma_patch
+
+    small = dict(d_vocab=40, n_ctx=16, d_model=32, cond_dim=16, n_layers=2, n_heads=2)
+    ran = HookedDDiT.from_config(ddit_config("mdlm", **small, time_conditioning=True), seed=0)
+    other = HookedDDiT.from_config(ddit_config("mdlm", **dict(small, n_layers=1), time_conditioning=False), seed=1)
+    out = ran.generate(torch.tensor([[3, 5, 7]]), gen_length=4, steps=4, seed=0)
+    with pytest.raises(InputError, match="not by the model given") as e:
+        sigma_patch(other, out, 1, 3)
+    assert e.value.argument == "out"
+    assert sigma_patch(ran, out, 1, 3).shape[-1] == 40

@@ -105,7 +105,8 @@ def optional_int(v: Any, *, name: str, min: int | None = None) -> int | None:
 
 # generate keywords a probe that runs `generate` itself sets on its own (and what to pass instead)
 OWN_GENERATE = {"prompt": "the probe's own prompt argument is the prompt",
-                "steps": "pass the probe's n_steps= (or steps= where it takes one)",
+                "steps": "pass the probe's n_steps= for the number of denoising steps, and its own step selector "
+                         "(steps= where it takes a list, step= where it acts at one step) for where it acts",
                 # DiffusionGemma's spellings of the probe's own lengths: the probe always passes gen_length / steps
                 # (its defaults when the caller gave none), and scores the answer over gen_length, so a second
                 # spelling would either collide in the bridge or disagree with the positions the probe scores

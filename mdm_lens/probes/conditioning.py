@@ -27,6 +27,8 @@ def sigma_patch(model: Any, out: Any, step: int, source_step: int, *, fwd_hooks:
     Refused (InputError) on a model that ignores σ (MDLM with `time_conditioning` false zeroes it: the patch would
     change nothing) and on a run whose sampler records no σ per step. `fwd_hooks` are added to the replay (bound to
     steps by `at_steps` like any replay hook); `grad=True` keeps the autograd graph."""
+    if hasattr(out, "check_model"):  # another model's run first: its conditioning is not the question
+        out.check_model(model)
     if not model.cfg.extra.get("time_conditioning"):
         raise InputError(f"sigma_patch: {model.cfg.model_name} is not time-conditioned (σ is zeroed inside the "
                          "network), so every step's conditioning is the same and the patch changes nothing.",

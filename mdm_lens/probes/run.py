@@ -28,7 +28,7 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.diffusion.fixed_length import require_fixed_length
-from mdm_lens.errors import ArgumentError, ArgumentTypeError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputError
 from mdm_lens.hooks.record_steps import record_steps
 
 from . import _checks as C
@@ -138,6 +138,11 @@ def _series(out: Any, layer: int | None, head: Any, record: str) -> tuple[Tensor
     # canvas, not answer, and the trajectory (commit steps) stops there: they are left out here
     rec = rec[..., :out.tokens.shape[1]]
     meta = out.record_meta.get(record, {})
+    if meta.get("kind", "mass") != "mass":  # the anchor rules' thresholds are shares of one query's unit mass
+        raise InputError(f"record={record!r} is a {meta['kind']!r} ReceivedAttention record (column sums over the "
+                         "queries, not a distribution over keys); the anchor rules' thresholds are for mass records: "
+                         "record ReceivedAttention() (kind='mass') and pass its name.", argument="record",
+                         value=record, allowed="a kind='mass' received-attention record")
     rec_layers = list(meta.get("layers", range(rec.shape[2])))
     steps = record_steps(out, record, rec.shape[0])
     if layer is not None:

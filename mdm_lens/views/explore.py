@@ -255,9 +255,17 @@ def _canvas_lens(top1: Any, out: Any, item: int, model: Any) -> Any:
                          f"{top1.prompt_length}; this run has {out.n_steps} and {out.prompt_length}: trace this run.",
                          argument="lens_top1", value=(top1.n_steps, top1.prompt_length),
                          allowed=f"a trace of this run ({out.n_steps} steps, prompt length {out.prompt_length})")
+    at = [top1.prompt_length + p for p in top1.positions]
+    final = getattr(top1, "final_tokens", None)
+    # same step count and prompt length are not the same run: its final answer tokens must be this run's too
+    if out.causal or (final is not None and (final.shape[0] != out.tokens.shape[0] or max(at) >= out.tokens.shape[1]
+                                             or not torch.equal(final.cpu(), out.tokens[:, at].cpu()))):
+        raise InputError("lens_top1 is a lens trace of another run (its final answer tokens differ from this run's"
+                         f"{'; lens_trace never traces an ARM run' if out.causal else ''}): trace this run.",
+                         argument="lens_top1", value="LensTrace", allowed="a trace of this run")
     n_layers = getattr(getattr(model, "cfg", None), "n_layers", None) or max(top1.layers) + 1
     ids = torch.full((out.n_steps, n_layers, out.tokens.shape[1]), -1, dtype=torch.long)
-    at = torch.tensor([top1.prompt_length + p for p in top1.positions])
+    at = torch.tensor(at)
     for i, step in enumerate(top1.steps):
         ids[step, torch.tensor(top1.layers)[:, None], at[None]] = top1.top1[i, :, item].long().cpu()
     return ids
@@ -329,7 +337,7 @@ class Explorer:
 
     def save(self, path: str | Path) -> Path:
         """Write the page to the file `path` (a folder, or a file under a missing folder, is refused)."""
-        path = validate.output_file(path, name="path")
+        path = validate.output_file(path, name="path", suffixes=(".html", ".htm"))  # the page is HTML
         path.write_text(self.page(), encoding="utf-8")
         return path
 
