@@ -20,6 +20,7 @@ from mdm_lens.diffusion.registry import register
 from mdm_lens.errors import SamplerConfigError
 from mdm_lens.diffusion.output import TrajectoryRecorder
 from mdm_lens.diffusion.state import DenoisingState
+from mdm_lens.hooks.reducers import ReceivedAttention
 
 
 def arm_sample(runner: Any, prompt: Tensor, attention_mask: Tensor, *, gen_length: int, temperature: float = 0.0,
@@ -90,6 +91,19 @@ class ARMSampler(CanvasSampler):
     name, Settings = "arm", ARMSettings
     causal = True
     neutral = dict(stop_at_eos=False, top_p=None, top_k=None)
+
+    def check_run(self, ids: Tensor, am: Tensor, s: Any, obs: Any) -> None:
+        # an ARM forward's query rows are the prefix it extends: no row is masked, and the token a step commits is
+        # appended after the forward, so it is no query row of it either. A "masked"/"committed" query set would be
+        # an all-NaN record that the probes downstream read as numbers (0 anchors), so it is refused before compute.
+        records = obs.record if isinstance(obs.record, (list, tuple)) else [obs.record] if obs.record else []
+        for r in records:
+            if isinstance(r, ReceivedAttention) and r.query in ("masked", "committed"):
+                raise SamplerConfigError(
+                    f"{type(r).__name__}(query={r.query!r}) on sampler='arm': an ARM step has no {r.query} query "
+                    "rows (nothing is masked, and each step's token is appended after its forward), so the record "
+                    "would be all NaN. Use query='all', 'prompt' or 'generated'.",
+                    argument="query", value=r.query, allowed="'all', 'prompt' or 'generated' on an ARM run")
 
     def plan(self, s: ARMSettings) -> Plan:
         if s.stop_at_eos:

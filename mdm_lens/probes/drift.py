@@ -203,7 +203,8 @@ def drift(anchors: Bool[Tensor, "... step key"], received: Float[Tensor, "... st
 
     Visibility: ``key_visible [..., key]`` (same at every step) and/or ``step_visible [..., step, key]``
     (e.g. ARM prefixes); invisible keys are never anchors and carry no mass.  NaN/inf received at a
-    visible key raises ``NonFiniteError`` (``nan_policy="omit"``: such keys are invisible).
+    visible key raises ``NonFiniteError`` (``nan_policy="omit"``: such keys are invisible).  A series with no
+    visible key at any step has NaN ``persistence`` / ``stability`` / ``empty_fraction`` (undefined, not 0).
     """
     received = C.float_tensor(received, name="received", min_ndim=2)
     if not isinstance(anchors, Tensor) or anchors.dtype != torch.bool:
@@ -237,6 +238,13 @@ def drift(anchors: Bool[Tensor, "... step key"], received: Float[Tensor, "... st
     stability = persistence.amax(-1)
     modal = torch.where(stability > 0, modal, torch.full_like(modal, -1))
     n_anchors = a.sum(-1)
+    # a series with no visible key at any step (an all-NaN record) has undefined anchor sets: its persistence,
+    # stability and empty fraction are NaN, not 0, which would read as the finding "never an anchor"
+    undefined = ~vis.any(-1).any(-1)
+    nan = torch.full((), torch.nan, dtype=torch.float64)
+    persistence = torch.where(undefined[..., None], nan, persistence)
+    stability = torch.where(undefined, nan, stability)
+    empty_fraction = torch.where(undefined, nan, (n_anchors == 0).to(torch.float64).mean(-1))
 
     inter = (a[..., 1:, :] & a[..., :-1, :]).sum(-1).to(torch.float64)
     union = (a[..., 1:, :] | a[..., :-1, :]).sum(-1).to(torch.float64)
@@ -260,7 +268,7 @@ def drift(anchors: Bool[Tensor, "... step key"], received: Float[Tensor, "... st
     w1 = _w1(r[..., :-1, :], r[..., 1:, :])
     return DriftResult(
         persistence=persistence, modal_anchor=modal, stability=stability, n_anchors=n_anchors,
-        empty_fraction=(n_anchors == 0).to(torch.float64).mean(-1),
+        empty_fraction=empty_fraction,
         jaccard=jac, mean_jaccard=mean_jac, drift_index=1.0 - mean_jac,
         n_distinct=a.any(-2).sum(-1), top1=top1, top1_change_rate=change_rate,
         centroid=centroid, centroid_slope=ols_slope(steps, centroid, nan_policy="omit"),

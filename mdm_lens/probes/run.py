@@ -53,6 +53,10 @@ from .absorption import (PATTERN_BUDGET_BYTES, AbsorptionByLayer, absorption_by_
 # §3.4 anchors and drift over the steps of a run
 # ----------------------------------------------------------------------------------------------
 
+class UndefinedSeriesWarning(UserWarning):
+    """A received-attention series with no finite value: its anchor sets are undefined (no data), not empty."""
+
+
 @dataclass
 class StepAnchors(ResultMixin):
     """Anchor sets S_s and received attention over steps, ``[batch, layer, (head,) step, key]``.
@@ -163,6 +167,11 @@ def _series(out: Any, layer: int | None, head: Any, record: str) -> tuple[Tensor
     # Reducers record keys that do not exist yet at a step (a later canvas of a block-diffusion run) as NaN in
     # every layer and head: those keys are invisible there, not non-finite statistics.
     vis &= ~rearrange(rec.isnan().all(dim=3).all(dim=2), "s b k -> b s k")
+    undefined = (~vis.any(-1).any(-1)).nonzero().flatten().tolist()
+    if undefined:  # empty anchor sets there mean "no data", not "no anchors": said, and NaN in drift_from_output
+        warnings.warn(f"record {record!r} has no finite received attention for batch row(s) {undefined} (e.g. a query "
+                      "set with no rows in this run): their anchor sets are undefined, not empty; drift_from_output "
+                      "reports NaN persistence there.", UndefinedSeriesWarning, stacklevel=4)
     vis_b = vis.reshape(vis.shape[0], *([1] * (r.ndim - 3)), *vis.shape[1:])
     r = torch.where(vis_b, r, torch.full_like(r, torch.nan))
     if layer is not None:

@@ -79,13 +79,26 @@ def render_problems(model: Any, r: Rendered, probes: Sequence[str], gen_length: 
     return out
 
 
-def render_warnings(r: Rendered) -> list[str]:
-    """What a reader of the tables should know about ``r`` that does not make it unusable."""
+#: Above this share of unknown-token prompt ids a rendered prompt is flagged: the model then reads mostly one
+#: placeholder token (e.g. a template's instruction words outside a tiny vocabulary), and its results say little.
+UNKNOWN_SHARE_WARN = 0.2
+
+
+def render_warnings(r: Rendered, unk: set[int] | frozenset[int] = frozenset()) -> list[str]:
+    """What a reader of the tables should know about ``r`` that does not make it unusable (``unk``:
+    :func:`unknown_token_ids`; a prompt whose ids are more than ``UNKNOWN_SHARE_WARN`` unknown tokens is flagged)."""
+    out = []
     shown = len(r.item.passages) - len(r.dropped)
     if r.dropped:
-        return [f"passages {r.dropped[0] + 1}..{r.dropped[-1] + 1} of {len(r.item.passages)} not shown "
-                f"(max_passages={shown})"]
-    return []
+        out.append(f"passages {r.dropped[0] + 1}..{r.dropped[-1] + 1} of {len(r.item.passages)} not shown "
+                   f"(max_passages={shown})")
+    n_unk = sum(i in unk for i in r.ids)
+    if r.ids and n_unk / len(r.ids) > UNKNOWN_SHARE_WARN:
+        out.append(f"{n_unk} of the prompt's {len(r.ids)} tokens ({n_unk / len(r.ids):.0%}) are the tokenizer's "
+                   f"unknown token (over {UNKNOWN_SHARE_WARN:.0%}): the template's or item's words are outside the "
+                   "model's vocabulary, so the model "
+                   "reads mostly a placeholder (the zoo template uses the twins' vocabulary)")
+    return out
 
 
 @dataclass
@@ -138,7 +151,7 @@ def select(model: Any, screened: Selection, probes: Sequence[str], template: str
             continue
         sel.items.append(it)
         sel.rendered.append(r)
-        sel.warnings += [dict(item_id=it.id, line=it.line, warning=w) for w in render_warnings(r)]
+        sel.warnings += [dict(item_id=it.id, line=it.line, warning=w) for w in render_warnings(r, unk)]
     sel.skipped.sort(key=lambda d: d["line"])
     return sel
 

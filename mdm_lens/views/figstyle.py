@@ -98,9 +98,14 @@ def _np(x: Any, dtype=float, name: str | None = None) -> np.ndarray:
     try:
         return np.asarray(x, dtype=dtype)
     except (TypeError, ValueError) as err:  # a str, a ragged list, an object: name it instead of numpy's words
-        raise ArgumentTypeError(f"expected an array of numbers (tensor, ndarray or nested list), got "
-                                f"{type(x).__name__}: {err}", argument="array", value=type(x).__name__,
-                                allowed="an array of numbers") from None
+        arg = name or "array"
+        # a probe's result object passed whole: say which of its fields is the array (RetrievalScores → .scores)
+        field = next((f for f in ("scores", "values") if hasattr(getattr(x, f, None), "shape")), None)
+        hint = (f"pass result.{field} ({tuple(getattr(x, field).shape)}), not the {type(x).__name__} object"
+                if field else "ragged rows or non-numbers" if isinstance(x, (list, tuple)) else str(err))
+        raise ArgumentTypeError(f"{arg}={type(x).__name__}: expected an array of numbers (tensor, ndarray or "
+                                f"nested list of equal-length rows); {hint}.", argument=arg,
+                                value=type(x).__name__, allowed="an array of numbers") from None
 
 
 def figure_path(path: Any, name: str = "path") -> Path | None:
