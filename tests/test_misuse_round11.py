@@ -456,3 +456,64 @@ def test_sigma_patch_names_the_wrong_model_before_its_conditioning():
         sigma_patch(other, out, 1, 3)
     assert e.value.argument == "out"
     assert sigma_patch(ran, out, 1, 3).shape[-1] == 40
+
+
+def test_anchor_readers_take_only_a_mass_record_and_name_their_axes(tiny):
+    # misuse27 S2 / S3 / U2: a KeyValueNorms record was read as attention mass; drift's table named its axes
+    # dim0 / dim1; a tensor given as the run was blamed on a missing record
+    from mdm_lens import KeyValueNorms, ReceivedAttention
+    from mdm_lens.errors import ArgumentTypeError, InputError
+    from mdm_lens.probes.run import anchors_over_steps, drift_from_output
+
+    prompt = torch.tensor([[0, 0, 5, 6, 7, 8], [5, 6, 7, 8, 9, 10]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    out = tiny.generate(prompt, attention_mask=mask, steps=4, gen_length=4,
+                        record=[ReceivedAttention(), KeyValueNorms()])
+    for reader in (anchors_over_steps, drift_from_output):
+        with pytest.raises(InputError, match="not a ReceivedAttention record") as e:
+            reader(out, layer=0, record="key_norms")
+        assert e.value.argument == "record"
+        with pytest.raises(ArgumentTypeError) as e:
+            reader(torch.zeros(3), layer=0)
+        assert e.value.argument == "out"
+    frame = drift_from_output(out, layer=0, head="each").to_frame()
+    assert {"batch", "head"} <= set(frame.columns) and not any(c.startswith("dim") for c in frame.columns)
+    assert "batch" in drift_from_output(out, layer=0).to_frame().columns
+
+
+def test_bridge_cache_refuses_the_tl_helpers_its_math_does_not_hold_for():
+    # misuse27 S1 / C1: on DiffusionGemma decompose_resid's parts missed the per-layer scalar (off by ~5), and the
+    # helpers needing W_O / token directions crashed with raw AttributeError / NotImplementedError
+    from mdm_lens.bridge import TransformersBridge
+    from mdm_lens.bridge.tiny import tiny_diffusion_gemma
+    from mdm_lens.errors import ArgumentError
+
+    bridge = TransformersBridge(tiny_diffusion_gemma(seed=0))
+    prompt = torch.randint(2, bridge.cfg.d_vocab, (1, 12), generator=torch.Generator().manual_seed(0))
+    canvas = torch.randint(0, bridge.cfg.d_vocab, (1, 8), generator=torch.Generator().manual_seed(1))
+    _, cache = bridge.run_with_cache(prompt, decoder_input_ids=canvas)
+    calls = {"decompose_resid": lambda: cache.decompose_resid(layer=-1),
+             "logit_attrs": lambda: cache.logit_attrs(cache.accumulated_resid(pos_slice=-1), tokens=5, pos_slice=-1),
+             "accumulated_resid": lambda: cache.accumulated_resid(apply_ln=True),
+             "stack_head_results": lambda: cache.stack_head_results(layer=-1),
+             "get_full_resid_decomposition": lambda: cache.get_full_resid_decomposition()}
+    for helper, call in calls.items():
+        with pytest.raises(ArgumentError, match="not defined for a TransformersBridge cache") as e:
+            call()
+        assert e.value.argument == helper
+    resid = cache.accumulated_resid()                     # the residual hooks themselves still read
+    assert torch.equal(resid[-1], cache[f"blocks.{bridge.cfg.n_layers - 1}.hook_resid_post"])
+
+
+def test_a_glob_skips_per_head_results_while_they_are_off(tiny):
+    # misuse27 U1: "blocks.0.attn.*" in generate matched hook_result and failed after earlier steps had run, while
+    # the same glob works in run_with_cache; an explicit hook_result is still refused with what to call
+    from mdm_lens import steps
+    from mdm_lens.errors import HookNameError
+
+    prompt = torch.randint(4, 300, (1, 6), generator=torch.Generator().manual_seed(0))
+    out = tiny.generate(prompt, steps=4, gen_length=4, cache="blocks.0.attn.*" @ steps(2))
+    assert "blocks.0.attn.hook_pattern" in out.cache[2] and "blocks.0.attn.hook_result" not in out.cache[2]
+    tiny.generate(prompt, steps=4, gen_length=4, fwd_hooks=[("blocks.0.attn.*", lambda x, hook: None)])
+    with pytest.raises(HookNameError, match="set_use_attn_result"):
+        tiny.generate(prompt, steps=4, gen_length=4, cache="blocks.0.attn.hook_result")

@@ -303,6 +303,25 @@ class TransformersBridge(CheckedHookSurface):
     def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
         return self.hf.lm_head.weight.T
 
+    supported_cache_helpers = ("indexing, accumulated_resid(apply_ln=False), decompose_resid(apply_ln=False) "
+                               "where the residual is a plain sum (not DiffusionGemma), and model.final_logits(x)")
+
+    @property
+    def unsupported_cache_helpers(self) -> dict[str, str]:
+        """TL's cache helpers whose math needs weight views the bridge does not build (W_O, W_U directions, the
+        final norm as a module), and on DiffusionGemma the residual split itself: each layer's output is scaled by
+        a learned per-layer scalar and the embedding by √d_model, which the TL parts leave out."""
+        views = ("it needs TL weight views (W_O / W_out / token directions / the final norm's scale) the bridge "
+                 "does not build")
+        refused = {h: views for h in ("logit_attrs", "apply_ln_to_stack", "stack_head_results",
+                                      "stack_neuron_results", "get_neuron_results", "get_full_resid_decomposition",
+                                      "accumulated_resid(apply_ln=True)", "decompose_resid(apply_ln=True)")}
+        if self.is_block_diffusion:
+            refused["decompose_resid"] = ("DiffusionGemma scales each layer's output by a learned per-layer scalar and "
+                                          "the embedding by √d_model, so TL's embed / attn_out / mlp_out parts do not "
+                                          "sum to the residual; read the residual hooks (accumulated_resid)")
+        return refused
+
     def __getattr__(self, name: str) -> Any:
         # nn.Module resolves parameters and submodules here; a TL name HookedMDM has and the bridge does not build
         # is refused with the reason instead of a bare AttributeError

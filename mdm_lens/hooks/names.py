@@ -12,6 +12,10 @@ from mdm_lens.hook_surface import is_glob
 def expand_names(model: Any, names: Any) -> list[str]:
     """Concrete hook names for a name / glob / list / predicate; a filter that matches nothing is an error."""
     all_names = list(model.hook_dict)
+    if not getattr(getattr(model, "cfg", None), "use_attn_result", True):
+        # an opt-in hook point that is off never fires: a glob or predicate skips it, as TL's run_with_cache does
+        # (a name given explicitly is still checked, and refused with what to call)
+        all_names = [n for n in all_names if not n.endswith("attn.hook_result")]
     if callable(names):
         out = [n for n in all_names if names(n)]
     elif isinstance(names, str):

@@ -140,6 +140,10 @@ class DriftResult(ResultMixin):
     w1: Tensor                   # [..., pair]    W1(r(s), r(s+1)) in tokens
     mean_w1: Tensor              # [...]
     anchor_types: Tensor | None  # [..., step, type] anchor counts by ANCHOR_TYPES (needs commit_step)
+    lead_dims: tuple[str, ...] = ()  # names of the leading axes for to_frame (drift_from_output: batch, layer, head)
+
+    def to_frame(self, lead_dims=None, metrics=None):
+        return super().to_frame(lead_dims=lead_dims or self.lead_dims or None, metrics=metrics)
 
     _dims: ClassVar = {
         "persistence": ("key",), "modal_anchor": (), "stability": (), "n_anchors": ("step",),

@@ -98,6 +98,10 @@ def _step_visibility(out: Any, steps: Sequence[int], n_keys: int) -> Bool[Tensor
 
 
 def _record(out: Any, record: Any) -> Tensor:
+    if not hasattr(out, "records") or not hasattr(out, "trajectory"):
+        raise ArgumentTypeError(f"out={validate.describe(out)} is invalid: expected the GenerateOutput of a run "
+                                "(model.generate(..., record=[ReceivedAttention()])).", argument="out", value=out,
+                                allowed="a GenerateOutput")
     names = list(getattr(out, "records", {}) or {})
     if isinstance(record, str) and record not in names:  # the run recorded nothing under that name: say how to
         raise ArgumentError(f"this run recorded no {record!r} (its records: {names or 'none'}): generate it with "
@@ -142,10 +146,11 @@ def _series(out: Any, layer: int | None, head: Any, record: str) -> tuple[Tensor
     # canvas, not answer, and the trajectory (commit steps) stops there: they are left out here
     rec = rec[..., :out.tokens.shape[1]]
     meta = out.record_meta.get(record, {})
-    if meta.get("kind", "mass") != "mass":  # the anchor rules' thresholds are shares of one query's unit mass
-        raise InputError(f"record={record!r} is a {meta['kind']!r} ReceivedAttention record (column sums over the "
-                         "queries, not a distribution over keys); the anchor rules' thresholds are for mass records: "
-                         "record ReceivedAttention() (kind='mass') and pass its name.", argument="record",
+    if meta.get("kind") != "mass":  # the anchor rules' thresholds are shares of one query's unit mass
+        what = (f"a {meta['kind']!r} ReceivedAttention record (column sums over the queries, not a distribution "
+                "over keys)" if "kind" in meta else f"not a ReceivedAttention record (axes {meta.get('axes')})")
+        raise InputError(f"record={record!r} is {what}; the anchor rules' thresholds are for mass records: record "
+                         "ReceivedAttention() (kind='mass') and pass its name.", argument="record",
                          value=record, allowed="a kind='mass' received-attention record")
     rec_layers = list(meta.get("layers", range(rec.shape[2])))
     steps = record_steps(out, record, rec.shape[0])
@@ -225,7 +230,9 @@ def drift_from_output(out: Any, layer: int | None = None, rule: str = "zscore", 
         cs = torch.where(cs == -2, out.n_steps, cs)
         commit = cs.reshape(cs.shape[0], *([1] * (sa.received.ndim - 3)), cs.shape[-1])
     vis_b = sa.key_visible.reshape(sa.key_visible.shape[0], *([1] * (sa.received.ndim - 3)), *sa.key_visible.shape[1:])
-    return floating.drift(sa.anchors, sa.received, commit_step=commit, step_visible=vis_b)
+    result = floating.drift(sa.anchors, sa.received, commit_step=commit, step_visible=vis_b)
+    result.lead_dims = sa.lead_dims  # the table's columns named as anchors_over_steps' (batch, layer, head)
+    return result
 
 
 # ----------------------------------------------------------------------------------------------
