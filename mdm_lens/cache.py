@@ -201,6 +201,12 @@ class MDMActivationCache(ActivationCache):
         if self.has_batch_dim:
             scale = as_slice(arguments.get("batch_slice")).apply(scale, dim=0)
         want, got = tuple(scale.shape[:-1]), tuple(stack.shape[1:-1])
+        if got != want and arguments.get("has_batch_dim") is False and self.has_batch_dim:
+            # TL's keyword for a stack without its batch axis; this cache keeps one, so say which argument
+            raise ArgumentError(f"{helper}(has_batch_dim=False): this cache has a batch axis, so the stack keeps it "
+                                f"too (here [batch, pos] = {want}); index the batch with batch_slice= instead of "
+                                "dropping the axis, and leave has_batch_dim at its default.",
+                                argument="has_batch_dim", value=False, allowed="True (the default) on this cache")
         if got != want:
             raise ArgumentError(f"{helper}: residual_stack of shape {tuple(stack.shape)} has [batch, pos] axes {got}, "
                                 f"but the cached final-norm scale after pos_slice={arguments.get('pos_slice')!r} / "

@@ -517,3 +517,30 @@ def test_a_glob_skips_per_head_results_while_they_are_off(tiny):
     tiny.generate(prompt, steps=4, gen_length=4, fwd_hooks=[("blocks.0.attn.*", lambda x, hook: None)])
     with pytest.raises(HookNameError, match="set_use_attn_result"):
         tiny.generate(prompt, steps=4, gen_length=4, cache="blocks.0.attn.hook_result")
+
+
+def test_ablation_refuses_another_models_retrieval_heads(tiny, arm):
+    # misuse27 S4: the MDM's "top" condition ablated heads ranked on the ARM twin, with no check or note
+    from mdm_lens.errors import InputError
+    from mdm_lens.probes.ablation import ablation_accuracy
+    from mdm_lens.probes.retrieval import retrieval_scores
+    from mdm_lens.zoo import data as D
+
+    items = D.make_dataset(2, seed=1, n_distractors=2)
+    theirs = retrieval_scores(arm, items)
+    assert theirs.model_key[0] == arm.cfg.model_name
+    with pytest.raises(InputError) as e:
+        ablation_accuracy(tiny, items, theirs, k=2)
+    assert e.value.argument == "heads"
+
+
+def test_logit_attrs_names_has_batch_dim_when_it_drops_the_axis(tiny):
+    # misuse27 U3: TL's has_batch_dim=False was refused by a slicing message that never named it
+    from mdm_lens.errors import ArgumentError
+
+    _, cache = tiny.run_with_cache(tiny.to_tokens("Q: what is the capital?"))
+    stack = cache.accumulated_resid(pos_slice=-1)
+    with pytest.raises(ArgumentError) as e:
+        cache.logit_attrs(stack[:, 0], tokens=7, pos_slice=-1, has_batch_dim=False)
+    assert e.value.argument == "has_batch_dim"
+    assert cache.logit_attrs(stack, tokens=7, pos_slice=-1).shape == (stack.shape[0], 1)

@@ -171,6 +171,7 @@ class RetrievalScores(ResultMixin):
     above_threshold: list[tuple[int, int]]
     retrieval_heads: list[tuple[int, int]]   # = above_threshold except for evidence_focus (never a retrieval score)
     notes: list[str] = field(default_factory=list)
+    model_key: tuple | None = None      # `diffusion.output.model_key` of the model scored (ablation checks it)
 
     _dims: ClassVar = {"scores": ("layer", "head"), "per_sample": ("item", "layer", "head")}
 

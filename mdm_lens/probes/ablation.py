@@ -13,11 +13,12 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion.output import model_key
 from mdm_lens.diffusion.rules import derived_steps
 from mdm_lens.probes._checks import own_generate_keywords
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentError, ArgumentTypeError, OutOfRangeError
+from mdm_lens.errors import ArgumentError, ArgumentTypeError, InputError, OutOfRangeError
 
 from ._results import ResultMixin
 from ._runtools import _batch, _nonempty, _optional_length
@@ -167,6 +168,10 @@ def ablation_accuracy(model: Any, items: Sequence[Any], heads: RetrievalScores |
     n_random = validate.integer(n_random, name="n_random", min=1)
     seed = validate.seed(seed)
     if isinstance(heads, RetrievalScores):
+        if heads.model_key is not None and heads.model_key != model_key(model):  # another model's heads
+            raise InputError(f"heads are the retrieval scores of {heads.model_key[0]!r} {heads.model_key[1:]}, not of "
+                             f"the model given, {model.cfg.model_name!r}: score this model's heads first.",
+                             argument="heads", value=heads.model_key[0], allowed="scores of this model")
         top = heads.top(min(k, heads.scores.numel()))
     else:
         top = _heads(heads, model)[:k]

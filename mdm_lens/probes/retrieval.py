@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from mdm_lens.diffusion.output import model_key
 from mdm_lens.diffusion.rules import derived_steps
 from mdm_lens.probes._checks import own_generate_keywords
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler
@@ -213,7 +214,7 @@ def retrieval_scores(model: Any, items: Sequence[Any], method: Method = "copy@co
     return RetrievalScores(method=method, threshold=threshold, layers=ls, scores=scores, per_sample=per_t,
                            correct=torch.tensor(correct, dtype=torch.bool), n_counted=int(counted.sum()),
                            above_threshold=above, retrieval_heads=[] if method == "evidence_focus" else above,
-                           notes=notes)
+                           notes=notes, model_key=model_key(model))
 
 
 # The causal check (head masking, accuracy with the top-K vs K random heads masked) lives in ablation.py;
