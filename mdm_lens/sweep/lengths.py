@@ -42,10 +42,13 @@ def sweep_block_length(kw: dict[str, Any]) -> int | None:
 def refuse_dropped(model: Any, kw: dict[str, Any], steps: int | None, block_length: int | None) -> None:
     """An explicit `steps` / `block_length` that the sampler would not receive as given is refused (the sweep's
     defaults are dropped quietly, as they are nobody's choice): `generate` refuses the same values."""
+    from mdm_lens.diffusion import registry
     from mdm_lens.diffusion.generate import default_sampler
     from mdm_lens.errors import SamplerConfigError
 
     sampler = default_sampler(model)
+    if steps is not None and sampler != "diffusion_gemma":  # a sampler with no steps setting (Fast-dLLM v2)
+        registry.own_lengths(registry.get(sampler), steps=steps)
     if block_length is not None and sweep_block_length(kw) is None:
         why = ("an autoregressive model decodes one token per step" if R.is_causal(model) else
                "a token-shifted (Dream-family) model has block_length only in its KV-cached loop (generate's "

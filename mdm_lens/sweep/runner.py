@@ -222,11 +222,7 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
         g = int(gen_length or model.cfg.extra.get("gen_length", 32))
         s = A.Settings(gen_length=g, steps=int(steps or g), block_length=block_length, keep_keys=keep_keys,
                        n_random=n_random, exact=batching == "length")
-        from mdm_lens.diffusion import registry
         from mdm_lens.diffusion.generate import default_sampler
-        if steps is not None and default_sampler(model) != "diffusion_gemma":
-            # an explicit steps= for a sampler without one (Fast-dLLM v2) is refused, not dropped like the default
-            registry.own_lengths(registry.get(default_sampler(model)), steps=steps)
         kw = A._gen_kwargs(model, s)
         refuse_dropped(model, kw, steps, block_length)
         C.check_sampler(model, kw)
