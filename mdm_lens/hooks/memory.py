@@ -3,6 +3,7 @@ would not fit, with the reducer to use instead."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -14,21 +15,31 @@ DEFAULT_BUDGET = 4 * 2**30
 BUDGET_ENV = "MDM_LENS_CACHE_BUDGET_GB"
 
 
+def env_amount(var: str, *, unit: str) -> float | None:
+    """A positive, finite amount from environment variable `var` (e.g. a budget in GiB), read when called so a
+    running notebook can change it; None when unset or blank. A bad value names the variable and its raw text."""
+    raw = os.environ.get(var)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        amount = float(raw)
+    except ValueError:
+        raise ArgumentError(f"{var}={raw!r} is not a number of {unit}.", argument=var, value=raw,
+                            allowed=f"a positive number ({unit})") from None
+    if not (amount > 0 and math.isfinite(amount)):
+        raise ArgumentError(f"{var}={raw!r} must be a positive, finite number of {unit}.", argument=var, value=raw,
+                            allowed=f"a positive number ({unit})")
+    return amount
+
+
 def cache_budget() -> tuple[int, str]:
     """The trajectory cache's default budget in bytes and where it came from: `MDM_LENS_CACHE_BUDGET_GB` read when
     the cache is made (so setting it in a running notebook takes effect), else 4 GiB."""
-    raw = os.environ.get(BUDGET_ENV)
-    if raw is None or not raw.strip():
+    gib = env_amount(BUDGET_ENV, unit="GiB")
+    if gib is None:
         return DEFAULT_BUDGET, "the default"
-    try:
-        gib = float(raw)
-    except ValueError:
-        raise ArgumentError(f"{BUDGET_ENV}={raw!r} is not a number of GiB.", argument=BUDGET_ENV, value=raw,
-                            allowed="a positive number (GiB)") from None
-    if not gib > 0 or gib == float("inf"):
-        raise ArgumentError(f"{BUDGET_ENV}={raw!r} must be a positive, finite number of GiB.", argument=BUDGET_ENV,
-                            value=raw, allowed="a positive number (GiB)")
-    return max(1, int(gib * 2**30)), f"{BUDGET_ENV}={raw}"
+    return max(1, int(gib * 2**30)), f"{BUDGET_ENV}={os.environ[BUDGET_ENV]}"
+
 
 _SUFFIX_SHAPES = {
     "hook_embed": "bpd", "hook_resid_pre": "bpd", "hook_resid_mid": "bpd", "hook_resid_post": "bpd",

@@ -31,7 +31,6 @@ overrides it) is refused with :class:`~mdm_lens.errors.MemoryBudgetError` before
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Callable
 
 import numpy as np
@@ -42,7 +41,7 @@ from torch import Tensor
 
 from mdm_lens import validate
 from mdm_lens.noisy import noisy_positions
-from mdm_lens.errors import ArgumentError, MemoryBudgetError, SamplerConfigError
+from mdm_lens.errors import MemoryBudgetError, SamplerConfigError
 from mdm_lens.hooks import memory
 
 __all__ = ["features", "masked_mean_residuals", "check_budget", "estimate_bytes", "budget_bytes", "COLUMNS", "HOOK",
@@ -59,15 +58,8 @@ _INT = ("step", "layer", "n_masked", "gold_index")
 
 def budget_bytes() -> int:
     """The features budget: ``MDM_LENS_FEATURES_BUDGET_MB`` (MiB) when set, else ``DEFAULT_BUDGET``."""
-    raw = os.environ.get(BUDGET_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_BUDGET
-    try:
-        mib = float(raw)
-    except ValueError:
-        raise ArgumentError(f"{BUDGET_ENV}={raw!r} is not a number of MiB.", argument=BUDGET_ENV, value=raw,
-                            allowed="a positive number (MiB)") from None
-    return int(validate.number(mib, name=BUDGET_ENV, min=0.0, min_open=True) * 2 ** 20)
+    mib = memory.env_amount(BUDGET_ENV, unit="MiB")
+    return DEFAULT_BUDGET if mib is None else int(mib * 2 ** 20)
 
 
 def estimate_bytes(model: Any, n_items: int, n_steps: int) -> int:
