@@ -16,6 +16,7 @@ from family_checkpoints import write_llada2, write_sdar  # noqa: E402
 from test_fastdllm_v2 import write_fastdllm_v2  # noqa: E402
 
 from mdm_lens import HookedMDM  # noqa: E402
+from mdm_lens.diffusion.replay import replay_rows  # noqa: E402
 from mdm_lens.errors import InputError, SamplerConfigError  # noqa: E402
 from mdm_lens.lens import features_from_cache, lens_trace  # noqa: E402
 from mdm_lens.sweep.feature_tables import masked_mean_residuals  # noqa: E402
@@ -127,7 +128,8 @@ def test_cached_rows_aligned_equal_the_replayed_forward(fam, name):
         got = {}
         out.replay(model, s, fwd_hooks=[(RESID, lambda t, hook: got.__setitem__("r", t.detach()))])
         rows = out.cache.rows_of(s)
-        assert out.state_at(s).rows == slice(0, rows.stop)               # a replay forwards the prefix
+        assert out.state_at(s).rows == rows                              # the run's own rows
+        assert replay_rows(out, s) == slice(0, rows.stop)                # a replay forwards the prefix
         want = got["r"][:, rows.start:rows.stop]
         scale = float(want.abs().max())
         torch.testing.assert_close(aligned[s, :, rows.start:rows.stop], want, atol=1e-5 * scale, rtol=0)
@@ -208,4 +210,27 @@ def test_fastdllm_v2_replay_is_exact_and_sub_block_windows_are_refused(fam):
         out.replay(model, window)
     assert "cache_effect" not in str(err.value) and "stale" in str(err.value)
     fill = kinds.index("fill")
-    assert out.state_at(fill).rows == slice(0, out.trajectory.forwards[fill]["extra"]["query_end"])
+    extra = out.trajectory.forwards[fill]["extra"]
+    assert replay_rows(out, fill) == slice(0, extra["query_end"])
+    assert out.state_at(fill).rows == slice(extra["query_start"], extra["query_end"])
+
+
+@pytest.mark.parametrize("name", ["llada2", "sdar", "fastdllm_v2", "fastdllm_v2_sub"])
+def test_state_at_is_the_state_the_runs_hooks_saw(fam, name):
+    """misuse28 S1: `out.state_at(k)` is the state `model.state` held during step k (its rows, keys, block), not
+    the replay's wider forward; the replay's own rows are `replay_rows(out, k)`."""
+    model = fam[name.removesuffix("_sub")]
+    seen: dict = {}
+
+    def hook(x, hook):
+        st = model.state
+        seen[st.step] = (st.rows, st.keys, st.block, x.shape[1])
+
+    out = model.generate(PROMPT30 if name.endswith("_sub") else PROMPT6, fwd_hooks=[(RESID, hook)], **RUNS[name])
+    assert sorted(seen) == list(range(out.n_steps))
+    narrower = 0
+    for k, (rows, keys, block, n_rows) in seen.items():
+        st = out.state_at(k)
+        assert (st.rows, st.keys, st.block) == (rows, keys, block) and rows.stop - rows.start == n_rows
+        narrower += replay_rows(out, k) != rows
+    assert (narrower > 0) == (name != "llada2")  # SDAR / Fast-dLLM v2 forwarded blocks against a KV cache

@@ -10,9 +10,10 @@ post-commit fields are None during a forward pass, as inside `generate`). The fo
 
 Block samplers (`llada2`, `sdar`, `fastdllm_v2`): the step's whole canvas and state come from
 `out.trajectory.forwards[step]` (the sampler's own `DenoisingState`: block, block_slice, masked set over the whole
-canvas, `extra` kind / query_start / query_end, kv_age). The replay is one forward over the canvas up to
-`query_end` with the block-causal mask, returning position-aligned logits for positions `[0, query_end)`; its
-state's `query_rows` / `key_cols` are `[0, query_end)` (the rows it computes, not the run's):
+canvas, `extra` kind / query_start / query_end, kv_age); `state_at(step).query_rows` are the rows the run's forward
+computed, `[query_start, query_end)`. The replay is one forward over the canvas up to `query_end` with the
+block-causal mask, returning position-aligned logits for positions `[0, query_end)`; inside it `model.state`'s
+`query_rows` / `key_cols` are `[0, query_end)` (the rows it computes, `extra["replay_rows"]`, `replay_rows(out, k)`):
 * LLaDA2 forwards exactly that canvas prefix: the replay is its forward;
 * SDAR forwarded only the rows `[query_start, query_end)` against its KV cache of finished blocks. Under a
   block-causal mask a finished block's keys/values depend on no later token, so the cache equals the rows of a
@@ -79,13 +80,6 @@ def _recorded_forward(out: Any, s: int, phase: str) -> dict:
 def _block_state(out: Any, s: int, phase: str) -> DenoisingState:
     """The block sampler's own state at step s (module docstring), from the forwards the trajectory kept."""
     f = _recorded_forward(out, s, phase)
-    if f["extra"].get("block_cache") == "window":
-        raise SamplerConfigError(
-            f"step {s} of this fastdllm_v2 use_block_cache=True run is a sub-block forward: it attended to the "
-            "block's keys/values cached at the block's first forward (the other sub-blocks' rows as they were then, "
-            "stale since), which no fresh forward reproduces. Hook the run itself (fwd_hooks / cache=) for what it read, or replay "
-            "a use_block_cache=False run (its block cache is exact).", argument="step", value=s,
-            allowed="a step whose forward is not a sub-block window")
     x = f["x"]
     prompt = torch.zeros_like(x, dtype=torch.bool)
     prompt[:, :out.prompt_length] = True
@@ -97,7 +91,27 @@ def _block_state(out: Any, s: int, phase: str) -> DenoisingState:
     extra["n_run"] = out.trajectory.n_steps
     state = DenoisingState(s, out.trajectory.n_steps, f["block"], f["n_blocks"], x.clone(), masked.clone(),
                            prompt.clone(), visible.clone(), f["block_slice"], extra=extra)
-    return state.computes(0, int(extra["query_end"]))
+    # the rows the run's own forward computed (SDAR / Fast-dLLM v2: the block's, against the cache); a replay
+    # widens its copy to extra["replay_rows"] (`_inputs`)
+    return state.computes(int(extra["query_start"]), int(extra["query_end"]))
+
+
+def _refuse_stale_window(state: DenoisingState) -> None:
+    """A Fast-dLLM v2 sub-block forward read keys/values no fresh forward has: its state exists, its replay not."""
+    if state.extra.get("block_cache") == "window":
+        raise SamplerConfigError(
+            f"step {state.step} of this fastdllm_v2 use_block_cache=True run is a sub-block forward: it attended to the "
+            "block's keys/values cached at the block's first forward (the other sub-blocks' rows as they were then, "
+            "stale since), which no fresh forward reproduces. Hook the run itself (fwd_hooks / cache=) for what it read, or replay "
+            "a use_block_cache=False run (its block cache is exact).", argument="step", value=state.step,
+            allowed="a step whose forward is not a sub-block window")
+
+
+def replay_rows(out: Any, step: int) -> slice:
+    """The canvas rows `out.replay(model, step)` computes (and its hooks see): `[0, query_end)` on a block run,
+    wider than the run's own rows (`state_at(step).rows`) where the run read a KV cache; else the step's rows."""
+    state = state_at(out, step)
+    return slice(*state.extra["replay_rows"]) if "replay_rows" in state.extra else state.rows
 
 
 def _length_state(out: Any, s: int, phase: str) -> DenoisingState:
@@ -196,6 +210,9 @@ def _inputs(out: Any, model: Any, step: int, phase: str) -> tuple[DenoisingState
                                  "with probes.cache_effect. out.state_at(step) gives each step's state.",
                                  argument="out", value=out.settings["kv_cache"], allowed="a run without kv_cache")
     state = state_at(out, step, phase)
+    _refuse_stale_window(state)
+    if "replay_rows" in state.extra:  # the replay forwards the canvas prefix, not only the run's rows
+        state.computes(*state.extra["replay_rows"])
     device = model.input_device
     for name in ("x", "masked", "prompt", "key_visible", "query_position", "slot"):
         value = getattr(state, name)

@@ -16,6 +16,7 @@ from mdm_lens.errors import ArgumentTypeError, InputError
 from mdm_lens.lens.logit import SOURCES, LensTrace, check_model, reduce_layer, resid_name
 from mdm_lens.lens.tuned import TunedLens
 from mdm_lens.diffusion.own_forwards import OWN_FORWARDS
+from mdm_lens.diffusion.replay import replay_rows
 from mdm_lens.lens.run_only import _at_positions, run_only_trace
 
 # samplers over a masked canvas; mdlm / duo / gidd: "masked" positions are mdm_lens.noisy's (Duo: every generated
@@ -155,7 +156,7 @@ def _replay_step(model: Any, out: Any, step: int, layers: list[int], reduce: Cal
     sampler's forward covers the canvas up to its block's end: positions past it (later blocks, not in that
     forward) get NaN."""
     width = out.trajectory.x_steps.shape[-1]
-    start = out.state_at(step).rows.start  # the replay's first row (0: every replay forwards a prefix)
+    start = replay_rows(out, step).start  # the replay's first row (0: every replay forwards a prefix)
 
     def hook_for(layer: int) -> Callable:
         def fn(resid: Tensor, hook: Any) -> None:

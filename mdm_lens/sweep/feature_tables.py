@@ -42,6 +42,7 @@ from torch import Tensor
 from mdm_lens import validate
 from mdm_lens.noisy import noisy_positions
 from mdm_lens.errors import MemoryBudgetError, SamplerConfigError
+from mdm_lens.diffusion.replay import replay_rows
 from mdm_lens.hooks import memory
 
 __all__ = ["features", "masked_mean_residuals", "check_budget", "estimate_bytes", "budget_bytes", "COLUMNS", "HOOK",
@@ -108,7 +109,7 @@ def masked_mean_residuals(model: Any, out: Any) -> tuple[Float[Tensor, "step lay
     pooled = torch.full((S, L, B, d), float("nan"), dtype=torch.float32)
     n_pooled = torch.zeros(S, B, dtype=torch.long)
     for s in range(S):
-        rows = out.state_at(s).rows
+        rows = replay_rows(out, s)  # the rows the replay's hooks see
         hi = min(rows.stop, x.shape[-1])  # a block canvas may run past prompt + gen_length: not answer
         w = torch.zeros(B, rows.stop - rows.start)
         w[:, :max(hi - rows.start, 0)] = masked[s, :, rows.start:hi].float()
