@@ -16,7 +16,7 @@ from nnsight.intervention.interleaver import Event, Interleaver, OutOfOrderError
 from nnsight.intervention.iterator import Iterations
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentTypeError, InputError, MDMLensError, OutOfRangeError
+from mdm_lens.errors import ArgumentTypeError, InputError, MDMLensError, OutOfRangeError, SamplerConfigError
 
 
 PHASES = ("cond", "uncond")
@@ -60,8 +60,9 @@ def _phase_location(location: str, phase: str) -> str:
 class _Plan:
     """What a generation will do, known before it runs (for `tracer.iter` and `phase`)."""
 
-    n_steps: int
+    n_steps: int | None  # adaptive runs: the most forwards they can make; None: not known before the run
     has_uncond: bool
+    adaptive: str | None = None  # why the run's length is known only at its end (steps from the end are refused)
 
 
 @dataclass
@@ -219,7 +220,8 @@ class StepInterleaver(Interleaver):
                 continue
             error, expected = dangling_unwind(mediator)
             open_loop = getattr(mediator, "mdm_open_loop", False)
-            if mediator.pending.event is not Event.BARRIER and not (open_loop and run.n_run < run.plan.n_steps):
+            ended_early = run.plan.n_steps is None or run.n_run < run.plan.n_steps
+            if mediator.pending.event is not Event.BARRIER and not (open_loop and ended_early):
                 error, expected = self._not_run(mediator.pending, run), None
             try:
                 mediator.worker.throw(error)
@@ -238,8 +240,9 @@ class StepInterleaver(Interleaver):
         if "@uncond" in location and not run.plan.has_uncond:
             why = "this run has no unconditional pass (LLaDA's classifier-free guidance needs cfg_scale > 0)"
         elif step is not None and step >= run.n_run:
+            planned = run.plan.n_steps
             why = (f"this run has {run.n_run} denoising steps (0..{run.n_run - 1})"
-                   + ("" if run.n_run == run.plan.n_steps else f" of the {run.plan.n_steps} planned"))
+                   + ("" if planned in (None, run.n_run) else f" of the {planned} planned"))
         else:
             why = (f"the run had gone past it (this run has {run.n_run} denoising steps): requests must follow the "
                    "run, steps in increasing order and modules in forward order")
@@ -294,28 +297,51 @@ class StepIterations(Iterations):
     def __getitem__(self, key: Any) -> "StepIterations":
         n = self.plan.n_steps
         if isinstance(key, slice):
-            start = 0 if key.start is None else validate.index(key.start, n, name="tracer.iter start",
-                                                               what="denoising step")
-            stop = n if key.stop is None else validate.integer(key.stop, name="tracer.iter stop", min=-n, max=n,
-                                                               error=OutOfRangeError)
-            stop = stop + n if stop < 0 else stop
+            start = 0 if key.start is None else self._step(key.start, "tracer.iter start")
+            stop = n if key.stop is None else self._stop(key.stop, key)
             stride = 1 if key.step is None else validate.integer(key.step, name="tracer.iter step", min=1)
-            if stop <= start:
+            if stop is not None and stop <= start:
                 raise OutOfRangeError(f"tracer.iter[{start}:{stop}] selects no step of this run's {n} steps.",
                                       argument="tracer.iter", value=key)
             if stride == 1:
                 return StepIterations(self.plan, start, stop, open_loop=key.stop is None)
+            if stop is None:
+                raise SamplerConfigError(f"tracer.iter[{key.start}::{stride}] needs a stop here: {self.plan.adaptive}, "
+                                         "so the run's length is unknown before it runs.", argument="tracer.iter",
+                                         value=key, allowed="a slice with a stop, or a stride of 1")
             return StepIterations(self.plan, steps=list(range(start, stop, stride)))
         if isinstance(key, (list, tuple, range)):
             return StepIterations(self.plan, steps=self._steps(key, key))
         if isinstance(key, torch.Tensor) or not isinstance(key, int):
             raise ArgumentTypeError(f"tracer.iter takes an int, a slice or a list of steps, got {key!r}.",
                                     argument="tracer.iter", value=key)
-        step = validate.index(key, n, name="tracer.iter", what="denoising step")
+        step = self._step(key, "tracer.iter")
         return StepIterations(self.plan, step, step + 1)
 
+    def _step(self, key: Any, name: str) -> int:
+        """A step index: negatives count from the end, except on a run whose length is known only at its end
+        (refused there, as `generate` refuses steps(-1))."""
+        n, adaptive = self.plan.n_steps, self.plan.adaptive
+        if adaptive is None:
+            return validate.index(key, n, name=name, what="denoising step")
+        key = validate.integer(key, name=name)
+        if key < 0:
+            raise SamplerConfigError(f"{name}={key}: step indices counted from the end are ambiguous here: {adaptive}, "
+                                     "so the run's length is unknown. Use explicit step numbers.", argument=name,
+                                     value=key, allowed="non-negative step indices")
+        return validate.integer(key, name=name, max=None if n is None else n - 1, error=OutOfRangeError)
+
+    def _stop(self, stop: Any, key: slice) -> int:
+        n = self.plan.n_steps
+        if self.plan.adaptive is None:
+            stop = validate.integer(stop, name="tracer.iter stop", min=-n, max=n, error=OutOfRangeError)
+            return stop + n if stop < 0 else stop
+        if validate.integer(stop, name="tracer.iter stop") < 0:
+            self._step(stop, "tracer.iter stop")  # refused: counted from the end
+        return validate.integer(stop, name="tracer.iter stop", max=n, error=OutOfRangeError)
+
     def _steps(self, keys: Any, shown: Any) -> list[int]:
-        out = [validate.index(k, self.plan.n_steps, name="tracer.iter", what="denoising step") for k in keys]
+        out = [self._step(k, "tracer.iter") for k in keys]
         if out != sorted(set(out)):
             raise OutOfRangeError(f"tracer.iter[{shown!r}]: steps must increase (the run goes forward), got {out}.",
                                   argument="tracer.iter", value=shown)

@@ -238,9 +238,9 @@ class DiffusionLM(_Phases, NNsight):
         # are not sampler settings; a misspelt setting is refused by generate itself)
         known = all_settings() | {"sampler"}
         planned = plan_run(self._module, **{k: v for k, v in kwargs.items() if k in known})
-        if planned is None:
-            return None
-        return _Plan(planned.n_steps, "uncond" in planned.phases)
+        if planned is None:  # DreamOn, DiffusionGemma: no plan before the run
+            return _Plan(None, False, "this sampler decides its number of forwards as it runs")
+        return _Plan(planned.n_steps, "uncond" in planned.phases, planned.adaptive)
 
     # --- batching: one input per trace (a batch is one [batch, pos] tensor) ----------------------
     def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
