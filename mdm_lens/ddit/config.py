@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from mdm_lens.config import MDMConfig
+from mdm_lens.errors import ConfigError
 
 DDIT_FAMILIES = ("mdlm", "duo")
 
@@ -42,3 +43,17 @@ def ddit_config(family: str, *, d_vocab: int, n_ctx: int, d_model: int, cond_dim
                      attention="block_causal" if block_causal else "bidirectional",
                      mask_token_id=mask, family=family, model_name=model_name, dtype=dtype, device=device,
                      extra=facts, normalization_type="LN", act_fn="gelu_new")
+
+
+def check_mask_key(raw: dict[str, Any], cfg: MDMConfig, path: Any) -> None:
+    """The DiT references take the mask id from the tokenizer (MDLM / BD3LM: GPT-2's vocab_size, the last row;
+    GIDD: [MASK] appended last), never from config.json. A `mask_token_id` there that names another id (or no id)
+    would be silently overruled: refused, naming the id the model uses. Duo is uniform-state and has no mask."""
+    if raw.get("mask_token_id") is None:
+        return
+    value, mask = raw["mask_token_id"], cfg.mask_token_id
+    if isinstance(value, bool) or not isinstance(value, int) or value != mask:
+        uses = (f"the last vocabulary id, vocab_size - 1 = {mask}" if mask is not None
+                else f"none: {cfg.family} is uniform-state, with no mask token")
+        raise ConfigError(f"{path}: mask_token_id={value!r} is not the mask id this {cfg.family} model uses ({uses}; "
+                          "its reference reads the tokenizer, not config.json); remove the key or give that id.")

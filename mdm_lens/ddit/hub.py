@@ -16,7 +16,7 @@ import torch
 
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
-from mdm_lens.ddit.config import ddit_config
+from mdm_lens.ddit.config import check_mask_key, ddit_config
 from mdm_lens.ddit.loading import PLACEMENT, _dtype, ddit_plan, load_weights, research_family
 from mdm_lens.errors import ArgumentTypeError, CheckpointError, ConfigError
 from mdm_lens.loading.values import check_raw, is_bool, positive_int, rate, time_margin, unit_interval
@@ -77,6 +77,7 @@ def bd3lm_config(raw: dict[str, Any], name: str, path: Path) -> MDMConfig:
                       sampling_eps_min=v["sampling_eps_min"], sampling_eps_max=v["sampling_eps_max"])
     cfg.mask_token_id = v["vocab_size"] - 1  # tokenizer.vocab_size (GPT-2) = vocab_size − 1, as MDLM
     cfg.extra["parameterization"] = "subs"
+    check_mask_key(raw, cfg, path)
     return cfg
 
 
@@ -101,6 +102,7 @@ def gidd_config(raw: dict[str, Any], name: str, path: Path) -> MDMConfig:
                       dropout=v["attention_dropout"], p_uniform=float(v["p_uniform"]), t_eps=float(v["t_eps"]))
     cfg.mask_token_id = v["vocab_size"] - 1  # len(tokenizer) with [PAD], [MASK] appended: [MASK] is the last id
     cfg.extra["parameterization"] = "gidd"
+    check_mask_key(raw, cfg, path)
     return cfg
 
 

@@ -15,7 +15,7 @@ import torch
 
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
-from mdm_lens.ddit.config import DDIT_FAMILIES, DEFAULTS, ddit_config
+from mdm_lens.ddit.config import DDIT_FAMILIES, DEFAULTS, check_mask_key, ddit_config
 from mdm_lens.errors import ArgumentTypeError, CheckpointError, ConfigError
 from mdm_lens.loading.readers import refuse_non_floating
 from mdm_lens.loading.values import SCHEMAS, check_raw
@@ -70,9 +70,11 @@ def config_from_ddit(raw: dict[str, Any], family: str, name: str, path: Path) ->
                           "even size (rotary).")
     # Duo's network is always time-conditioned (its trainer passes σ = −log α_t); MDLM reads the key
     tc = v["time_conditioning"] if family == "mdlm" else True
-    return ddit_config(family, d_vocab=v["vocab_size"], n_ctx=v["model_length"], d_model=v["hidden_dim"],
-                       cond_dim=v["cond_dim"], n_layers=v["n_blocks"], n_heads=v["n_heads"], time_conditioning=tc,
-                       model_name=name, dropout=v["dropout"])
+    cfg = ddit_config(family, d_vocab=v["vocab_size"], n_ctx=v["model_length"], d_model=v["hidden_dim"],
+                      cond_dim=v["cond_dim"], n_layers=v["n_blocks"], n_heads=v["n_heads"], time_conditioning=tc,
+                      model_name=name, dropout=v["dropout"])
+    check_mask_key(raw, cfg, path)
+    return cfg
 
 
 def ddit_plan(cfg: MDMConfig) -> dict[str, str]:

@@ -21,11 +21,12 @@ from mdm_lens.errors import SamplerConfigError
 
 class CoDASampler(DreamSampler):
     name, Settings = "coda", DreamSettings
+    # Dream's settings carry kv_cache, which this sampler refuses (the sweep's cache probe reads the reason)
+    no_kv_cache = "CoDA's diffusion_generate has no cached block decoding (use sampler='dream' for Fast-dLLM's)"
 
     def check_run(self, ids: Tensor, am: Tensor, s: DreamSettings, obs: Any) -> None:
         if s.kv_cache is not None:
-            raise SamplerConfigError(f"kv_cache={s.kv_cache!r}: CoDA's diffusion_generate has no cached block "
-                                     "decoding (use sampler='dream' for Fast-dLLM's).", argument="kv_cache",
+            raise SamplerConfigError(f"kv_cache={s.kv_cache!r}: {self.no_kv_cache}.", argument="kv_cache",
                                      value=s.kv_cache, allowed="None")
         if not bool(am.all()):
             raise SamplerConfigError("a padded batch on CoDA: its attention ignores every mask, so the reference "

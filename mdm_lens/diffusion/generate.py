@@ -26,7 +26,7 @@ from mdm_lens.diffusion import bd3lm, gidd  # noqa: F401  (BD3LM, GIDD)
 from mdm_lens.diffusion.canvas import CanvasSampler, Plan
 from mdm_lens.diffusion.memory_guard import guard
 from mdm_lens.diffusion.observation_checks import check_observation as _check_observation
-from mdm_lens.diffusion.output import GenerateOutput
+from mdm_lens.diffusion.output import GenerateOutput, weights_sample
 from mdm_lens.diffusion.registry import Observation
 
 SamplerName = str  # a registered sampler's name (`registry.names()`) or "auto"
@@ -93,7 +93,9 @@ def generate(model: Any, prompt: Any, *, sampler: SamplerName = "auto", attentio
     guard(model, prompt, name, settings, record, cache, resolved)  # over a budget (max_memory, a GPU's free memory): refused
     obs = Observation(attention_mask=attention_mask, fwd_hooks=fwd_hooks, hook_steps=hook_steps, record=record,
                       cache=cache, seed=seed, progress=progress)
-    return plugin.generate(model, prompt, resolved, obs)
+    out = plugin.generate(model, prompt, resolved, obs)
+    out.model_id, out.model_weights = id(model), weights_sample(model)  # for check_model (another seed's model)
+    return out
 
 
 def plan(model: Any, *, sampler: SamplerName = "auto", **settings: Any) -> Plan | None:

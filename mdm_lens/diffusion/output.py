@@ -74,9 +74,25 @@ class Trajectory:
 
 def model_key(model: Any) -> tuple:
     """What identifies a model for a run's replay: its name and shape (two runs' models with the same key compute
-    with the same architecture; the weights themselves are not hashed)."""
+    with the same architecture; the weights are sampled by `weights_sample`)."""
     c = model.cfg
     return (c.model_name, c.family, c.n_layers, c.d_model, c.n_heads, c.d_vocab, c.mask_token_id, c.attention)
+
+
+def weights_sample(model: Any) -> tuple[float, ...] | None:
+    """16 evenly spaced values of the first, middle and last parameter: equal for two loads of one checkpoint,
+    different for another seed or checkpoint of the same shape. None where a weight is not here (offloaded to
+    meta), so nothing is compared."""
+    params = [p for _, p in model.named_parameters()]
+    if not params:
+        return None
+    values: list[float] = []
+    for p in (params[0], params[len(params) // 2], params[-1]):
+        if p.is_meta:
+            return None
+        flat = p.detach().reshape(-1)
+        values += flat[torch.linspace(0, flat.numel() - 1, 16, device=flat.device).long()].double().cpu().tolist()
+    return tuple(values)
 
 
 @dataclass
@@ -94,6 +110,8 @@ class GenerateOutput:
     model_name: str = ""
     texts: list[str] | None = None  # decoded generations when the model has a tokenizer
     model_key: tuple | None = None  # `model_key(model)` of the model that ran (checked by replay and the probes)
+    model_id: int | None = None  # id() of that model object: the same object passes, even with weights edited since
+    model_weights: tuple | None = None  # `weights_sample` of that model at the run, compared for another object
     # block samplers whose reference returns a shorter span (LLaDA2: up to and including the first EOS): each
     # row's answer length from `prompt_length` (None: all generated tokens are answer)
     answer_length: list[int] | None = None
@@ -113,6 +131,15 @@ class GenerateOutput:
             raise InputError(f"{argument}: the run was made by {self.model_name!r} {self.model_key[1:]}, not by "
                              f"the model given, {model.cfg.model_name!r} {model_key(model)[1:]}: pass the model that "
                              "ran it.",
+                             argument=argument, value=self.model_name, allowed="a run of this model")
+        if self.model_weights is None or id(model) == self.model_id:
+            return
+        now = weights_sample(model)
+        if now is not None and now != self.model_weights:
+            raise InputError(f"{argument}: the run was made by another model of the same shape "
+                             f"({self.model_name!r}): the weights of the model given differ from the run's (another "
+                             "seed, checkpoint or dtype); pass the model object that ran it (its weights may have "
+                             "been edited since, on purpose) or a fresh load of the same checkpoint.",
                              argument=argument, value=self.model_name, allowed="a run of this model")
 
     @property

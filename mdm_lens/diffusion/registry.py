@@ -267,6 +267,10 @@ def unpassed(sampler: Sampler, error: ArgumentError, given: dict[str, Any]) -> A
     default = fields[name].default
     if (default is None or default is dataclasses.MISSING) and error.value is None:
         return error  # the checkpoint names no value (nothing conflicts): the error already asks for one
+    if default is DEFAULT:  # the model's own value, which conflicts with the model (not with what was passed)
+        note = (f" You did not pass {name}: it took {error.value!r}, the checkpoint's value (model.cfg.{name}); "
+                f"pass {name}= explicitly" + (f" ({error.allowed})." if error.allowed else "."))
+        return type(error)(str(error) + note, argument=name, value=error.value, allowed=error.allowed)
     source = (f"its default is {default!r}" if default is not None and default is not dataclasses.MISSING
               else f"it took {error.value!r}, the checkpoint's value (model.cfg) or else the sampler's own default")
     note = (f" You did not pass {name}: {source}, which conflicts with the settings given "

@@ -96,6 +96,10 @@ def read_config(folder: Path, name: str, known: KnownModel | None) -> tuple[MDMC
         validate.distinct_ids({"mask_token_id": cfg.mask_token_id, "eos_token_id": cfg.eos_token_id},
                               why="the samplers' EOS stop would fire on the canvas's own masks and the answer would "
                                   "keep mask ids as if they came after the EOS.", error=ConfigError)
+    if family == "rnd1":  # its sampler freezes pad positions (never maskable): pad = mask freezes the whole answer
+        validate.distinct_ids({"mask_token_id": cfg.mask_token_id, "pad_token_id": cfg.pad_token_id},
+                              why=f"{path}: RND1's sampler never unmasks a position holding the pad id, so no "
+                                  "position would be maskable.", error=ConfigError)
     return cfg, family
 
 

@@ -123,6 +123,14 @@ def _not_covered(out: Any, kv: Any) -> str:
     if sampler in ("nemotron", "nemotron_ar"):
         return (f"{covers}; this {sampler!r} run's KV cache is how the model decodes (its causal prefill's "
                 "keys / values, no kv_cache setting), not an approximation of a fresh forward: nothing to measure.")
+    if sampler == "fastdllm_v2":  # kv_cache='block' is what the run did, not a setting it has
+        if out.settings.get("use_block_cache"):
+            return (f"{covers}; this 'fastdllm_v2' run's sub-block forwards (use_block_cache=True) read the block's "
+                    "keys/values cached at the block's first forward: compare it with a use_block_cache=False run "
+                    "of the same settings, whose cache of finished blocks is exact.")
+        return (f"{covers}; this 'fastdllm_v2' run decodes against its own exact KV cache of finished blocks (no "
+                "kv_cache setting), which holds what a fresh block-causal forward computes: there is no stale cache "
+                "to measure.")
     if kv in (None, False):
         return f"{covers}; this {sampler!r} run has no KV cache (kv_cache={kv!r})."
     return (f"{covers}; this {sampler!r} run's cache (kv_cache={kv!r}) is another one, which it does not measure: "

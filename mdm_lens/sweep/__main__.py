@@ -60,8 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "one item alone; temporal's received-attention record to ~1e-8); padded: left-pad a "
                         "batch's mixed lengths (fewer model calls, equal up to fp32 rounding)")
     p.add_argument("--keep-keys", type=int, default=1, help="items whose per-key temporal rows are kept")
-    p.add_argument("--max-passages", type=int, default=5, help="passages the rag / chat prompts show (default 5); "
-                   "an item whose gold passage would not be shown is refused (or skipped with --skip-bad)")
+    p.add_argument("--max-passages", type=int, default=None, help="passages the rag / chat prompts show (default "
+                   "5; refused under the zoo template, which shows them all); an item whose gold passage would not be "
+                   "shown is refused (or skipped with --skip-bad)")
     p.add_argument("--force", action="store_true", help="overwrite a folder made with other arguments")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed lines and items a probe cannot use "
                    "(each with its reason in skipped.parquet and manifest.json)")

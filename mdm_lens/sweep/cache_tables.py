@@ -61,17 +61,21 @@ def _has_fast_dllm_cache(sampler: str) -> bool:
 
     from mdm_lens.diffusion import registry
 
-    fields = {f.name: f.default for f in dataclasses.fields(registry.get(sampler).Settings)}
-    return "kv_cache" in fields and fields["kv_cache"] is None
+    plugin = registry.get(sampler)
+    fields = {f.name: f.default for f in dataclasses.fields(plugin.Settings)}
+    return "kv_cache" in fields and fields["kv_cache"] is None and not getattr(plugin, "no_kv_cache", "")
 
 
 def cache(model: Any, batch: Any, s: Any, shared: dict) -> pd.DataFrame:
+    from mdm_lens.diffusion import registry
+
     out = shared["out"]
     parts: list[pd.DataFrame] = []
     rows: list[dict] = []
+    own = getattr(registry.get(out.sampler), "no_kv_cache", "")
     no_cache = None if out.causal or _has_fast_dllm_cache(out.sampler) else (
         f"not applicable: the cache probe compares Fast-dLLM's approximate prefix / dual KV caches, which the "
-        f"{out.sampler!r} sampler does not have (its own cache, if any, is part of its algorithm)")
+        f"{out.sampler!r} sampler does not have ({own or 'its own cache, if any, is part of its algorithm'})")
     for row, item_id in enumerate(batch.item_ids):
         for mode in MODES:
             if out.causal:

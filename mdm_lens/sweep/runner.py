@@ -164,14 +164,15 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
         batch_size: int = 8, steps: int | None = None, gen_length: int | None = None, block_length: int | None = None,
         seed: int = 0, device: str | None = None, dtype: str | None = None, template: str = "auto",
         force: bool = False, skip_bad: bool = False, keep_keys: int = 1, n_random: int = 2, batching: str = "length",
-        max_passages: int = 5, progress: bool | None = None) -> dict[str, pd.DataFrame]:
+        max_passages: int | None = None, progress: bool | None = None) -> dict[str, pd.DataFrame]:
     """Run ``probes`` over the items of ``data`` (jsonl) and write the tables to ``out``; see the module doc.
 
     ``model``: a hub id / local folder (loaded with ``dtype``, default float32, on ``device``, default cpu) or a
     loaded ``HookedMDM`` (then ``device`` / ``dtype``, when given, must be the model's own).
     ``limit``: the first N usable items; rerunning with a higher limit into the same folder computes only the
     new items. ``skip_bad``: skip malformed lines AND items a probe cannot use, recording why
-    (``skipped.parquet``, the manifest). ``max_passages``: passages the ``rag`` / ``chat`` prompts show.
+    (``skipped.parquet``, the manifest). ``max_passages``: passages the ``rag`` / ``chat`` prompts show (default
+    5; refused under the ``zoo`` template, which shows every passage).
     Returns ``{table: DataFrame}`` with the merged long tables (``accuracy``, ``absorption``, ``temporal``,
     ``temporal_keys``, ``qk``, ``retrieval``, ``flow``, ``knockout``, as asked), ``{probe}_summary`` and
     ``skipped``. Every argument is checked, and the data read, before the model is loaded; every item is checked
@@ -189,7 +190,8 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
     seed = validate.seed(seed)
     keep_keys = validate.integer(keep_keys, name="keep_keys", min=0)
     n_random = validate.integer(n_random, name="n_random", min=0)
-    max_passages = validate.integer(max_passages, name="max_passages", min=1)
+    if max_passages is not None:
+        validate.integer(max_passages, name="max_passages", min=1)
     for v, n in ((steps, "steps"), (gen_length, "gen_length"), (block_length, "block_length")):
         if v is not None:
             validate.integer(v, name=n, min=1)
@@ -219,6 +221,7 @@ def run(model: Any, data: str | Path, probes: str | Sequence[str], out: str | Pa
                              "`model.set_tokenizer(tok)`).", argument="model", value=model.cfg.model_name,
                              allowed="a model with a tokenizer")
         tmpl = TM.resolve_template(model, template)
+        max_passages = TM.passages_shown(tmpl, max_passages)
         g = int(gen_length or model.cfg.extra.get("gen_length", 32))
         s = A.Settings(gen_length=g, steps=int(steps or g), block_length=block_length, keep_keys=keep_keys,
                        n_random=n_random, exact=batching == "length")

@@ -61,6 +61,17 @@ def resolve_template(model: Any, template: str) -> str:
     return "chat" if has_chat_template(model) else "rag"
 
 
+def passages_shown(template: str, max_passages: int | None) -> int:
+    """The resolved template's `max_passages` (default 5). The zoo prompt shows every passage, so a value given
+    for it would change nothing: refused, as the sweep refuses other lengths its run would not use."""
+    if max_passages is not None and template == "zoo":
+        raise InputError(f"max_passages={max_passages}: the 'zoo' template shows every passage of an item (only the "
+                         "'rag' / 'chat' prompts show the first max_passages); drop --max-passages, or pass "
+                         "--template rag.", argument="max_passages", value=max_passages,
+                         allowed="None under the 'zoo' template")
+    return 5 if max_passages is None else max_passages
+
+
 def _answer_span(passages: list[str], spans: list[tuple[int, int]], gold: tuple[int, ...],
                  answers: tuple[str, ...]) -> tuple[tuple[int, int], str] | None:
     """The needle: the earliest whole-word occurrence (in prompt order) of any gold answer inside any gold
