@@ -1,0 +1,64 @@
+"""Blind list Q (issue #32 §1): a test for each mutant that survived the whole suite, failing on that mutant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mdm_lens import HookedMDM
+from mdm_lens.errors import ArgumentError, SamplerConfigError
+from mdm_lens.hooks import ReceivedAttention
+
+
+def test_w1_sums_absolute_cdf_differences_of_both_signs():
+    # CDF_p − CDF_q = [−.5, .5, .5, .5, 0]: W1 = 2 (moving .5 one step and .5 three steps); the signed sum is 1.
+    # survivor drift-w1-signed-cdf-difference
+    from mdm_lens.probes.drift import wasserstein1
+
+    p, q = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0]), torch.tensor([0.5, 0.0, 0.0, 0.0, 0.5])
+    assert wasserstein1(p, q).item() == pytest.approx(2.0) == wasserstein1(q, p).item()
+
+
+def test_noise_level_masked_queries_refuse_a_batch_row_without_a_mask():
+    # one row holds masks, the other none: that row's query set is empty (survivor noise-level-masked-rows-check-weakened)
+    from mdm_lens.ddit import HookedDDiT, ddit_config
+    from mdm_lens.probes.noise_level import noise_level
+
+    cfg = ddit_config("mdlm", d_vocab=41, n_ctx=16, d_model=32, cond_dim=24, n_layers=2, n_heads=4,
+                      time_conditioning=True)
+    model = HookedDDiT.from_config(cfg, seed=0, init="realistic")
+    x = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(0))
+    x[0, -4:] = 40
+    with pytest.raises(ArgumentError, match="some rows of tokens hold no \\[MASK\\]"):
+        noise_level(model, x, [1.0], queries="masked")
+    x[1, :2] = 40
+    assert noise_level(model, x, [1.0], queries="masked").n_queries == 6
+
+
+def test_the_explorer_leaves_an_arm_steps_own_new_key_empty_even_where_the_record_holds_zero():
+    # at ARM step s the forward's input is prompt + s tokens: the key committed at step s is not in it
+    # (survivor explore-arm-committed-key-visible)
+    from mdm_lens.views.explore import _received
+
+    arm = HookedMDM.from_pretrained("mdm-lens/tiny-arm")
+    P, G = 5, 4
+    out = arm.generate(torch.tensor([[7, 8, 9, 10, 11]]), steps=G, gen_length=G, record=[ReceivedAttention()])
+    out.records["received_attention"] = out.records["received_attention"].nan_to_num(0.0)
+    got = _received(out, 0, list(range(G)), max_heads=8, notes=[])
+    for s in range(G):
+        for layer_rows in got["values"][s]:
+            for head_row in layer_rows:
+                assert all(v is None for v in head_row[P + s:]) and all(v is not None for v in head_row[:P + s])
+
+
+def test_diffusion_gemma_refuses_t_max_equal_to_t_min():
+    # the schedule runs from t_max down to t_min: equal ends are no schedule (survivor dg-settings-t-equal-accepted)
+    pytest.importorskip("transformers.models.diffusion_gemma")
+    from mdm_lens.bridge import TransformersBridge
+    from mdm_lens.bridge.tiny import tiny_diffusion_gemma
+
+    model = TransformersBridge(tiny_diffusion_gemma(seed=0))
+    prompt = torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(SamplerConfigError, match="t_max must exceed t_min") as err:
+        model.generate(prompt, max_new_tokens=16, max_denoising_steps=4, t_min=0.5, t_max=0.5)
+    assert err.value.argument == "t_max"
