@@ -62,3 +62,19 @@ def test_diffusion_gemma_refuses_t_max_equal_to_t_min():
     with pytest.raises(SamplerConfigError, match="t_max must exceed t_min") as err:
         model.generate(prompt, max_new_tokens=16, max_denoising_steps=4, t_min=0.5, t_max=0.5)
     assert err.value.argument == "t_max"
+
+
+def test_accuracy_band_from_lower_and_upper_bounds_is_drawn_at_those_bounds():
+    # errors[name] of shape [2, n] are the band's lower and upper bounds, not distances from the curve
+    # (survivor fig-accuracy-band-bounds-as-distances)
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from mdm_lens import views
+
+    lower, upper = [0.4, 0.5, 0.65], [0.55, 0.8, 0.72]
+    fig = views.accuracy_curves([0, 1, 2], {"MDM": [0.5, 0.6, 0.7]}, errors={"MDM": [lower, upper]})
+    (band,) = fig.axes[0].collections
+    ys = np.round(band.get_paths()[0].vertices[:, 1], 6)
+    assert set(lower + upper) <= set(ys.tolist()) and ys.min() == 0.4 and ys.max() == 0.8
+    plt.close(fig)
