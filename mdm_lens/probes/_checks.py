@@ -122,12 +122,39 @@ OWN_GENERATE = {"prompt": "the probe's own prompt argument is the prompt",
                 "cache": "the probe returns its own result, not a run's cache"}
 
 
-def own_generate_keywords(generate_kwargs: dict[str, Any], probe: str, taken: Sequence[str] = ()) -> None:
+def own_generate_keywords(generate_kwargs: dict[str, Any], probe: Any, taken: Sequence[str] = (),
+                          also: Sequence[Any] = ()) -> None:
     """Refuse generate keywords the probe sets itself (`OWN_GENERATE`, minus the ones it takes as its own
     arguments, `taken`): they collided inside `generate` (a raw "got multiple values" TypeError) or were silently
-    dropped (`record=` / `cache=` whose results the probe never returns)."""
+    dropped (`record=` / `cache=` whose results the probe never returns). `probe` a function (a public probe): a
+    key that is no sampler setting and no `generate` argument is also refused, as a misspelt argument of the probe
+    far more often than a sampler setting, naming the nearest of its own arguments (and of `also`'s, the
+    functions it passes its keywords on to)."""
+    name = probe if isinstance(probe, str) else probe.__name__
     for key in generate_kwargs:
         if key in OWN_GENERATE and key not in taken:
-            raise ArgumentError(f"{probe}({key}=...): {probe} runs generate itself and sets {key}; "
+            raise ArgumentError(f"{name}({key}=...): {name} runs generate itself and sets {key}; "
                                 f"{OWN_GENERATE[key]}.", argument=key, value=validate.describe(generate_kwargs[key]),
                                 allowed=f"generate settings other than {sorted(k for k in OWN_GENERATE if k not in taken)}")
+    if not isinstance(probe, str):
+        _unknown_keywords(generate_kwargs, probe, *also)
+
+
+def _unknown_keywords(kwargs: dict[str, Any], *probes: Any) -> None:
+    import difflib
+    import inspect
+
+    from mdm_lens.diffusion.generate import OBSERVATION
+    from mdm_lens.diffusion.registry import all_settings
+
+    known = all_settings() | set(OBSERVATION) | {"sampler"}
+    own = list(dict.fromkeys(p.name for fn in probes for p in inspect.signature(fn).parameters.values()
+                             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "model"))
+    for key, value in kwargs.items():
+        if key in known:
+            continue
+        near = difflib.get_close_matches(key, own, n=1) or difflib.get_close_matches(key, sorted(known), n=1)
+        raise ArgumentTypeError(f"{probes[0].__name__}() got an unknown keyword {key}={validate.describe(value)}: "
+                                "it is neither one of its arguments nor a sampler setting or generate() argument "
+                                "(which it passes on)" + (f"; did you mean {near[0]}=?" if near else "."),
+                                argument=key, value=value, allowed=f"its arguments {own}, or sampler settings")

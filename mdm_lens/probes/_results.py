@@ -5,9 +5,10 @@ Every probe returns a dataclass whose tensor fields share a (possibly empty) *le
 *trailing* axes (``key``, ``step``, ``region`` ...).  Subclasses declare the trailing axes of
 each reported field in ``_dims``; ``to_frame`` melts every such field into long format:
 
-    metric | <leading dims> | <trailing dims> | value | label
+    metric | <leading dims> | <trailing dims> | value | label [| reason]
 
-one row per scalar.  Numeric values go to ``value``; string values (labels) to ``label``.
+one row per scalar (a ``reason`` column, empty where the value is defined, for results whose NaN values have
+several causes: those define ``_reason``).  Numeric values go to ``value``; string values (labels) to ``label``.
 The leading axes are unnamed at compute time (the probes are shape-generic), so their names
 are supplied at ``to_frame(lead_dims=("batch", "layer"))``; unnamed ones become ``dim0, dim1, ...``.
 """
@@ -65,6 +66,10 @@ class ResultMixin:
     def _coords(self) -> dict[str, Sequence[Any]]:
         return {}
 
+    #: ``_reason(name, values) -> (values, reasons)``: the field's values as the table shows them and, per value,
+    #: why it is NaN ("" where defined); None: the table has no reason column
+    _reason: ClassVar[Any] = None
+
     def to_frame(self, lead_dims: Sequence[str] | None = None, metrics: Sequence[str] | None = None) -> pd.DataFrame:
         """Long-format DataFrame with one row per scalar of every reported field."""
         coords = self._coords()
@@ -90,7 +95,12 @@ class ResultMixin:
                 idx = grids[ax]
                 labels = coords.get(axis_name)
                 cols[axis_name] = np.asarray(labels, dtype=object)[idx] if labels is not None else idx
+            reasons = None
+            if self._reason is not None:
+                arr, reasons = self._reason(name, arr)
             flat = arr.reshape(-1)
+            if reasons is not None:
+                cols["reason"] = np.asarray(reasons, dtype=object).reshape(-1)
             if flat.dtype.kind in "USO":
                 cols["value"] = np.full(flat.size, np.nan)
                 cols["label"] = flat.astype(object)
@@ -101,8 +111,9 @@ class ResultMixin:
         if not frames:
             return pd.DataFrame(columns=["metric", "value", "label"])
         df = pd.concat(frames, ignore_index=True, sort=False)
-        front = ["metric"] + [c for c in df.columns if c not in ("metric", "value", "label")]
-        return df[front + ["value", "label"]]
+        tail = ["value", "label"] + (["reason"] if self._reason is not None else [])
+        front = ["metric"] + [c for c in df.columns if c not in ("metric", *tail)]
+        return df[front + tail]
 
     def summary(self) -> dict[str, Any]:
         """Plain-python dict of all dataclass fields (tensors converted to numpy)."""

@@ -104,7 +104,7 @@ def mask_heads(model: Any, heads: Sequence[tuple[int, int]], method: Literal["ze
 def answer_accuracy(model: Any, items: Sequence[Any], fwd_hooks: Sequence[Any] = (), gen_length: int | None = None,
                     steps: int | None = None, seed: int = 0, decode: Any = None, **generate_kwargs: Any) -> float:
     """Mean :func:`answer_correct` of each item generated alone with ``fwd_hooks``."""
-    own_generate_keywords(generate_kwargs, 'answer_accuracy')
+    own_generate_keywords(generate_kwargs, answer_accuracy)
     refuse_variable_sampler(generate_kwargs, 'answer_accuracy',
                             "the answer would be read at fixed positions after the prompt, where a variable-length run's span has moved")
     items = _nonempty(items, "items")
@@ -161,6 +161,7 @@ def ablation_accuracy(model: Any, items: Sequence[Any], heads: RetrievalScores |
     heads are drawn (``seed``) among all heads outside the top-k, ``n_random`` times.  ``kwargs`` go to
     :func:`answer_accuracy`.
     """
+    own_generate_keywords(kwargs, ablation_accuracy, also=[answer_accuracy])  # a misspelt method= names itself
     control = validate.choice(control, ("random",), name="control")
     method = validate.choice(method, ("zero", "uniform"), name="method")
     n_total = model.cfg.n_layers * model.cfg.n_heads

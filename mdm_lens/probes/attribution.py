@@ -276,7 +276,7 @@ def attribution_patching(model: Any, out_or_clean: Any, corrupt: Any, *, steps: 
     (``kv_cache=False``, its window starting at 0) is one canvas forward at the step's σ, run exactly; a step whose
     window slid past model_length, and every Nemotron step (a block read against a KV cache), is NaN with the
     reason (``StepForwardError``'s message)."""
-    own_generate_keywords(generate_kwargs, 'attribution_patching')
+    own_generate_keywords(generate_kwargs, attribution_patching)
     refuse_variable_sampler(generate_kwargs, 'attribution_patching',
                             'an attribution at column j would sum over different tokens across steps')
     require_fixed_length(out_or_clean, 'attribution_patching', 'an attribution at column j would sum over '

@@ -120,12 +120,13 @@ class DriftResult(ResultMixin):
     """Anchor drift over steps for each series (leading shape ``...``).  See :func:`drift`.
 
     ``to_frame()`` columns: ``metric`` (a field name below), the leading dims, then ``key`` / ``step`` /
-    ``pair`` (pair s = steps s and s+1) / ``type`` where the field has that axis, ``value``, ``label``.
+    ``pair`` (pair s = steps s and s+1) / ``type`` where the field has that axis, ``value``, ``label``, ``reason``
+    (why ``value`` is NaN; a ``modal_anchor`` of −1, no anchor, is NaN there).
     """
 
     persistence: Tensor          # [..., key]     π_j = fraction of steps with j ∈ S_s
     modal_anchor: Tensor         # [...]          j* = argmax π_j (first of ties; −1 if never any anchor)
-    stability: Tensor            # [...]          π_{j*}
+    stability: Tensor            # [...]          π_{j*} (NaN if never any anchor: no modal anchor)
     n_anchors: Tensor            # [..., step]    |S_s|
     empty_fraction: Tensor       # [...]          fraction of steps with S_s = ∅
     jaccard: Tensor              # [..., pair]    |S_s ∩ S_{s+1}| / |S_s ∪ S_{s+1}| (both empty: NaN, 0/0)
@@ -154,6 +155,33 @@ class DriftResult(ResultMixin):
 
     def _coords(self):
         return {"type": ANCHOR_TYPES}
+
+    def _reason(self, name: str, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Why each NaN of field `name` is undefined (the frame's ``reason`` column)."""
+        n_steps = self.n_anchors.shape[-1]
+        blind = to_numpy(self.persistence).astype(float)
+        blind = np.isnan(blind).all(-1) if blind.shape[-1] else np.ones(blind.shape[:-1], bool)  # no visible key
+        never = blind | (to_numpy(self.modal_anchor) < 0)
+        n_def = (~np.isnan(to_numpy(self.centroid).astype(float))).sum(-1)
+        one = "one step: no step pair" if n_steps < 2 else ""
+        why = {"persistence": np.where(blind, "no visible key at any step", "")[..., None],
+               "empty_fraction": np.where(blind, "no visible key at any step", ""),
+               "stability": np.where(blind, "no visible key at any step", np.where(never, "no anchor at any step", "")),
+               "jaccard": np.array("both anchor sets of the pair are empty (0/0)"),
+               "mean_jaccard": np.array(one or "every step pair's anchor sets are empty (0/0)"),
+               "top1_change_rate": np.array(one), "mean_w1": np.array(one or "no step pair has received mass"),
+               "w1": np.array("a step of the pair has no received mass"),
+               "centroid": np.array("no anchor at this step"),
+               "centroid_slope": np.where(n_def < 2, "fewer than two steps with anchors", ""),
+               "centroid_spearman": np.where(n_def < 2, "fewer than two steps with anchors",
+                                             "constant centroid: no rank order")}
+        why["drift_index"] = why["mean_jaccard"]
+        why["modal_anchor"] = why["stability"]
+        if name == "modal_anchor":
+            values = np.where(never, np.nan, values.astype(float))
+        nan = np.isnan(values) if values.dtype.kind == "f" else np.zeros(values.shape, bool)
+        reasons = np.broadcast_to(why.get(name, np.array("")), values.shape) if name in why else np.full(values.shape, "")
+        return values, np.where(nan, reasons, "").astype(object)
 
 
 def _commit(commit_step: Tensor, n_keys: int, against: tuple[int, ...]) -> Tensor:
@@ -247,7 +275,7 @@ def drift(anchors: Bool[Tensor, "... step key"], received: Float[Tensor, "... st
     undefined = ~vis.any(-1).any(-1)
     nan = torch.full((), torch.nan, dtype=torch.float64)
     persistence = torch.where(undefined[..., None], nan, persistence)
-    stability = torch.where(undefined, nan, stability)
+    stability = torch.where(undefined | (modal < 0), nan, stability)  # no modal anchor: its share is undefined
     empty_fraction = torch.where(undefined, nan, (n_anchors == 0).to(torch.float64).mean(-1))
 
     inter = (a[..., 1:, :] & a[..., :-1, :]).sum(-1).to(torch.float64)

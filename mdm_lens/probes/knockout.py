@@ -238,7 +238,7 @@ def knockout(model: Any, prompt_ids: Any, *, steps: Any = None, layers: Any = No
     outside the run, ``ArgumentError`` / ``ArgumentTypeError`` for other invalid arguments, and
     ``NonFiniteError`` when the model's logits are NaN or inf.
     """
-    own_generate_keywords(generate_kwargs, 'knockout')
+    own_generate_keywords(generate_kwargs, knockout)
     refuse_variable_sampler(generate_kwargs, 'knockout',
                             'a knocked-out key column would be a different token at another step, and the answer positions scored at the end would not be the ones knocked out')
     from mdm_lens.probes._retrieval_items import check_decode

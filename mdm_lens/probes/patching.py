@@ -236,7 +236,7 @@ def patch_anchor_activations(model: Any, clean_ids: Any, corrupt_ids: Any, *, st
     token), normalised (M − M_corr)/(M_clean − M_corr).  Raises ``OutOfRangeError`` for a step, layer or
     position outside the run and ``ArgumentError`` when nothing is committed at the step.
     """
-    own_generate_keywords(generate_kwargs, 'patch_anchor_activations')
+    own_generate_keywords(generate_kwargs, patch_anchor_activations)
     refuse_variable_sampler(generate_kwargs, 'patch_anchor_activations',
                             'a patched position would be a different token at another step')
     require_single_stack(model, "patch_anchor_activations", "it replays a step as one forward of the whole canvas "

@@ -157,7 +157,7 @@ def retrieval_scores(model: Any, items: Sequence[Any], method: Method = "copy@co
     ``cfg.extra["gen_length"]``); ``fwd_hooks`` are passed to the sampler (and to the final forward of
     ``copy@final``).  ``only_correct=False`` scores every sample.
     """
-    own_generate_keywords(generate_kwargs, 'retrieval_scores')
+    own_generate_keywords(generate_kwargs, retrieval_scores)
     refuse_variable_sampler(generate_kwargs, 'retrieval_scores',
                             'a retrieval head would be scored on the key that held the copied token at its commit step, which has moved since')
     method = validate.choice(method, METHODS, name="method")

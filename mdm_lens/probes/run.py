@@ -411,6 +411,7 @@ def flow_for_items(model: Any, items: Sequence[Any], mode: Literal["default", "p
 
     from ._text import encode_with_offsets, model_tokenizer
 
+    C.own_generate_keywords(generate_kwargs, flow_for_items)
     items = _nonempty(items, "items", needs=("prompt",))
     mode = validate.choice(mode, ("default", "paper"), name="mode")
     residual = validate.number(residual, name="residual", min=0, max=1)

@@ -201,8 +201,10 @@ def parse_item(obj: Any, line: int) -> SweepItem:
     question = _one(obj, QUESTION_KEYS, "questions")
     prompt = obj.get("prompt")
     if question is None:
-        if not isinstance(prompt, str) or not prompt:
+        if prompt is None:
             raise _Bad(f"no question ({'/'.join(QUESTION_KEYS)}) and no prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise _Bad(f"the prompt must be a non-empty string, got {_short(prompt, 40)}")
         if any(k in obj for k in PASSAGE_KEYS + GOLD_KEYS):
             raise _Bad("a plain prompt line cannot carry passages or a gold index (they would not be shown)")
         return SweepItem(id=item_id, line=line, prompt=prompt, answers=_all_answers(obj))

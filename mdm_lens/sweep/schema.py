@@ -135,12 +135,14 @@ METRICS: dict[str, dict[str, tuple[str, str]]] = {
                  "anchor_mass": ("share", "attention the anchor set receives"),
                  "mean_jaccard": ("fraction", "probe's mean Jaccard of S_s, S_s+1 over the pairs not both empty (NaN if all are)"),
                  "drift_index": ("fraction", "1 − mean_jaccard"),
-                 "n_distinct": ("count", "|∪_s S_s|"), "stability": ("fraction", "steps the modal anchor is in S_s"),
+                 "n_distinct": ("count", "|∪_s S_s|"), "stability": ("fraction", "steps the modal anchor is in S_s (NaN: no anchor at any step)"),
                  "modal_anchor": (_POS, "the most persistent anchor (NaN: no anchor at any step)"),
                  "empty_fraction": ("fraction", "steps with S_s = ∅"),
-                 "top1_change_rate": ("fraction", "step pairs whose top-1 key changes"),
-                 "centroid_slope": ("positions / step", "OLS slope of the anchors' mass-weighted centroid"),
-                 "mean_w1": ("positions", "mean Wasserstein-1 distance of consecutive received distributions"),
+                 "top1_change_rate": ("fraction", "step pairs whose top-1 key changes (NaN: one step, no pair)"),
+                 "centroid_slope": ("positions / step", "OLS slope of the anchors' mass-weighted centroid (NaN: "
+                                                        "fewer than two steps with anchors)"),
+                 "mean_w1": ("positions", "mean Wasserstein-1 distance of consecutive received distributions (NaN: "
+                                          "one step, no pair)"),
                  "jaccard_defined": ("fraction", "summary only: mean Jaccard over step pairs with at least one "
                                                  "anchor (NaN when every pair is empty)"),
                  "n_empty_pairs": ("count", "summary only: step pairs with both anchor sets empty (excluded)")},

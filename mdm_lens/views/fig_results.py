@@ -40,6 +40,14 @@ def _error_bars(name: str, value: Any, n: int, pair: str = "below, above") -> np
     if e.shape not in ((n,), (2, n)):
         raise InputError(f"{name} has shape {e.shape}: expected ({n},) (± per point) or (2, {n}) ({pair}).",
                          argument=name, value=e.shape, allowed=f"shape ({n},) or (2, {n})")
+    bounds = e.ndim == 2 and "bounds" in pair
+    if bounds and bool((e[0] > e[1]).any()):
+        raise InputError(f"{name}: a lower bound lies above its upper bound ({e[0].tolist()} vs {e[1].tolist()}).",
+                         argument=name, value=e.tolist(), allowed="lower <= upper at every point")
+    if not bounds and bool((e < 0).any()):  # distances; matplotlib would raise its own ValueError on a bar
+        raise InputError(f"{name} holds negative values {e[e < 0].tolist()}: error bars are distances from the "
+                         f"value (± half-widths, or the {pair} distances), so >= 0.", argument=name,
+                         value=e.tolist(), allowed="values >= 0")
     return e
 
 
