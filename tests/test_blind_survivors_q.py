@@ -78,3 +78,57 @@ def test_accuracy_band_from_lower_and_upper_bounds_is_drawn_at_those_bounds():
     ys = np.round(band.get_paths()[0].vertices[:, 1], 6)
     assert set(lower + upper) <= set(ys.tolist()) and ys.min() == 0.4 and ys.max() == 0.8
     plt.close(fig)
+
+
+def test_a_list_of_overlapping_hook_names_expands_to_each_hook_once():
+    # a name and a glob covering it: the hook is installed (and fires) once (survivor hook-names-list-duplicates)
+    from mdm_lens.hooks.names import expand_names
+
+    model = HookedMDM.from_pretrained("mdm-lens/tiny-mdm")
+    names = expand_names(model, ["blocks.0.hook_resid_post", "blocks.0.hook_resid_*", "blocks.0.hook_resid_post"])
+    assert names[0] == "blocks.0.hook_resid_post" and len(names) == len(set(names)) == 3
+    calls: list = []
+    model.generate([[5, 6, 7]], gen_length=2, steps=1,
+                   fwd_hooks=[(["blocks.0.hook_resid_post", "blocks.0.hook_resid_*"], lambda t, hook: calls.append(hook.name))])
+    assert sorted(calls) == sorted(set(calls)) and len(calls) == 3
+
+
+def test_the_sweep_runs_an_arm_with_one_step_per_token():
+    # the ARM decodes one token per step: the sweep passes gen_length as its steps, whatever its own steps setting
+    # (survivor sweep-arm-steps-not-gen-length)
+    from mdm_lens.sweep.batch import Settings
+    from mdm_lens.sweep.lengths import _gen_kwargs
+
+    arm = HookedMDM.from_pretrained("mdm-lens/tiny-arm")
+    kw = _gen_kwargs(arm, Settings(gen_length=4, steps=2, block_length=None, keep_keys=1, n_random=2, exact=True))
+    assert kw.get("steps", kw.get("n_steps")) == 4 and kw["gen_length"] == 4
+
+
+def test_realistic_init_draws_the_router_expert_bias(tmp_path):
+    # a zero expert_bias hides every bug that drops it: realistic init redraws MoE routers' expert_bias buffers
+    # (survivor init-router-bias-not-redrawn)
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "families"))
+    from family_checkpoints import write_llada2
+
+    cfg = HookedMDM.from_pretrained(str(write_llada2(tmp_path / "l2")[0]), load_tokenizer=False).cfg
+    model = HookedMDM.from_config(cfg, seed=4, init="realistic")
+    biases = {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    assert biases and all(float(b.std()) > 0.01 and float(b.abs().min()) > 0 for b in biases.values())
+
+
+def test_a_head_scoring_exactly_the_threshold_is_not_a_retrieval_head():
+    # "heads scoring above threshold": a planted copy head scores exactly 1.0 (survivor retrieval-threshold-inclusive)
+    from tests.probes.test_retrieval import NEEDLE, OTHER, P, copy_hook, emit_hooks, item, prompt, tiny
+
+    from mdm_lens.probes import retrieval as RT
+
+    model, p = tiny(), prompt()
+    w = int(p[NEEDLE])
+    hooks = [copy_hook(1, 2, lambda T: [P], NEEDLE), copy_hook(0, 1, lambda T: [P], OTHER),
+             emit_hooks(model, lambda T: {P: w})]
+    for threshold, listed in ((1.0, False), (0.999, True)):
+        res = RT.retrieval_scores(model, [item(p, [w])], gen_length=1, fwd_hooks=hooks, threshold=threshold)
+        assert float(res.scores[1, 2]) == 1.0 and ((1, 2) in res.above_threshold) == listed
