@@ -113,3 +113,41 @@ def test_a_misspelt_probe_keyword_names_the_probe_and_its_nearest_argument(tiny)
 
     with pytest.raises(SamplerConfigError, match="setting of sampler 'dream'"):
         PT.knockout(tiny, prompt, answer="purple", alg="entropy")
+
+
+def test_figures_of_all_nan_curves_raise_no_numpy_warning():
+    """Note: an all-NaN curve leaked numpy's 'All-NaN slice encountered' RuntimeWarning (and emergence_map's colour
+    scale crashed on int(NaN))."""
+    import warnings
+
+    import matplotlib.pyplot as plt
+
+    from mdm_lens.views.fig_attention import absorption_by_layer
+    from mdm_lens.views.fig_lens import emergence_map
+
+    nan = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        figs = [absorption_by_layer({"m": ([nan, nan], [nan, nan])}), views.accuracy_curves([0, 1], {"m": [nan, nan]}),
+                views.retrieval_heatmap([[nan, nan], [0.2, nan]]), emergence_map([[nan, nan]], [nan, nan], [0])]
+    for fig in figs:
+        plt.close(fig)
+
+
+def test_a_report_section_whose_table_has_no_rows_says_so(tmp_path, mdm):
+    """Note: an absorption table with no rows dropped its section without a word."""
+    import pandas as pd
+
+    from mdm_lens import sweep
+    from mdm_lens.views.sweep_report import load_sweeps, sections
+    from mdm_lens.zoo import jsonl
+
+    data = tmp_path / "items.jsonl"
+    jsonl.export(data, 1, seed=0)
+    sweep.run(mdm, data, "accuracy", tmp_path / "s" / "a", progress=False)
+    cols = ["item_id", "layer", "mode", "variant", "metric", "value"]
+    pd.DataFrame({c: pd.Series([], dtype="float64" if c == "value" else "object") for c in cols}).to_parquet(
+        tmp_path / "s" / "a" / "absorption.parquet")
+    secs = {s.title: s for s in sections(load_sweeps(tmp_path / "s"), tmp_path / "img")}
+    (title,) = [t for t in secs if "bsorption" in t]
+    assert any("absorption table has no rows" in w for w in secs[title].absent)

@@ -47,7 +47,8 @@ def head_grid(table: pd.DataFrame, band: str) -> pd.DataFrame:
 
 def _heatmaps(label: str, table: pd.DataFrame, path: Path) -> Path:
     grids = [head_grid(table, b) for b in BANDS]
-    top = max([float(np.nanmax(np.abs(g.to_numpy()))) for g in grids if g.size] + [1e-12])
+    finite = [np.abs(v[np.isfinite(v)]) for v in (g.to_numpy(dtype=float) for g in grids)]
+    top = max([float(v.max()) for v in finite if v.size] + [1e-12])  # an all-NaN grid sets no scale
     fig = _new((3.6 * len(BANDS), 3.2))
     axes = fig.subplots(1, len(BANDS))
     for ax, band, g in zip(np.atleast_1d(axes), BANDS, grids):

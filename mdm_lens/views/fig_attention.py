@@ -108,7 +108,8 @@ def absorption_by_layer(curves: Mapping[str, tuple[Any, Any]], nulls: Mapping[st
                 markerfacecolor=st["markerfacecolor"], label=label, zorder=3)
         if std is not None:
             ax.fill_between(x, m - s, m + s, color=st["color"], alpha=0.16, linewidth=0, zorder=1)
-        lo_all = min(lo_all, float(np.nanmin(m - s)))
+        low = (m - s)[np.isfinite(m - s)]  # an all-NaN curve (no layer defined) sets no bound, and warns nothing
+        lo_all = min(lo_all, float(low.min())) if low.size else lo_all
         if name in nulls and nulls[name] is not None:
             nv = nulls[name]
             nl = np.full_like(m, float(nv[0])) if nv.size == 1 else nv
@@ -337,8 +338,8 @@ def qk_decomposition_bars(norm_term: Any, angle_term: Any, labels: Sequence[str]
     if len(labels) != H:
         raise InputError(f"{len(labels)} labels for {H} heads.", argument="labels", value=len(labels),
                          allowed=f"{H} labels")
-    nn_ = np.append(n, np.nanmean(n))
-    gg = np.append(g, np.nanmean(g))
+    nn_ = np.append(n, finite_mean(n))
+    gg = np.append(g, finite_mean(g))
     x = np.append(np.arange(H, dtype=float), H + 0.8)
     fig = _new((float(np.clip(0.32 * H + 3.0, 5.0, 16.0)), 3.6))
     ax = fig.add_subplot()

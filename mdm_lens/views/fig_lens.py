@@ -79,13 +79,13 @@ def emergence_map(first: Any, commit: Any, layers: Sequence[int], *, labels: Seq
     if labels is not None and len(labels) != P:
         raise InputError(f"labels has {len(labels)} entries for {P} answer positions.", argument="labels",
                          value=len(labels), allowed=f"{P} labels")
+    seen = np.concatenate([f.reshape(-1), c])
+    seen = seen[np.isfinite(seen)]
     if n_steps is not None:  # the colour scale's top: a step of `first` or `commit` past it would be clipped
-        seen = np.concatenate([f.reshape(-1), c])
-        seen = seen[np.isfinite(seen)]
         low = int(seen.max()) + 1 if seen.size else 1
         n_steps = validate.integer(n_steps, name="n_steps", min=max(low, 1), error=OutOfRangeError)
     cm = colormap(cmap).with_extremes(bad="white")
-    top = n_steps if n_steps is not None else int(np.nanmax(np.concatenate([f.reshape(-1), c]))) + 1
+    top = n_steps if n_steps is not None else (int(seen.max()) + 1 if seen.size else 1)
     fig = _new((min(12.0, max(6.5, 2.6 + 0.5 * P)), min(8.0, max(2.8, 1.8 + 0.38 * L))))
     ax = fig.add_subplot()
     im = ax.imshow(np.ma.masked_invalid(f), cmap=cm, vmin=0, vmax=max(top - 1, 1), aspect="auto", origin="lower",

@@ -87,7 +87,7 @@ def retrieval_heatmap(scores: Any, title: str = "Retrieval score per head", thre
     for sp in ax.spines.values():
         sp.set_visible(True)
         sp.set_linewidth(0.6)
-    means = np.nanmean(s, axis=1)
+    means = np.array([finite_mean(row) for row in s])  # an all-NaN layer: NaN, without numpy's warning
     frac = above.mean(axis=1)
     side.barh(np.arange(L), means, height=0.8, color=cm(np.clip(means, 0, 1)), edgecolor="0.3", linewidth=0.3)
     side.plot(frac, np.arange(L), marker="o", markersize=2.5, linestyle="none", color="#D55E00")
@@ -298,7 +298,9 @@ def accuracy_curves(x: Sequence[Any], series: Mapping[str, Any], xlabel: str = "
             e = _error_bars(f"errors[{name!r}]", errors[name], xs.size, "lower, upper bounds")
             lower, upper = (y - e, y + e) if e.ndim == 1 else (e[0], e[1])
             ax.fill_between(xs, lower, upper, color=st["color"], alpha=0.14, linewidth=0)
-        lo, hi = min(lo, np.nanmin(y)), max(hi, np.nanmax(y))
+        finite = y[np.isfinite(y)]
+        if finite.size:
+            lo, hi = min(lo, finite.min()), max(hi, finite.max())
     if chance is not None:
         ax.axhline(chance, color="0.4", linestyle=":", linewidth=1.0, label="chance")
     if lo >= 0 and hi <= 1:

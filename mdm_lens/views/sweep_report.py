@@ -281,8 +281,9 @@ def sections(sweeps: Sequence[Sweep], img: Path) -> list[Section]:
         why = {s.label: _absent(spec, s) for s in sweeps}
         present = [s for s in sweeps if why[s.label] is None]
         if not present:
-            if (spec.skip is not None and any(any(s.table(t) is not None for t in spec.tables) for s in sweeps)) \
-                    or any(t in s.probes for s in sweeps for t in spec.tables):  # run, but its table is missing
+            # a table on disk (even empty) or a probe the manifest lists, with no sweep shown: say why, never drop
+            if any(any(s.table(t) is not None for t in spec.tables) for s in sweeps) \
+                    or any(t in s.probes for s in sweeps for t in spec.tables):
                 out.append(Section(spec.title, absent=[w for w in why.values() if w]))   # skipped, say why
             continue
         sec = spec.make(present, img)
