@@ -151,3 +151,15 @@ def test_a_report_section_whose_table_has_no_rows_says_so(tmp_path, mdm):
     secs = {s.title: s for s in sections(load_sweeps(tmp_path / "s"), tmp_path / "img")}
     (title,) = [t for t in secs if "bsorption" in t]
     assert any("absorption table has no rows" in w for w in secs[title].absent)
+
+
+def test_attribution_patching_names_a_misspelt_keyword_on_a_prompt_and_refuses_any_on_a_finished_run(tiny):
+    from mdm_lens.errors import ArgumentError
+    from mdm_lens.probes import attribution as AT
+
+    prompt = tiny.to_tokens("The capital is")
+    with pytest.raises(ArgumentTypeError, match=r"attribution_patching\(\) got an unknown keyword stepz=.*did you mean steps=\?"):
+        AT.attribution_patching(tiny, prompt, "knockout", gen_length=3, stepz=[0])
+    out = tiny.generate(prompt, gen_length=3, steps=3)
+    with pytest.raises(ArgumentError, match="ignored when out_or_clean is a finished run"):
+        AT.attribution_patching(tiny, out, "knockout", steps=[0], stepz=[0])

@@ -137,17 +137,20 @@ def own_generate_keywords(generate_kwargs: dict[str, Any], probe: Any, taken: Se
                                 f"{OWN_GENERATE[key]}.", argument=key, value=validate.describe(generate_kwargs[key]),
                                 allowed=f"generate settings other than {sorted(k for k in OWN_GENERATE if k not in taken)}")
     if not isinstance(probe, str):
-        _unknown_keywords(generate_kwargs, probe, *also)
+        unknown_keywords(generate_kwargs, probe, *also)
 
 
-def _unknown_keywords(kwargs: dict[str, Any], *probes: Any) -> None:
+def unknown_keywords(kwargs: dict[str, Any], *probes: Any) -> None:
+    """Refuse a key of `kwargs` (passed on to `generate`) that is no sampler setting and no `generate` argument,
+    naming the probe `probes[0]` and the nearest argument of `probes` (see `own_generate_keywords`)."""
     import difflib
     import inspect
 
-    from mdm_lens.diffusion.generate import OBSERVATION
-    from mdm_lens.diffusion.registry import all_settings
+    import dataclasses
 
-    known = all_settings() | set(OBSERVATION) | {"sampler"}
+    from mdm_lens.diffusion.registry import Observation, all_settings
+
+    known = all_settings() | {f.name for f in dataclasses.fields(Observation)} | {"sampler"}
     own = list(dict.fromkeys(p.name for fn in probes for p in inspect.signature(fn).parameters.values()
                              if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "model"))
     for key, value in kwargs.items():

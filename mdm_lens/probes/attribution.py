@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens.diffusion.rules import derived_steps
-from mdm_lens.probes._checks import own_generate_keywords
+from mdm_lens.probes._checks import own_generate_keywords, unknown_keywords
 from mdm_lens.diffusion.fixed_length import refuse_variable_sampler, require_fixed_length
 from mdm_lens import validate
 from mdm_lens.errors import ArgumentTypeError, InputError, StepForwardError
@@ -186,6 +186,7 @@ def _clean_run(model: Any, out_or_clean: Any, gen_length: Any, n_steps: Any, gen
                                 f"{', '.join(sorted(given))}.", argument=name, value=given[name],
                                 allowed="no generation settings with a GenerateOutput")
         return out_or_clean
+    unknown_keywords(generate_kwargs, attribution_patching)
     clean = C.prompt_batch(out_or_clean, "out_or_clean", model.input_device)
     g = validate.integer(gen_length if gen_length is not None else model.cfg.extra.get("gen_length", 4),
                          name="gen_length", min=1)
@@ -276,7 +277,7 @@ def attribution_patching(model: Any, out_or_clean: Any, corrupt: Any, *, steps: 
     (``kv_cache=False``, its window starting at 0) is one canvas forward at the step's σ, run exactly; a step whose
     window slid past model_length, and every Nemotron step (a block read against a KV cache), is NaN with the
     reason (``StepForwardError``'s message)."""
-    own_generate_keywords(generate_kwargs, attribution_patching)
+    own_generate_keywords(generate_kwargs, 'attribution_patching')  # unknown keys: `_clean_run`, after a run's refusal
     refuse_variable_sampler(generate_kwargs, 'attribution_patching',
                             'an attribution at column j would sum over different tokens across steps')
     require_fixed_length(out_or_clean, 'attribution_patching', 'an attribution at column j would sum over '
