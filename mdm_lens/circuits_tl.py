@@ -35,6 +35,7 @@ class CircuitMatrix(FactoredMatrix):
     def __getitem__(self, idx: Any) -> Any:
         from mdm_lens.errors import ArgumentError
 
+        self._check_ints(idx)
         try:
             out = super().__getitem__(idx)
         except ArgumentError as e:  # a factor view's OutOfRangeError / InputTypeError
@@ -44,6 +45,25 @@ class CircuitMatrix(FactoredMatrix):
                           "TransformerLens order, e.g. [layer, head, d_model, d_model]; negative values count from "
                           "the end).", argument="index", value=idx, allowed=f"indices within {shape}") from None
         return CircuitMatrix(out.A, out.B) if type(out) is FactoredMatrix else out
+
+    def _check_ints(self, idx: Any) -> None:
+        """Every int index against its axis: TL turns an int on the two matrix axes into a one-wide slice, so one
+        past the end (`OV[0, 0, :, 999]`) gave an empty matrix instead of an error."""
+        items = idx if isinstance(idx, tuple) else (idx,)
+        if any(i is None for i in items):
+            return  # a new axis shifts the positions: left to the factors' own checks
+        shape = tuple(self.shape)
+        cut = next((k for k, i in enumerate(items) if i is Ellipsis), len(items))
+        tail = items[cut + 1:]
+        placed = list(enumerate(items[:cut])) + [(len(shape) - len(tail) + j, i) for j, i in enumerate(tail)]
+        for axis, i in placed:
+            n = shape[axis] if 0 <= axis < len(shape) else None
+            if isinstance(i, int) and not isinstance(i, bool) and n is not None and not -n <= i < n:
+                from mdm_lens.errors import OutOfRangeError
+
+                raise OutOfRangeError(f"index {idx!r} is out of range for a weight view of shape {shape}: axis {axis} "
+                                      f"takes [-{n}, {n - 1}] (negative values count from the end).",
+                                      argument=f"index[{axis}]", value=i, allowed=f"[-{n}, {n - 1}]")
 
 
 def qk_circuit(model: Any) -> FactoredMatrix:

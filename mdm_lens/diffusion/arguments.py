@@ -98,6 +98,14 @@ def prompt_tokens(model: Any, prompt: Any, attention_mask: Any) -> tuple[Tensor,
             try:
                 prompt = torch.as_tensor(prompt)
             except (TypeError, ValueError) as err:
+                lengths = [len(r) for r in prompt if isinstance(r, (list, tuple))]
+                if len(lengths) == len(prompt) and len(set(lengths)) > 1:  # the natural "two prompts" call
+                    raise ArgumentTypeError(
+                        f"prompt's rows have different lengths {lengths}: a batch is one [batch, pos] tensor, "
+                        "left-padded, with attention_mask marking the pads (e.g. tokens, mask = "
+                        "model.to_tokens(texts, padding_side='left', return_attention_mask=True)), or generate "
+                        "each prompt alone.", argument="prompt", value=prompt,
+                        allowed="rows of one length (left-padded, with attention_mask)") from None
                 raise ArgumentTypeError(f"prompt must be text or token ids [batch, pos] ({err}).", argument="prompt",
                                         value=prompt, allowed="str, list of str, or int token ids") from None
         ids = validate.tensor(prompt, name="prompt", ndim=(1, 2), dtype="int", nonempty=False)

@@ -50,7 +50,10 @@ class Trajectory:
         return int(self.x_steps.shape[0])
 
     def committed_at(self, step: int) -> Bool[Tensor, "batch pos"]:
-        return self.commit_step == (step % self.n_steps)
+        """The positions committed at step `step` (negatives count from the end; out of range is refused, not
+        wrapped round)."""
+        n = self.n_steps
+        return self.commit_step == validate.index(step, n, name="step", what=f"step of this {n}-step run")
 
     def order(self, row: int = 0) -> list[int]:
         """Generated positions of one row in the order they were committed (ties by position)."""

@@ -42,7 +42,7 @@ class Steps:
                                      argument="blocks", value=list(self.blocks), allowed="a selection without blocks")
         return [k for k in range(n_steps) if self._matches_step(k, n_steps)]
 
-    def resolve(self, n_steps: int) -> set[int] | None:
+    def resolve(self, n_steps: int, name: str = "steps") -> set[int] | None:
         """The explicit step indices alone (None = no index given: every step, before `every=` / `blocks=` filter;
         `selected` gives the steps that fire). Two specs naming the same
         step (``steps(0, -4)`` on a 4-step run, ``steps("first", 0)``) are an error: the records and the cache
@@ -52,13 +52,13 @@ class Steps:
         out: dict[int, int] = {}
         for j, s in enumerate(self.indices):
             s = {"first": 0, "last": -1}.get(s, s) if isinstance(s, str) else s
-            i = validate.index(s, n_steps, name=f"steps[{j}]", what=f"step of a run of {n_steps} steps",
+            i = validate.index(s, n_steps, name=f"{name}[{j}]", what=f"step of a run of {n_steps} steps",
                                error=SamplerConfigError)
             if i in out:
                 k = out[i]
                 raise SamplerConfigError(
-                    f"steps[{k}]={self.indices[k]!r} and steps[{j}]={self.indices[j]!r} both name step {i} of a "
-                    f"run of {n_steps} steps; list each step once.", argument=f"steps[{j}]",
+                    f"{name}[{k}]={self.indices[k]!r} and {name}[{j}]={self.indices[j]!r} both name step {i} of a "
+                    f"run of {n_steps} steps; list each step once.", argument=f"{name}[{j}]",
                     value=self.indices[j], allowed="distinct steps (negative values count from the end)")
             out[i] = j
         return set(out)
@@ -72,7 +72,13 @@ class Steps:
         says so (its steps counted from the end were refused before)."""
         if unknown is not None:
             self._check_bound(n_steps, what, unknown)
-        chosen = self.resolve(n_steps)
+        # generate's hook_steps= names its own entries; a hook / record / cache prefixes its steps(...)
+        try:
+            chosen = self.resolve(n_steps, "hook_steps" if what == "hook_steps" else "steps")
+        except SamplerConfigError as e:
+            if what in ("hook_steps", "steps"):
+                raise
+            raise SamplerConfigError(f"{what}: {e}", argument=e.argument, value=e.value, allowed=e.allowed) from None
         if chosen is not None and self.every is not None:
             # a run of unknown length has no known last step: n_steps is its bound, not a step every= adds
             grid = [k for k in range(n_steps) if k % self.every == 0 or (k == n_steps - 1 and unknown is None)]

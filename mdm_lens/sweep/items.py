@@ -253,7 +253,7 @@ def read_items(path: str | Path, skip_bad: bool = False) -> ReadResult:
                 if not text.strip():
                     continue
                 try:
-                    obj = json.loads(text)
+                    obj = json.loads(text.rstrip("\r\n"))  # the line's end is no json: columns count on the line
                 except json.JSONDecodeError as e:
                     raise _Bad(f"not valid json ({e.msg} at column {e.colno})") from None
                 try:  # a lone surrogate escape ("\\ud800") parses but is no text a tokenizer can read
