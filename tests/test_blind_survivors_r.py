@@ -37,3 +37,17 @@ def test_nnsight_iter_refuses_a_step_listed_twice(tiny, key):
         with lm.generate(torch.tensor([[5, 6, 7]]), gen_length=4, steps=4) as tracer:
             for _ in tracer.iter[key]:
                 pass
+
+
+def test_to_frame_names_leading_axes_from_the_first_name():
+    # survivor results-lead-dims-from-end: names were taken from the end of lead_dims (a field with fewer leading
+    # axes than names got the last names; one with none got every name)
+    from mdm_lens.probes import floating as F
+
+    received = torch.rand(2, 3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    d = F.drift(F.detect_anchors(received), received)                 # leading shape (2,)
+    f = d.to_frame(lead_dims=["batch", "layer"], metrics=["stability", "w1"])
+    assert "batch" in f.columns and "layer" not in f.columns and sorted(f.batch.unique()) == [0, 1]
+    one = F.drift(F.detect_anchors(received[0]), received[0])         # no leading axis
+    g = one.to_frame(lead_dims=["batch"], metrics=["stability", "w1"])
+    assert "batch" not in g.columns and list(g[g.metric == "w1"].pair) == [0, 1]
