@@ -69,3 +69,12 @@ def test_an_out_of_range_hook_step_is_named_as_hook_steps(tiny):
                       fwd_hooks=[at_steps(hook[1], [9], name=hook[0])])
     with pytest.raises(SamplerConfigError, match=r"^cache: steps\[0\]=0 and steps\[1\]=-4 both name step 0"):
         tiny.generate(torch.tensor([[5, 9, 17]]), steps=4, gen_length=4, cache=hook[0] @ steps(0, -4))
+
+
+def test_a_runs_model_argument_must_be_a_model(tiny):
+    """Same class as U1, found while sweeping it: `out.replay('model', 0)` raised AttributeError on `.cfg`."""
+    out = tiny.generate([[5, 6, 7]], gen_length=4, steps=4)
+    for call in (lambda: out.check_model(99), lambda: out.replay("model", 0), lambda: out.state_at(0) and
+                 out.at_step(None, 0).__enter__()):
+        with pytest.raises(ArgumentTypeError, match="is not a model"):
+            call()

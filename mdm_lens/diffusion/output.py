@@ -128,8 +128,12 @@ class GenerateOutput:
     def check_model(self, model: Any, *, argument: str = "out") -> None:
         """Refuse a model other than the one this run was made with (its replay or lens would be numbers of another
         model on this run's canvases)."""
-        from mdm_lens.errors import InputError
+        from mdm_lens.errors import ArgumentTypeError, InputError
 
+        if not hasattr(getattr(model, "cfg", None), "model_name"):
+            raise ArgumentTypeError(f"model={validate.describe(model)} is not a model (a HookedMDM / HookedDDiT / "
+                                    "bridge, whose cfg this run was made with).", argument="model", value=model,
+                                    allowed="a model")
         if self.model_key is not None and model_key(model) != self.model_key:
             raise InputError(f"{argument}: the run was made by {self.model_name!r} {self.model_key[1:]}, not by "
                              f"the model given, {model.cfg.model_name!r} {model_key(model)[1:]}: pass the model that "
