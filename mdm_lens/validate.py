@@ -159,7 +159,8 @@ def indices(value: Any, size: int, *, name: str, what: str = "index", allow_empt
     if not out:
         return _empty(name, value, what, size, allow_empty, error)
     if unique and len(set(out)) != len(out):
-        raise _fail(error, name, value, f"expected distinct {what}s", "a negative index names the same one")
+        raise _fail(error, name, value, f"expected each {what} at most once",
+                    "a negative index names the same one as its positive twin")
     return out
 
 

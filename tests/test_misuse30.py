@@ -78,3 +78,11 @@ def test_a_runs_model_argument_must_be_a_model(tiny):
                  out.at_step(None, 0).__enter__()):
         with pytest.raises(ArgumentTypeError, match="is not a model"):
             call()
+
+
+def test_a_layer_listed_twice_is_named_in_plain_words(tiny):
+    """misuse30 note: 'expected distinct layer of 4s'."""
+    from mdm_lens.hooks import ReceivedAttention
+
+    with pytest.raises(OutOfRangeError, match=r"layers=\[0, -4\] is invalid: expected each layer of 4 at most once"):
+        tiny.generate([[5, 6, 7]], gen_length=2, steps=1, record=[ReceivedAttention(layers=[0, -4])])
