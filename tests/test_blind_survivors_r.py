@@ -51,3 +51,34 @@ def test_to_frame_names_leading_axes_from_the_first_name():
     one = F.drift(F.detect_anchors(received[0]), received[0])         # no leading axis
     g = one.to_frame(lead_dims=["batch"], metrics=["stability", "w1"])
     assert "batch" not in g.columns and list(g[g.metric == "w1"].pair) == [0, 1]
+
+
+def test_explicit_patch_positions_skip_a_rows_padding(tiny):
+    # survivor patching-positions-ignore-visibility: a pad position named in positions= was patched and counted
+    from mdm_lens.probes import patching as PT
+
+    pad = tiny.cfg.pad_token_id
+    clean = torch.tensor([[pad, pad, 25, 26, 27], [28, 29, 30, 31, 32]])
+    corrupt = torch.tensor([[pad, pad, 25, 40, 27], [28, 29, 30, 41, 32]])
+    am = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    r = PT.patch_anchor_activations(tiny, clean, corrupt, positions=[0, 3], attention_mask=am, gen_length=4,
+                                    layers=[0])
+    f = r.to_frame(metrics=["n_positions"]).set_index("condition").value
+    assert f["positions"] == 1.5 == f["random"]  # row 0: position 3 only (0 is a pad); row 1: both
+
+
+def test_the_sweeps_cache_probe_decodes_each_item_without_its_batch_padding(tmp_path, mdm):
+    # survivor sweep-cache-padded-prompt: a short item's cached run took the batch's left pads as prompt tokens
+    from mdm_lens import sweep
+    from mdm_lens.zoo import jsonl
+
+    data = tmp_path / "items.jsonl"
+    jsonl.export(data, 3, seed=0)
+    one = sweep.run(mdm, data, "cache", tmp_path / "one", batch_size=1, progress=False)["cache"]
+    padded = sweep.run(mdm, data, "cache", tmp_path / "pad", batch_size=3, batching="padded", progress=False)["cache"]
+    lengths = {len(line) for line in data.read_text().splitlines()}
+    assert len(lengths) > 1  # items of different lengths: the padded batch pads the shorter ones
+    key = ["item_id", "kv_cache", "step", "block", "layer", "metric"]
+    a, b = (t.sort_values(key).reset_index(drop=True) for t in (one, padded))
+    assert a[key].equals(b[key])
+    assert ((a.value - b.value).abs().fillna(0) <= 1e-6).all()
