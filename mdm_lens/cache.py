@@ -36,11 +36,29 @@ class MDMActivationCache(ActivationCache):
             raise ArgumentTypeError(f"cache[{validate.describe(key)}]: a key is a hook name or a tuple (name, layer"
                                     "[, layer_type]) as in TransformerLens.", argument="key", value=key,
                                     allowed="str or (str, int[, str])")
+        if len(key) > 3:  # TL's get_act_name would raise a raw TypeError
+            raise ArgumentTypeError(f"cache[{key!r}]: a key is (name, layer[, layer_type]); index the tensor after "
+                                    f"(e.g. cache[{key[0]!r}, {key[1]!r}][:, {key[3]!r}] for a head).",
+                                    argument="key", value=key, allowed="str or (str, int[, str])")
         if len(key) > 1 and key[1] is not None:
             n_layers = self.model.cfg.n_layers
             layer = validate.index(key[1], n_layers, name=f"cache[{key[0]!r}, layer]", what="layer")
             key = (key[0], layer, *key[2:])
-        return self._lookup(get_act_name(*key), key)
+        name = get_act_name(*key)
+        if len(key) == 3 and key[2] is not None:
+            self._check_layer_type(key, name)
+        return self._lookup(name, key)
+
+    @staticmethod
+    def _check_layer_type(key: tuple, name: str) -> None:
+        """TL's get_act_name forces `attn` / `mlp` for the names that live there, ignoring the layer_type given:
+        a wrong one (cache["pattern", 0, "ln1"]) is refused rather than dropped."""
+        alias = {"a": "attn", "attention": "attn", "m": "mlp", "b": "", "block": "", "blocks": ""}
+        given = alias.get(key[2], key[2])
+        if not isinstance(given, str) or (given and f".{given}." not in name):
+            raise ArgumentTypeError(f"cache[{key!r}]: layer_type={key[2]!r} is not where {key[0]!r} lives ({name!r}); "
+                                    f"use cache[{key[0]!r}, {key[1]!r}] or the full hook name.", argument="key",
+                                    value=key, allowed=f"the layer type in {name!r}, or none")
 
     def _lookup(self, name: str, key: Any) -> Tensor:
         if name in self.cache_dict:

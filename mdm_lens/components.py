@@ -59,11 +59,6 @@ class RMSNorm(nn.Module):
         return normalized if self.w is None else normalized * self.w
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def rotary_cos_sin(positions: Int[Tensor, "batch pos"], d_head: int, theta: float, dtype: torch.dtype = torch.float32
                    ) -> tuple[Float[Tensor, "batch pos 1 d_head"], Float[Tensor, "batch pos 1 d_head"]]:
     """cos/sin tables for NeoX-style rotary embeddings, shaped to broadcast over heads; fp32 as the references,

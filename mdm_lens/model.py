@@ -20,6 +20,7 @@ from mdm_lens.hook_surface import CheckedHookSurface, NamesFilter
 from mdm_lens.init import from_config_args, realistic_
 from mdm_lens.loading.placement import execution_device
 from mdm_lens.qk_attention import make_block
+from mdm_lens.module_list import IndexedModules
 from mdm_lens.precision import compute_dtype
 from mdm_lens.rotary import scaled_rotary_cos_sin  # noqa: F401  (re-exported: it lived here)
 from mdm_lens.errors import HookNameError, InputError, InputTypeError, OutOfRangeError
@@ -104,7 +105,7 @@ class HookedMDM(tokenization.TokenizerMethods, CheckedHookSurface):
         self.chat_template: Any = None  # mdm_lens.chat.ChatTemplate, read from the checkpoint's tokenizer files
         self.embed = Embed(cfg)
         self.hook_embed = HookPoint()
-        self.blocks = nn.ModuleList(make_block(cfg, layer) for layer in range(cfg.n_layers))
+        self.blocks = IndexedModules((make_block(cfg, layer) for layer in range(cfg.n_layers)), "layer")
         self.ln_final = RMSNorm(cfg)
         self.unembed = Unembed(cfg)
         if cfg.tie_word_embeddings:

@@ -30,6 +30,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
+from mdm_lens.module_list import IndexedModules
 from mdm_lens import validate
 from mdm_lens.components import GatedMLP
 from mdm_lens.config import MDMConfig
@@ -89,8 +90,8 @@ class MoEMLP(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(self.n_experts, dtype=cfg.dtype))
         else:
             self.expert_bias = None
-        self.experts = nn.ModuleList(GatedMLP(expert_config(cfg, int(spec["d_expert"])))
-                                     for _ in range(self.n_experts))
+        self.experts = IndexedModules((GatedMLP(expert_config(cfg, int(spec["d_expert"])))
+                                       for _ in range(self.n_experts)), "expert")
         d_shared = spec.get("d_shared")
         self.shared_expert = GatedMLP(expert_config(cfg, int(d_shared))) if d_shared else None
         for name in ("hook_router_logits", "hook_expert_indices", "hook_expert_weights", "hook_experts_out"):

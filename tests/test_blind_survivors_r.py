@@ -82,3 +82,22 @@ def test_the_sweeps_cache_probe_decodes_each_item_without_its_batch_padding(tmp_
     a, b = (t.sort_values(key).reset_index(drop=True) for t in (one, padded))
     assert a[key].equals(b[key])
     assert ((a.value - b.value).abs().fillna(0) <= 1e-6).all()
+
+
+def test_knockout_effect_draws_each_conditions_own_error_bars():
+    # survivor fig-knock-random-uses-anchor-err: the random bars showed the anchor condition's error bars
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.container import BarContainer
+
+    from mdm_lens import views
+
+    fig = views.knockout_effect([0, 1], [0.1, 0.2], [0.0, 0.1], anchor_err=[0.01, 0.02], random_err=[0.2, 0.3])
+    anchor, random = [c for c in fig.axes[0].containers if isinstance(c, BarContainer)]
+    for bars, want in ((anchor, [0.02, 0.04]), (random, [0.4, 0.6])):
+        segments = bars.errorbar.lines[2][0].get_segments()
+        assert np.allclose([abs(s[1][1] - s[0][1]) for s in segments], want)
+    only = views.knockout_effect([0, 1], [0.1, 0.2], [0.0, 0.1], random_err=[0.2, 0.3])
+    anchor, random = [c for c in only.axes[0].containers if isinstance(c, BarContainer)]
+    assert anchor.errorbar is None and random.errorbar is not None
+    plt.close("all")

@@ -15,6 +15,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
+from mdm_lens.module_list import IndexedModules
 from mdm_lens import validate
 from mdm_lens.config import MDMConfig
 from mdm_lens.precision import compute_dtype
@@ -82,7 +83,7 @@ class HookedDDiT(TokenizerMethods, CheckedHookSurface):
         self.chat_template: Any = None
         self.embed = DDiTEmbed(cfg)  # first: `from_config` draws the parameters in registration order
         self.time_embed = TimestepEmbedder(cfg)
-        self.blocks = nn.ModuleList(DDiTBlock(cfg, layer) for layer in range(cfg.n_layers))
+        self.blocks = IndexedModules((DDiTBlock(cfg, layer) for layer in range(cfg.n_layers)), "layer")
         self.ln_final = WeightLayerNorm(cfg)
         self.final_adaLN = AdaLN(cfg, ("shift", "scale"))
         self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, dtype=cfg.dtype)

@@ -98,6 +98,11 @@ def prompt_tokens(model: Any, prompt: Any, attention_mask: Any) -> tuple[Tensor,
             try:
                 prompt = torch.as_tensor(prompt)
             except (TypeError, ValueError) as err:
+                if all(isinstance(r, Tensor) for r in prompt):  # the list form generate_final takes
+                    raise ArgumentTypeError(
+                        "prompt is a list of tensors: stack them into one [batch, pos] tensor (left-padded, with "
+                        "attention_mask marking the pads), or generate each prompt alone.", argument="prompt",
+                        value=prompt, allowed="one [batch, pos] tensor, a list of int rows, or text") from None
                 lengths = [len(r) for r in prompt if isinstance(r, (list, tuple))]
                 if len(lengths) == len(prompt) and len(set(lengths)) > 1:  # the natural "two prompts" call
                     raise ArgumentTypeError(

@@ -218,7 +218,7 @@ class KeyValueNorms(Reducer):
     them as `kv_age` `[step, pos]` (the step whose forward computed that position's keys/values; the window's
     rows: the step itself; `state.extra["kv_age"]`)."""
 
-    name = "kv_norms"
+    name, record_keys = "kv_norms", ("key_norms", "value_norms", "kv_age")  # fixed keys, whatever its name
 
     def __init__(self, layers: list[int] | None = None, when: Steps = ALL_STEPS, name: str | None = None):
         super().__init__(layers, when)
@@ -286,7 +286,7 @@ class TopKKeys(Reducer):
     step are absent) and the keys are the ones the forward attends to (cached outside the window, fresh in it):
     `topk_keys` are absolute key positions."""
 
-    name = "topk"
+    name, record_keys = "topk", ("topk_attention", "topk_keys")  # fixed keys, whatever its name
     ABSENT = ABSENT_KEY
 
     def __init__(self, k: int = 4, layers: list[int] | None = None, when: Steps = ALL_STEPS,

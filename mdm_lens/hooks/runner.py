@@ -42,6 +42,15 @@ class StepRunner:
         names = [r.name for r in self.reducers]
         if len(set(names)) != len(names):
             raise InputError(f"two reducers share a record name ({names}); give one a name=.")
+        writes: dict[str, str] = {}  # record key -> the reducer writing it (KeyValueNorms / TopKKeys: fixed keys)
+        for r in self.reducers:
+            for key in getattr(r, "record_keys", (r.name,)):
+                if key in writes:
+                    raise InputError(f"{writes[key]} and {type(r).__name__}(name={r.name!r}) both write the record "
+                                     f"{key!r}: one would silently replace the other; give the first another name= "
+                                     "(KeyValueNorms and TopKKeys write fixed keys: one of each per run).",
+                                     argument="record", value=key, allowed="reducers writing distinct record keys")
+                writes[key] = f"{type(r).__name__}(name={r.name!r})"
         self.cache = None if cache is None else TrajectoryCache.from_request(cache)
         self.origins: dict[int, Tensor] = {}  # variable-length runs: step → original position of each row
         # block selections fire only where the run puts a step in that block (known while it runs): the forwards

@@ -103,6 +103,12 @@ def _record(out: Any, record: Any) -> Tensor:
                                 "(model.generate(..., record=[ReceivedAttention()])).", argument="out", value=out,
                                 allowed="a GenerateOutput")
     names = list(getattr(out, "records", {}) or {})
+    meta = getattr(out, "record_meta", {}) or {}
+    held = [n for n in names if meta.get(n, {}).get("kind") in ("mass", "cumulative")]
+    if isinstance(record, str) and record not in names and held:  # received attention under its own name= : use it
+        raise ArgumentError(f"this run recorded no {record!r}, but {held} hold(s) received attention (a named "
+                            f"ReceivedAttention): pass record={held[0]!r}.", argument="record", value=record,
+                            allowed=f"a record of the run: {names}")
     if isinstance(record, str) and record not in names:  # the run recorded nothing under that name: say how to
         raise ArgumentError(f"this run recorded no {record!r} (its records: {names or 'none'}): generate it with "
                             "record=[ReceivedAttention()] (mdm_lens.hooks.reducers), e.g. model.generate(prompt, "
