@@ -1,8 +1,8 @@
 """BD3LM's semi-autoregressive block sampler (`Diffusion._semi_ar_sampler` + `_ddpm_caching_update` +
 `_nucleus_sample`, kuleshov-group/bd3lms @ 1c3e8f43; families-2.md §3.6), step by step and observable.
 
-Blocks of `block_size` positions are aligned to position 0 of the canvas (prompt + `gen_length` masks; the total
-must be a multiple of block_size). The reference's canvas is BOS + masks: pass the BOS id as the prompt. Per block:
+Blocks of `block_size` positions are aligned to position 0 of the canvas (prompt + `gen_length` masks; with
+`kv_cache` the total must be a multiple of block_size, without it a last block may be shorter: an extension). The reference's canvas is BOS + masks: pass the BOS id as the prompt. Per block:
 t starts at 1; each step draws t *= u^(1/masked) (first hitting, u from numpy) or takes linspace(1, 0, steps)[i],
 computes p(x0) of the block's rows (SUBS, float64, nucleus `nucleus_p`: sorted cumulative mass ≤ p kept, the top-1
 always), draws a Gumbel-max token for every row (float64 uniforms) and, with first hitting, commits it at one
