@@ -261,7 +261,7 @@ def test_noise_level_layers_follow_the_library_selection(models):
     ref = noise_level(model, x, [0.1], layers=[model.cfg.n_layers - 1])
     assert last.extra["layers"] == [model.cfg.n_layers - 1]
     torch.testing.assert_close(last.top1_share, ref.top1_share)
-    for bad, err in (([], "at least one layer"), ([0, 0], "distinct"), ([model.cfg.n_layers], "expected a layer")):
+    for bad, err in (([], "at least one layer"), ([0, 0], "each layer at most once"), ([model.cfg.n_layers], "expected a layer")):
         with pytest.raises(OutOfRangeError, match=err) as e:
             noise_level(model, x, [0.1], layers=bad)
         assert e.value.argument.startswith("layers")
