@@ -25,7 +25,7 @@ def test_weight_views_refuse_an_int_index_past_a_matrix_axis(tiny, index):
     with pytest.raises(OutOfRangeError, match=r"axis 1 takes \[-128, 127\]"):
         tiny.OV[0, 0][:, 128]
     # in range: unchanged (an int on a matrix axis keeps TL's one-wide slice)
-    assert tuple(tiny.OV[0, 0, :, d - 1].shape) == (d, 1) and tuple(tiny.OV[..., -d].shape)[-1] == 1
+    assert tuple(tiny.OV[0, 0, :, d - 1].shape) == (d, 1)  # (an in-range `...` index: TL 3.9 refuses it itself)
     torch.testing.assert_close(tiny.OV[1, 2, 5].AB, tiny.OV[1, 2].AB[5:6])
 
 
