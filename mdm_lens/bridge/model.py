@@ -37,6 +37,7 @@ from transformer_lens.hook_points import HookPoint
 from mdm_lens import validate
 from mdm_lens.bridge.attention import AttnHooks, register
 from mdm_lens.bridge.layers import BlockHooks, NormHooks, tap, unwrap_layer, wrap_layer
+from mdm_lens.module_list import IndexedModules
 from mdm_lens.bridge.taps import TapPoint
 from mdm_lens.bridge.spec import describe
 from mdm_lens.errors import ConfigError, InputError, UnsupportedAttributeError
@@ -107,12 +108,12 @@ class TransformersBridge(CheckedHookSurface):
         self.chat_template: Any = None  # mdm_lens.chat.ChatTemplate, read from the checkpoint's tokenizer files
         self.hf = hf_model.eval()
         self.hf.set_attn_implementation(register())
-        self.blocks = nn.ModuleList(BlockHooks(spec.moe) for _ in spec.decoder_layers)
+        self.blocks = IndexedModules((BlockHooks(spec.moe) for _ in spec.decoder_layers), "layer")
         self.hook_embed = TapPoint()
         self.ln_final = NormHooks()
         self._taps: list[TapPoint] = []
         if spec.encoder_layers is not None:
-            self.encoder = nn.ModuleList(BlockHooks(spec.moe) for _ in spec.encoder_layers)
+            self.encoder = IndexedModules((BlockHooks(spec.moe) for _ in spec.encoder_layers), "encoder layer")
             self.hook_encoder_embed, self.encoder_ln_final = TapPoint(), NormHooks()
             self.hook_soft_embed = TapPoint()
             self._wrap(spec.encoder_layers, self.encoder, spec.encoder_embed, self.hook_encoder_embed,
