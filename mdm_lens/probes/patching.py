@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Sequence
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
@@ -168,13 +169,10 @@ class PatchingResult(ResultMixin):
     def _coords(self):
         return {"condition": self.conditions, "layer": self.layers}
 
-    def to_frame(self, lead_dims=None, metrics=None):
-        """The tidy table of `ResultMixin.to_frame` plus a `reason` column: why that (condition, layer)'s
-        normalised value is undefined (NaN), "" where it is defined."""
-        df = super().to_frame(lead_dims=lead_dims, metrics=metrics)
-        why = {(c, l): self.reason[i][j] for i, c in enumerate(self.conditions) for j, l in enumerate(self.layers)}
-        df["reason"] = [why.get((c, l), "") for c, l in zip(df["condition"], df["layer"])]
-        return df
+    def _reason(self, name: str, values: Any) -> tuple[Any, Any]:
+        """The frame's `reason` column: why that (condition, layer)'s normalised value is undefined (NaN), "" where
+        it is defined; every field's row of that cell carries it."""
+        return values, np.array(self.reason, dtype=object).reshape(values.shape)
 
     def table(self):
         """Wide summary: normalised metric, one row per layer, one column per condition."""
