@@ -87,3 +87,16 @@ def test_a_named_received_attention_record_is_pointed_to(tiny):
         with pytest.raises(ArgumentError, match=r"\['ra2'\] hold\(s\) received attention .*pass record='ra2'"):
             read(out, layer=0)
     assert anchors_over_steps(out, layer=0, record="ra2").anchors.shape[-2] == 4
+
+
+def test_the_bridges_stacks_name_the_range_too():
+    pytest.importorskip("transformers.models.diffusion_gemma")
+    from mdm_lens.bridge import TransformersBridge
+    from mdm_lens.bridge.tiny import tiny_diffusion_gemma
+
+    bridge = TransformersBridge(tiny_diffusion_gemma(seed=0))
+    n = len(bridge.blocks)
+    assert bridge.blocks[-1] is bridge.blocks[n - 1]
+    for stack, what in ((bridge.blocks, "a layer"), (bridge.encoder, "an encoder layer")):
+        with pytest.raises(OutOfRangeError, match=rf"expected {what} of these {len(stack)}"):
+            stack[len(stack)]
