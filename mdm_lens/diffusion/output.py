@@ -98,6 +98,17 @@ def weights_sample(model: Any) -> tuple[float, ...] | None:
     return tuple(values)
 
 
+def require_output(out: Any, reads: str = "") -> None:
+    """Refuse an `out` that is not a `GenerateOutput` (a consumer would otherwise misread it, e.g. as a run
+    without a cache); `reads` says which run the consumer needs."""
+    if not isinstance(out, GenerateOutput):
+        from mdm_lens.errors import ArgumentTypeError
+
+        raise ArgumentTypeError(f"out={validate.describe(out)} is not what model.generate returns" +
+                                (f": {reads}." if reads else "."), argument="out", value=out,
+                                allowed="a GenerateOutput")
+
+
 @dataclass
 class GenerateOutput:
     tokens: Int[Tensor, "batch pos"]

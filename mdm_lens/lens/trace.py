@@ -53,11 +53,9 @@ def lens_refusal(out: Any) -> str | None:
 
 
 def _check_run(model: Any, out: Any) -> None:
-    from mdm_lens.diffusion.output import GenerateOutput
+    from mdm_lens.diffusion.output import require_output
 
-    if not isinstance(out, GenerateOutput):
-        raise ArgumentTypeError(f"out={validate.describe(out)} is not what model.generate returns.", argument="out",
-                                value=out, allowed="a GenerateOutput")
+    require_output(out)
     from mdm_lens.diffusion.fixed_length import require_fixed_length
 
     require_fixed_length(out, "lens_trace", "the lens reads answer position p at every step, and a row inserted or "

@@ -143,10 +143,9 @@ def own_generate_keywords(generate_kwargs: dict[str, Any], probe: Any, taken: Se
 def unknown_keywords(kwargs: dict[str, Any], *probes: Any) -> None:
     """Refuse a key of `kwargs` (passed on to `generate`) that is no sampler setting and no `generate` argument,
     naming the probe `probes[0]` and the nearest argument of `probes` (see `own_generate_keywords`)."""
+    import dataclasses
     import difflib
     import inspect
-
-    import dataclasses
 
     from mdm_lens.diffusion.registry import Observation, all_settings
 

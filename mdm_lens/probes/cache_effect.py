@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from mdm_lens import validate
-from mdm_lens.errors import ArgumentTypeError, InputError
+from mdm_lens.errors import InputError
 from mdm_lens.kvcache import MODES
 from mdm_lens.probes.floating import detect_anchors
 
@@ -142,12 +142,10 @@ def cache_effect(model: Any, out: Any, *, layers: Sequence[int] | None = None, s
     """The cache's effect at each window step of the cached run `out` (see the module docstring); `steps` limits
     the steps (indices of the run), `fwd_hooks` are applied to every forward (e.g. the ones the run used)."""
     from mdm_lens.diffusion.fixed_length import require_fixed_length
-    from mdm_lens.diffusion.output import GenerateOutput
+    from mdm_lens.diffusion.output import require_output
 
-    if not isinstance(out, GenerateOutput):  # else read as "a run without a KV cache"
-        raise ArgumentTypeError(f"out={validate.describe(out)} is not what model.generate returns: cache_effect "
-                                "reads the GenerateOutput of a kv_cache='prefix' / 'dual' run.", argument="out",
-                                value=out, allowed="a GenerateOutput")
+    # else read as "a run without a KV cache"
+    require_output(out, "cache_effect reads the GenerateOutput of a kv_cache='prefix' / 'dual' run")
     patch = validate.boolean(patch, name="patch")  # a string such as "no" is not read by its truthiness
     require_fixed_length(out, "cache_effect", "a window's cached keys would belong to rows that moved since they "
                          "were cached")
